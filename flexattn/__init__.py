@@ -1,0 +1,24 @@
+"""flexattn: fused FlexAttention kernels from a few lines of PyTorch, in plain eager mode.
+
+The public API is a drop-in for ``torch.nn.attention.flex_attention``::
+
+    from flexattn import flex_attention, create_block_mask
+"""
+
+from .mods import and_masks, noop_mask, or_masks
+from .options import AuxOutput, AuxRequest, FlexKernelOptions
+
+# The names the FlexAttention paper uses.
+and_mask = and_masks
+or_mask = or_masks
+
+__all__ = [
+    "AuxOutput",
+    "AuxRequest",
+    "FlexKernelOptions",
+    "and_mask",
+    "and_masks",
+    "noop_mask",
+    "or_mask",
+    "or_masks",
+]

@@ -1,0 +1,74 @@
+"""Plain-value options of the public API: kernel options and the auxiliary-output request."""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple, Optional, TypedDict
+
+import torch
+
+__all__ = ["FlexKernelOptions", "AuxRequest", "AuxOutput", "resolve_backend_name"]
+
+
+class FlexKernelOptions(TypedDict, total=False):
+    """Options for ``flex_attention(..., kernel_options=...)``. Every key is optional.
+
+    Like torch's, these options carry no backward-compatibility promise yet.
+    """
+
+    BACKEND: Literal["AUTO", "TRITON", "PYTORCH"]
+    """Which implementation runs. ``AUTO`` (default): the Triton kernel for CUDA tensors, the
+    blockwise PyTorch path otherwise. ``TRITON``: the fused kernel, or an error saying why it cannot
+    run (on CPU tensors it needs ``TRITON_INTERPRET=1``). ``PYTORCH``: the blockwise online-softmax
+    path in plain PyTorch (any device, forward and backward)."""
+
+    BLOCK_M: int
+    """Query rows per Triton program. Must divide the BlockMask's query block size."""
+
+    BLOCK_N: int
+    """Key columns per inner-loop step. Must divide the BlockMask's key block size."""
+
+    num_warps: int
+    """Warps per Triton program."""
+
+    num_stages: int
+    """Software-pipelining depth of the key loop."""
+
+    AUTOTUNE: bool
+    """Time a small set of launch configurations on the first call for each shape class and keep the
+    fastest; the choice is saved in the cache directory and reused by later processes."""
+
+    USE_TMA: bool
+    """Load K and V through tensor descriptors (Hopper and newer). Default: off."""
+
+    TANH_APPROX: bool
+    """Lower ``torch.tanh`` in score_mods to the hardware ``tanh.approx.f32`` instruction on NVIDIA
+    GPUs (about 5e-4 absolute error). Default: off."""
+
+    ROWS_GUARANTEED_SAFE: bool
+    """Accepted for compatibility with torch and ignored: flexattn always guards fully masked rows,
+    at no measurable cost, so a wrong promise cannot produce NaN."""
+
+
+class AuxRequest(NamedTuple):
+    """Which auxiliary outputs ``flex_attention(..., return_aux=AuxRequest(...))`` returns."""
+
+    lse: bool = False
+    max_scores: bool = False
+
+
+class AuxOutput(NamedTuple):
+    """Auxiliary outputs: ``lse`` [B, Hq, L] and ``max_scores`` [B, Hq, L], float32, natural log
+    scale; a field is None unless it was requested."""
+
+    lse: Optional[torch.Tensor] = None
+    max_scores: Optional[torch.Tensor] = None
+
+
+_BACKENDS = ("AUTO", "TRITON", "PYTORCH")
+
+
+def resolve_backend_name(kernel_options: Optional[dict]) -> str:
+    backend = (kernel_options or {}).get("BACKEND", "AUTO")
+    if backend not in _BACKENDS:
+        raise ValueError(f"kernel_options['BACKEND'] must be one of {_BACKENDS}, got {backend!r}")
+    return backend

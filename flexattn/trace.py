@@ -1,0 +1,465 @@
+"""Tracing: a score_mod or mask_mod callable becomes an aten-level torch.fx graph.
+
+Stage 1 of the pipeline (trace -> lowering -> codegen -> runtime). It imports no Triton.
+
+The mod is run once by ``make_fx`` on fake 0-d tensors, so every torch call is recorded as an aten
+op and any use of a tensor's *value* in Python (``if score > 0``, ``.item()``, ``int(q_idx)``)
+fails at trace time instead of silently baking one branch into the kernel. docs/tracing.md says
+why we chose this over ``torch.fx.symbolic_trace`` and over Dynamo.
+
+Tensors the mod closes over (closure cells, globals, bound modules, nested helper functions) are
+*lifted*: each becomes a graph placeholder after the mod's own arguments, so the same graph serves
+every call whatever the current values, and gradients reach captured tensors that require grad.
+Graphs are cached by a signature of the callable (code objects, plain captured values, captured
+tensor metadata), so a second call with the same mod costs a walk over its closure and no re-trace.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import traceback
+import types
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .errors import ModTraceError
+
+__all__ = [
+    "SCORE_MOD_ARGS",
+    "MASK_MOD_ARGS",
+    "CapturedInput",
+    "TracedMod",
+    "trace_mod",
+    "source_line_of",
+    "GetItemToIndex",
+]
+
+SCORE_MOD_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
+MASK_MOD_ARGS = ("b", "h", "q_idx", "kv_idx")
+_ARGS_OF_KIND = {"score_mod": SCORE_MOD_ARGS, "mask_mod": MASK_MOD_ARGS}
+
+# Index tensors are int32, as in the kernels; scores are float32, the kernels' working precision.
+INDEX_DTYPE = torch.int32
+SCORE_DTYPE = torch.float32
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_THIS_FILE = os.path.abspath(__file__)
+
+
+@dataclass(frozen=True)
+class CapturedInput:
+    """A tensor the mod reads that is not one of its arguments: a graph input after the mod's args."""
+
+    name: str  # readable, from the closure variable or global it was found under ("doc_id")
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    walk_index: Optional[int]  # position among the tensors found in the callable, None if fixed
+    fixed_value: Optional[torch.Tensor] = None  # a tensor the mod builds itself, frozen at trace time
+
+
+@dataclass(frozen=True)
+class TracedMod:
+    """One traced mod: an fx graph with placeholders ``arg_names + captured``, all 0-d but gathers."""
+
+    kind: str  # "score_mod" or "mask_mod"
+    name: str  # the callable's __name__, used in errors and kernel cache keys
+    fn: Callable
+    graph_module: torch.fx.GraphModule
+    arg_names: tuple[str, ...]
+    captured: tuple[CapturedInput, ...]
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.graph_module.graph
+
+    def captured_values(self, walked: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The graph's captured inputs for this call, from the tensors found in the callable now."""
+        return [c.fixed_value if c.walk_index is None else walked[c.walk_index] for c in self.captured]
+
+    def signature_text(self) -> str:
+        """A stable text of the graph, for cache keys of generated kernels."""
+        return self.graph_module.code
+
+
+# --------------------------------------------------------------------------------------------
+# Walking a callable: its tensors and a hashable signature of everything that shapes its graph
+# --------------------------------------------------------------------------------------------
+
+
+def _global_names(code: types.CodeType) -> list[str]:
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):  # lambdas and comprehensions inside the mod
+            names.extend(_global_names(const))
+    return names
+
+
+def _is_library_function(fn: Any) -> bool:
+    module = getattr(fn, "__module__", None) or ""
+    return module == "torch" or module.startswith(("torch.", "triton", "numpy", "sympy"))
+
+
+class _Walker:
+    def __init__(self):
+        self.signature: list = []
+        self.tensors: list[torch.Tensor] = []
+        self.tensor_names: list[str] = []
+        self._seen: set[int] = set()
+
+    def value(self, obj: Any, name: str) -> None:
+        sig = self.signature
+        if isinstance(obj, torch.Tensor):
+            self.tensors.append(obj)
+            self.tensor_names.append(name)
+            sig.append(("tensor", obj.dtype, tuple(obj.shape), obj.requires_grad, obj.device.type))
+            return
+        # The type is part of the key: 1, 1.0 and True hash alike but trace to different graphs.
+        if obj is None or isinstance(obj, (bool, int, float, complex, str, torch.dtype, torch.device)):
+            sig.append((type(obj).__name__, obj))
+            return
+        if isinstance(obj, (types.ModuleType, type, types.BuiltinFunctionType)) or _is_library_function(obj):
+            sig.append(("lib", getattr(obj, "__qualname__", None) or repr(obj)))
+            return
+        if id(obj) in self._seen:
+            sig.append(("seen", id(obj)))
+            return
+        self._seen.add(id(obj))
+        if isinstance(obj, types.FunctionType):
+            self.function(obj)
+        elif isinstance(obj, functools.partial):
+            sig.append("partial")
+            self.value(obj.func, name)
+            for i, arg in enumerate(obj.args):
+                self.value(arg, f"{name}_arg{i}")
+            for key in sorted(obj.keywords):
+                sig.append(key)
+                self.value(obj.keywords[key], key)
+        elif isinstance(obj, types.MethodType):
+            sig.append("method")
+            self.value(obj.__func__, name)
+            self.value(obj.__self__, name)
+        elif isinstance(obj, (list, tuple)):
+            sig.append((type(obj).__name__, len(obj)))
+            for i, item in enumerate(obj):
+                self.value(item, f"{name}_{i}")
+        elif isinstance(obj, dict):
+            sig.append(("dict", len(obj)))
+            for key in sorted(obj, key=repr):
+                sig.append(repr(key))
+                self.value(obj[key], f"{name}_{key}")
+        elif isinstance(obj, torch.nn.Module):
+            sig.append(("module", type(obj)))
+            for attr, tensor in list(obj.named_parameters()) + list(obj.named_buffers()):
+                sig.append(attr)
+                self.value(tensor, attr.replace(".", "_"))
+            self.value(getattr(type(obj), "__call__", None), name)
+        elif callable(obj) and hasattr(obj, "__call__") and isinstance(obj.__call__, types.MethodType):
+            sig.append(("callable", type(obj)))
+            self.value(obj.__call__, name)
+            self.value(vars(obj) if hasattr(obj, "__dict__") else None, name)
+        else:
+            # Unknown objects: identity is the only safe key (a new object means a fresh trace).
+            sig.append(("object", type(obj).__qualname__, id(obj)))
+
+    def function(self, fn: types.FunctionType) -> None:
+        code = fn.__code__
+        self.signature.append(code)
+        self.value(fn.__defaults__, "default")
+        self.value(fn.__kwdefaults__, "kwdefault")
+        for var, cell in zip(code.co_freevars, fn.__closure__ or ()):
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # a cell not yet filled (recursive definition)
+                contents = None
+            self.value(contents, var)
+        fn_globals = fn.__globals__
+        for var in _global_names(code):
+            if var in fn_globals:
+                self.signature.append(var)
+                self.value(fn_globals[var], var)
+
+
+def walk_callable(fn: Callable) -> tuple[tuple, list[torch.Tensor], list[str]]:
+    """Signature, tensors and tensor names of everything ``fn`` can read."""
+    walker = _Walker()
+    walker.value(fn, getattr(fn, "__name__", "mod"))
+    return tuple(walker.signature), walker.tensors, walker.tensor_names
+
+
+# --------------------------------------------------------------------------------------------
+# Tracing
+# --------------------------------------------------------------------------------------------
+
+
+class GetItemToIndex(TorchFunctionMode):
+    """Turn ``tensor[idx]`` with tensor indices into ``aten.index``.
+
+    Plain ``__getitem__`` with a 0-d integer tensor would call ``__index__`` on it (a data-dependent
+    read); ``aten.index`` keeps it a gather, which tiles, vmaps and lowers to a load.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__:
+            tensor, index = args
+            items = index if isinstance(index, tuple) else (index,)
+            if any(isinstance(i, torch.Tensor) for i in items):
+                if not all(isinstance(i, (torch.Tensor, int)) and not isinstance(i, bool) for i in items):
+                    raise ModTraceError(
+                        "indexing a captured tensor with a mix of tensors and slices/None/Ellipsis is not "
+                        f"supported (got index {index!r}); index every leading dimension with an integer "
+                        "or an index tensor, e.g. bias[h, q_idx - kv_idx]"
+                    )
+                items = [i if isinstance(i, torch.Tensor) else torch.tensor(i, dtype=INDEX_DTYPE) for i in items]
+                return torch.ops.aten.index.Tensor(tensor, items)
+        return func(*args, **(kwargs or {}))
+
+
+def _example_args(kind: str) -> list[torch.Tensor]:
+    # Distinct tensors: make_fx tracks inputs by identity, so shared objects would merge placeholders.
+    indices = [torch.zeros((), dtype=INDEX_DTYPE) for _ in MASK_MOD_ARGS]
+    if kind == "score_mod":
+        return [torch.zeros((), dtype=SCORE_DTYPE)] + indices
+    return indices
+
+
+def _user_frame(frames) -> Optional[traceback.FrameSummary]:
+    """The innermost frame that is neither torch nor this module: the line of the user's mod."""
+    for frame in reversed(frames):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(_TORCH_DIR) or path == _THIS_FILE or frame.filename.startswith("<frozen"):
+            continue
+        return frame
+    return None
+
+
+def _where(frame: Optional[traceback.FrameSummary]) -> str:
+    if frame is None:
+        return "at an unknown line"
+    line = (frame.line or "").strip()
+    return f"at {frame.filename}:{frame.lineno} (in {frame.name}): {line}"
+
+
+def _describe_mod(fn: Callable, kind: str) -> str:
+    name = getattr(fn, "__name__", type(fn).__name__)
+    code = getattr(fn, "__code__", None)
+    where = f" defined at {code.co_filename}:{code.co_firstlineno}" if code is not None else ""
+    return f"{kind} '{name}'{where}"
+
+
+_DATA_DEPENDENT_HINT = (
+    "The mod uses the value of a tensor in Python (an if/while/and/or on a tensor, int(), float(), "
+    ".item() or .tolist()). Mods run on whole tiles at once, so keep values as tensors: write "
+    "torch.where(cond, a, b) instead of `a if cond else b`, `&`/`|` instead of and/or, and index "
+    "captured tensors directly with the index tensors (bias[h, q_idx - kv_idx])."
+)
+
+
+def _trace_error(fn: Callable, kind: str, err: BaseException) -> ModTraceError:
+    frame = _user_frame(traceback.extract_tb(err.__traceback__))
+    name = type(err).__name__
+    data_dependent = "DataDependent" in name or "data-dependent" in str(err) or "GuardOnDataDependent" in name
+    hint = _DATA_DEPENDENT_HINT if data_dependent else f"{name}: {str(err).splitlines()[0] if str(err) else ''}"
+    return ModTraceError(f"Cannot trace {_describe_mod(fn, kind)}\n  {_where(frame)}\n  {hint}")
+
+
+def _check_output(gm: torch.fx.GraphModule, fn: Callable, kind: str) -> None:
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    result = out.args[0]
+    val = result.meta.get("val") if isinstance(result, torch.fx.Node) else result
+    if not isinstance(val, torch.Tensor):
+        expected = "a bool tensor such as `q_idx >= kv_idx`" if kind == "mask_mod" else "a float tensor"
+        raise ModTraceError(
+            f"{_describe_mod(fn, kind)} must return {expected} computed from its arguments, "
+            f"got {type(val).__name__} ({val!r})"
+        )
+    if val.dim() != 0:
+        raise ModTraceError(
+            f"{_describe_mod(fn, kind)} must return one value per (query, key) pair (a 0-d tensor), "
+            f"got shape {tuple(val.shape)}; index every dimension of the captured tensors it reads"
+        )
+    if kind == "mask_mod" and val.dtype != torch.bool:
+        raise ModTraceError(
+            f"{_describe_mod(fn, kind)} must return a bool tensor, got {val.dtype}; "
+            "compare instead, e.g. `(q_idx - kv_idx) >= 0`"
+        )
+    if kind == "score_mod" and not val.dtype.is_floating_point:
+        raise ModTraceError(
+            f"{_describe_mod(fn, kind)} must return a floating-point score, got {val.dtype}; "
+            "did you pass a mask_mod as score_mod? (a mask_mod goes into create_block_mask)"
+        )
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a is b:
+        return True
+    try:
+        return (
+            a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.storage_offset() == b.storage_offset()
+            and a.shape == b.shape
+            and a.stride() == b.stride()
+            and a.dtype == b.dtype
+        )
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _lift_captured(gm: torch.fx.GraphModule, tensors: list[torch.Tensor], names: list[str]) -> tuple:
+    """Replace get_attr constants by placeholders, in first-use order; return their descriptions."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    insert_after = placeholders[-1]
+    lifted: list[tuple[Any, torch.fx.Node]] = []  # (walk index or constant tensor, placeholder)
+    captured: list[CapturedInput] = []
+    for node in list(graph.nodes):
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, node.target)
+        if not isinstance(value, torch.Tensor):
+            continue
+        walk_index = next((i for i, t in enumerate(tensors) if _same_tensor(t, value)), None)
+        key = walk_index if walk_index is not None else id(value)
+        placeholder = next((p for k, p in lifted if k == key), None)
+        if placeholder is None:
+            if walk_index is not None:
+                name = names[walk_index]
+                source = tensors[walk_index]
+            else:
+                name = f"const{len(captured)}"
+                source = value
+            name = _unique_name(name, {c.name for c in captured})
+            with graph.inserting_after(insert_after):
+                placeholder = graph.placeholder(name)
+            placeholder.meta["val"] = node.meta.get("val")
+            insert_after = placeholder
+            lifted.append((key, placeholder))
+            captured.append(
+                CapturedInput(
+                    name=name,
+                    shape=tuple(source.shape),
+                    dtype=source.dtype,
+                    requires_grad=bool(source.requires_grad),
+                    walk_index=walk_index,
+                    fixed_value=None if walk_index is not None else value.detach().clone(),
+                )
+            )
+        node.replace_all_uses_with(placeholder)
+        graph.erase_node(node)
+    for name, _ in list(gm.named_buffers()) + list(gm.named_parameters()):
+        delattr(gm, name)
+    for attr in [a for a in vars(gm) if a.startswith("_tensor_constant")]:
+        delattr(gm, attr)
+    return tuple(captured)
+
+
+def _unique_name(name: str, taken: set[str]) -> str:
+    base = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in name) or "buf"
+    if base[0].isdigit():
+        base = "t_" + base
+    candidate, k = base, 1
+    while candidate in taken or candidate in SCORE_MOD_ARGS:
+        candidate, k = f"{base}_{k}", k + 1
+    return candidate
+
+
+def _trace(fn: Callable, kind: str, tensors: list[torch.Tensor], names: list[str]) -> TracedMod:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    try:
+        with GetItemToIndex():
+            gm = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*_example_args(kind))
+    except ModTraceError:
+        raise
+    except Exception as err:  # make_fx raises many kinds; all of them mean "this mod does not trace"
+        raise _trace_error(fn, kind, err) from err
+    _check_output(gm, fn, kind)
+    gm.graph.eliminate_dead_code()
+    captured = _lift_captured(gm, tensors, names)
+    gm.recompile()
+    return TracedMod(
+        kind=kind,
+        name=getattr(fn, "__name__", type(fn).__name__),
+        fn=fn,
+        graph_module=gm,
+        arg_names=_ARGS_OF_KIND[kind],
+        captured=captured,
+    )
+
+
+_CACHE: "OrderedDict[tuple, TracedMod]" = OrderedDict()
+_CACHE_SIZE = 512
+trace_count = 0  # how many real traces ran in this process (tests check that warm calls add none)
+
+
+def trace_mod(fn: Callable, kind: str) -> tuple[TracedMod, list[torch.Tensor]]:
+    """The traced graph of ``fn`` and the values of its captured inputs for this call.
+
+    ``kind`` is "score_mod" or "mask_mod" (taken from the keyword the user passed it under, never
+    from the callable's arity).
+    """
+    global trace_count
+    if kind not in _ARGS_OF_KIND:
+        raise ValueError(f"kind must be 'score_mod' or 'mask_mod', got {kind!r}")
+    if not callable(fn):
+        raise TypeError(f"{kind} must be callable, got {type(fn).__name__}")
+    signature, tensors, names = walk_callable(fn)
+    key = (kind, signature)
+    traced = _CACHE.get(key)
+    if traced is None:
+        traced = _trace(fn, kind, tensors, names)
+        trace_count += 1
+        _CACHE[key] = traced
+        if len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    else:
+        _CACHE.move_to_end(key)
+    return traced, traced.captured_values(tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# Source lines of graph nodes, for errors raised by later stages
+# --------------------------------------------------------------------------------------------
+
+
+class _RecordCallSites(TorchDispatchMode):
+    def __init__(self, target, occurrence: int):
+        super().__init__()
+        self.target, self.occurrence, self.seen = target, occurrence, 0
+        self.frame: Optional[traceback.FrameSummary] = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is self.target:
+            if self.seen == self.occurrence and self.frame is None:
+                self.frame = _user_frame(traceback.extract_stack())
+            self.seen += 1
+        return func(*args, **(kwargs or {}))
+
+
+def source_line_of(traced: TracedMod, node: torch.fx.Node) -> str:
+    """Where in the user's source ``node`` came from, as "at file:line (in fn): text".
+
+    Only used to build error messages: it re-runs the mod eagerly on 0-d tensors and stops at the
+    matching call of the node's op.
+    """
+    occurrence = 0
+    for other in traced.graph.nodes:
+        if other is node:
+            break
+        if other.op == "call_function" and other.target is node.target:
+            occurrence += 1
+    recorder = _RecordCallSites(node.target, occurrence)
+    try:
+        with GetItemToIndex(), recorder:
+            traced.fn(*_example_args(traced.kind))
+    except Exception:
+        pass
+    return _where(recorder.frame)

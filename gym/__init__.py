@@ -1,0 +1,1 @@
+"""The gym: attention variants in use, the benchmark and the demo."""
