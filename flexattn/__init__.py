@@ -5,6 +5,8 @@ The public API is a drop-in for ``torch.nn.attention.flex_attention``::
     from flexattn import flex_attention, create_block_mask
 """
 
+from .api import flex_attention
+from .block_mask import BlockMask, create_block_mask, create_mask
 from .mods import and_masks, noop_mask, or_masks
 from .options import AuxOutput, AuxRequest, FlexKernelOptions
 
@@ -15,9 +17,13 @@ or_mask = or_masks
 __all__ = [
     "AuxOutput",
     "AuxRequest",
+    "BlockMask",
     "FlexKernelOptions",
     "and_mask",
     "and_masks",
+    "create_block_mask",
+    "create_mask",
+    "flex_attention",
     "noop_mask",
     "or_mask",
     "or_masks",

@@ -66,7 +66,7 @@ class CapturedInput:
     fixed_value: Optional[torch.Tensor] = None  # a tensor the mod builds itself, frozen at trace time
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: the trace cache keeps one per mod
 class TracedMod:
     """One traced mod: an fx graph with placeholders ``arg_names + captured``, all 0-d but gathers."""
 

@@ -1,0 +1,335 @@
+"""``flex_attention``: validate, pick a backend, and run forward (and backward) through autograd.
+
+The only caller of the whole pipeline. Backends:
+- TRITON: the generated FlashAttention-2 kernel (CUDA; CPU under ``TRITON_INTERPRET=1``).
+- PYTORCH: the blockwise online-softmax path in plain PyTorch (any device, forward and backward).
+The backward runs the blockwise PyTorch backward (FlashAttention-2 recomputation from the saved
+LSE) for both backends until the Triton backward kernel lands.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from typing import Optional, Union
+
+import torch
+
+from . import blockwise
+from .block_mask import BlockMask
+from .errors import BackendUnavailableError, InvalidInputError
+from .options import AuxOutput, AuxRequest, FlexKernelOptions, resolve_backend_name
+from .runtime import forward_kernel, interpreter_enabled
+from .trace import TracedMod, trace_mod
+
+__all__ = ["flex_attention"]
+
+_KNOWN_OPTIONS = set(FlexKernelOptions.__annotations__)
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _validate_tensors(query, key, value, enable_gqa: bool) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise InvalidInputError(
+                f"{name} must be 4-D [batch, heads, seq_len, head_dim], got shape {_shape(t)}"
+            )
+        if t.dtype not in _FLOAT_DTYPES:
+            raise InvalidInputError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise InvalidInputError(
+            f"query, key and value must have one dtype, got {query.dtype}, {key.dtype} and {value.dtype}"
+        )
+    if not (query.device == key.device == value.device):
+        raise InvalidInputError(
+            f"query, key and value must be on one device, got {query.device}, {key.device} and {value.device}"
+        )
+    B, Hq, L, E = query.shape
+    Bk, Hk, S, Ek = key.shape
+    Bv, Hv, Sv, Ev = value.shape
+    if (Bk, Hk, S) != (Bv, Hv, Sv):
+        raise InvalidInputError(
+            f"key and value must agree on batch, heads and seq_len, got key {_shape(key)} and value {_shape(value)}"
+        )
+    if Bk != B and Bk != 1:
+        raise InvalidInputError(
+            f"key/value batch must equal the query batch ({B}) or be 1 (broadcast), got {Bk}"
+        )
+    if Ek != E:
+        raise InvalidInputError(f"query and key must have the same head_dim, got {E} (query) and {Ek} (key)")
+    if Hk != Hq:
+        if not enable_gqa:
+            raise InvalidInputError(
+                f"query has {Hq} heads and key/value have {Hk}; pass enable_gqa=True for grouped-query attention"
+            )
+        if Hq % Hk != 0:
+            raise InvalidInputError(
+                f"with enable_gqa=True the query heads ({Hq}) must be a multiple of the key/value heads ({Hk})"
+            )
+    if min(L, S, E, Ev) == 0:
+        raise InvalidInputError(
+            f"empty inputs are not supported: query {_shape(query)}, key {_shape(key)}, value {_shape(value)}"
+        )
+
+
+def _validate_block_mask(block_mask, query, key) -> None:
+    if not isinstance(block_mask, BlockMask):
+        raise InvalidInputError(
+            f"block_mask must be a flexattn.BlockMask (from flexattn.create_block_mask), got {type(block_mask).__name__}"
+        )
+    B, Hq, L, _ = query.shape
+    S = key.shape[2]
+    mask_q, mask_kv = block_mask.seq_lengths
+    if (mask_q, mask_kv) != (L, S):
+        fix = (
+            "call block_mask.adjust(new_q_len, new_kv_len) to crop it"
+            if mask_q >= L and mask_kv >= S
+            else "create a new block mask for these lengths"
+        )
+        raise InvalidInputError(
+            f"block_mask was built for Q_LEN={mask_q}, KV_LEN={mask_kv} but query has seq_len {L} and key has "
+            f"seq_len {S}; {fix}"
+        )
+    mb, mh = block_mask.kv_num_blocks.shape[:2]
+    if mb not in (1, B) or mh not in (1, Hq):
+        raise InvalidInputError(
+            f"block_mask has batch {mb} and heads {mh}; they must be 1 (broadcast) or match the query "
+            f"(batch {B}, heads {Hq})"
+        )
+    if block_mask.kv_num_blocks.device != query.device:
+        raise InvalidInputError(
+            f"block_mask is on {block_mask.kv_num_blocks.device} but query is on {query.device}; "
+            "use block_mask.to(query.device) or create_block_mask(..., device=query.device)"
+        )
+
+
+_arity_cache: dict = {}
+
+
+def _check_arity(fn, kind: str, expected: int) -> None:
+    code = getattr(fn, "__code__", None)
+    key = (code, kind) if code is not None else (id(fn), kind)
+    if key in _arity_cache:
+        return
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        _arity_cache[key] = True
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    variadic = any(p.kind == p.VAR_POSITIONAL for p in params)
+    if not (len(required) <= expected and (len(positional) >= expected or variadic)):
+        names = "score, b, h, q_idx, kv_idx" if kind == "score_mod" else "b, h, q_idx, kv_idx"
+        raise InvalidInputError(
+            f"{kind} '{getattr(fn, '__name__', fn)}' must take {expected} positional arguments ({names}), "
+            f"it takes {len(required)} required"
+        )
+    _arity_cache[key] = True
+
+
+def _validate_options(kernel_options: Optional[dict]) -> dict:
+    if kernel_options is None:
+        return {}
+    if not isinstance(kernel_options, dict):
+        raise InvalidInputError(f"kernel_options must be a dict (FlexKernelOptions), got {type(kernel_options).__name__}")
+    unknown = set(kernel_options) - _KNOWN_OPTIONS
+    if unknown:
+        raise InvalidInputError(
+            f"unknown kernel_options {sorted(unknown)}; known options: {sorted(_KNOWN_OPTIONS)}"
+        )
+    return kernel_options
+
+
+# ------------------------------------------------------------------------------------ dispatch
+
+
+_dense_masks: dict = {}
+
+
+def _dense_block_mask(L: int, S: int, device: torch.device) -> BlockMask:
+    """The mask used when none is given: every block full, so mask_mod never runs."""
+    key = (L, S, device)
+    mask = _dense_masks.get(key)
+    if mask is None:
+        block = 128
+        rows, cols = -(-L // block), -(-S // block)
+        full_num = torch.full((1, 1, rows), cols, dtype=torch.int32, device=device)
+        full_idx = torch.arange(cols, dtype=torch.int32, device=device).expand(1, 1, rows, cols).contiguous()
+        zeros = torch.zeros((1, 1, rows), dtype=torch.int32, device=device)
+        zero_idx = torch.zeros((1, 1, rows, 1), dtype=torch.int32, device=device)
+        mask = BlockMask.from_kv_blocks(
+            zeros, zero_idx, full_num, full_idx, BLOCK_SIZE=block, seq_lengths=(L, S)
+        )
+        _dense_masks[key] = mask
+    return mask
+
+
+def _pick_backend(query: torch.Tensor, options: dict) -> str:
+    backend = resolve_backend_name(options)
+    if backend == "AUTO":
+        # float64 has no tensor-core path: it runs on the blockwise PyTorch backend, like CPU tensors.
+        return "TRITON" if query.is_cuda and query.dtype != torch.float64 else "PYTORCH"
+    if backend == "TRITON":
+        if query.dtype == torch.float64:
+            raise BackendUnavailableError(
+                "the Triton backend supports float16, bfloat16 and float32; float64 inputs run on "
+                "kernel_options={'BACKEND': 'PYTORCH'}"
+            )
+        if query.device.type == "cpu" and not interpreter_enabled():
+            raise BackendUnavailableError(
+                "kernel_options={'BACKEND': 'TRITON'} with CPU tensors needs the Triton interpreter: set the "
+                "environment variable TRITON_INTERPRET=1 before importing flexattn (slow; meant for testing), "
+                "or move the tensors to a CUDA device"
+            )
+        if query.device.type not in ("cpu", "cuda"):
+            raise BackendUnavailableError(
+                f"the Triton backend runs on CUDA devices, got {query.device}; use BACKEND='PYTORCH'"
+            )
+    return backend
+
+
+def _run_forward(backend, q, k, v, block_mask, scale, score, score_captured, mask, mask_captured, need_lse, need_max, options):
+    if backend == "TRITON":
+        kernel = forward_kernel(score, mask, tanh_approx=bool(options.get("TANH_APPROX", False)))
+        return kernel(
+            q, k, v, block_mask, scale, score_captured, mask_captured,
+            need_lse=need_lse, need_max=need_max, options=options,
+        )
+    return blockwise.blockwise_forward(
+        q, k, v, block_mask, scale,
+        score.graph_module if score else None, score_captured,
+        mask.graph_module if mask else None, mask_captured,
+        need_max=need_max,
+    )
+
+
+class _FlexAttentionFunction(torch.autograd.Function):
+    """Forward by the chosen backend; backward by FlashAttention-2 recomputation from the LSE."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, need_max, *score_captured):
+        backend, block_mask, scale, score, mask, mask_captured, options = plan
+        out, lse, mx = _run_forward(
+            backend, q, k, v, block_mask, scale, score, list(score_captured), mask, mask_captured,
+            True, need_max, options,
+        )
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, out, lse, *score_captured)
+        if mx is not None:
+            ctx.mark_non_differentiable(mx)
+        return out, lse, mx
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse, grad_max):
+        backend, block_mask, scale, score, mask, mask_captured, options = ctx.plan
+        q, k, v, out, lse, *score_captured = ctx.saved_tensors
+        dq, dk, dv, d_captured = blockwise.blockwise_backward(
+            q, k, v, out, lse, grad_out, grad_lse, block_mask, scale,
+            score.graph_module if score else None, score_captured,
+            mask.graph_module if mask else None, mask_captured,
+        )
+        return (dq, dk, dv, None, None, *d_captured)
+
+
+def flex_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    score_mod=None,
+    block_mask: Optional[BlockMask] = None,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    kernel_options: Optional[FlexKernelOptions] = None,
+    *,
+    return_aux: Optional[AuxRequest] = None,
+) -> Union[torch.Tensor, tuple]:
+    """Attention with a user-defined score_mod and a block-sparse mask, as fused kernels in eager mode.
+
+    Same signature and semantics as ``torch.nn.attention.flex_attention.flex_attention``.
+
+    Args:
+        query: [B, Hq, L, E]. key: [B or 1, Hkv, S, E]. value: [B or 1, Hkv, S, Ev].
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to ``scale * q @ k^T``
+            before the softmax; ``h`` is the query head. Tensors it closes over are read in the kernel.
+        block_mask: from ``create_block_mask(mask_mod, B, H, L, S)``; None attends to everything. Build it
+            once and reuse it for every layer that shares the mask.
+        scale: defaults to ``1 / sqrt(E)``.
+        enable_gqa: allow Hq to be a multiple of Hkv (query head h reads key/value head h // (Hq / Hkv)).
+        return_lse: deprecated (as in torch); use ``return_aux=AuxRequest(lse=True)``.
+        kernel_options: ``FlexKernelOptions``; ``{"BACKEND": "PYTORCH"}`` forces the blockwise PyTorch path.
+        return_aux: ``AuxRequest(lse=..., max_scores=...)`` returns ``(out, AuxOutput)``.
+
+    Returns:
+        ``out`` [B, Hq, L, Ev] in the query's dtype; with ``return_aux``, ``(out, AuxOutput)``; with
+        ``return_lse``, ``(out, lse)``. Rows with nothing kept give 0 and an LSE of -inf.
+
+    Example::
+
+        block_mask = create_block_mask(causal, B, None, L, L, device="cuda")   # once
+        for layer in layers:
+            out = flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask)
+    """
+    _validate_tensors(query, key, value, enable_gqa)
+    options = _validate_options(kernel_options)
+    if return_lse and return_aux is not None:
+        raise InvalidInputError("pass either return_lse or return_aux, not both (return_lse is deprecated)")
+    if return_lse:
+        warnings.warn(
+            "return_lse is deprecated, as in torch; use return_aux=AuxRequest(lse=True)", FutureWarning, stacklevel=2
+        )
+    if return_aux is not None and not isinstance(return_aux, AuxRequest):
+        raise InvalidInputError(f"return_aux must be a flexattn.AuxRequest, got {type(return_aux).__name__}")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise InvalidInputError(f"scale must be a Python float or None, got {type(scale).__name__}")
+
+    L, S = query.shape[2], key.shape[2]
+    if block_mask is None:
+        block_mask = _dense_block_mask(L, S, query.device)
+        mask, mask_captured = None, []
+    else:
+        _validate_block_mask(block_mask, query, key)
+        _check_arity(block_mask.mask_mod, "mask_mod", 4)
+        mask, mask_captured = trace_mod(block_mask.mask_mod, "mask_mod")
+        # mask_mods are boolean: their captured tensors take no gradient.
+        mask_captured = [t.detach() for t in mask_captured]
+    if score_mod is not None:
+        _check_arity(score_mod, "score_mod", 5)
+        score, score_captured = trace_mod(score_mod, "score_mod")
+    else:
+        score, score_captured = None, []
+
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    backend = _pick_backend(query, options)
+    need_lse = bool(return_lse or (return_aux is not None and return_aux.lse))
+    need_max = bool(return_aux is not None and return_aux.max_scores)
+
+    needs_grad = torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad
+        or any(t.requires_grad for t in score_captured)
+    )
+    if needs_grad:
+        plan = (backend, block_mask, scale, score, mask, mask_captured, options)
+        out, lse, mx = _FlexAttentionFunction.apply(query, key, value, plan, need_max, *score_captured)
+    else:
+        out, lse, mx = _run_forward(
+            backend, query, key, value, block_mask, scale, score, score_captured, mask, mask_captured,
+            need_lse, need_max, options,
+        )
+
+    if return_lse:
+        return out, lse
+    if return_aux is not None:
+        return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=mx if need_max else None)
+    return out

@@ -1,0 +1,875 @@
+"""BlockMask: which (query block, key block) tiles a kernel visits, and whether it must mask them.
+
+The sequence is cut into blocks of ``Q_BLOCK`` query rows and ``KV_BLOCK`` key columns, giving a
+grid of ``ROWS x COLS`` tiles per (batch, head). Each tile is one of:
+
+* **empty**: the mask_mod keeps no pair in it. It is not stored, so the kernels never touch it.
+* **partial**: some pairs are kept. It goes in ``kv_num_blocks`` / ``kv_indices`` and the kernels
+  evaluate the mask_mod on every pair.
+* **full**: every pair is kept. It goes in ``full_kv_num_blocks`` / ``full_kv_indices`` and the
+  kernels skip the mask_mod there (cheaper: for causal masks most visited tiles are full).
+
+Per row of blocks, ``kv_num_blocks[b, h, row]`` says how many tiles the row visits and the first
+that many entries of ``kv_indices[b, h, row, :]`` say which key blocks, in ascending order. Entries
+after that are padding: always a valid block index, never meaningful. The tiles of a row can be
+read back like this (the same loop works for the full pair)::
+
+    >>> import torch
+    >>> from flexattn.block_mask import create_block_mask
+    >>> def causal(b, h, q_idx, kv_idx):
+    ...     return q_idx >= kv_idx
+    >>> bm = create_block_mask(causal, 1, 1, 512, 512, device="cpu", BLOCK_SIZE=128)
+    >>> ROWS, COLS = bm.kv_indices.shape[-2:]
+    >>> dense = torch.zeros(ROWS, COLS, dtype=torch.int32)
+    >>> for row in range(ROWS):
+    ...     for j in range(bm.kv_num_blocks[0, 0, row]):
+    ...         dense[row, bm.kv_indices[0, 0, row, j]] = 1
+    >>> dense  # partial tiles: the diagonal
+    tensor([[1, 0, 0, 0],
+            [0, 1, 0, 0],
+            [0, 0, 1, 0],
+            [0, 0, 0, 1]], dtype=torch.int32)
+    >>> bm.full_kv_num_blocks[0, 0]  # full tiles: everything below it
+    tensor([0, 1, 2, 3], dtype=torch.int32)
+
+The backward pass walks the same grid by columns, so ``q_num_blocks`` / ``q_indices`` (and the
+``full_q_*`` pair) hold the transposed layout: for each key block, which query blocks visit it.
+
+``create_block_mask`` builds all this from a mask_mod by evaluating it tile by tile with
+``torch.vmap``, so memory stays bounded at any sequence length (docs/block_mask.md has figures).
+Names and semantics follow ``torch.nn.attention.flex_attention``; the differences are listed in
+docs/block_mask.md.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import operator
+from typing import Callable, Optional, Union
+
+import torch
+
+from .errors import InvalidInputError
+from .mods import MaskMod, noop_mask
+from .trace import GetItemToIndex
+
+__all__ = ["BlockMask", "create_block_mask", "create_mask"]
+
+DEFAULT_BLOCK_SIZE = 128
+INDEX_DTYPE = torch.int32  # the dtype of the index arguments mods receive, and of every block map
+
+# How many (b, h, q, kv) pairs create_block_mask evaluates at once. A tile of 2**24 pairs is a
+# 16 MiB bool tensor plus whatever the mask_mod allocates (a few int32/int64 temporaries of the
+# same shape): large enough that per-tile Python and vmap overhead is small, small enough that
+# peak memory stays in the hundreds of MiB whatever the sequence length.
+TILE_ELEMENTS = 1 << 24
+
+BlockSize = Union[int, tuple[int, int]]
+
+
+# --------------------------------------------------------------------------------------------
+# Small validation helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool):
+        raise InvalidInputError(f"{name} must be a positive int, got {value!r}")
+    try:
+        as_int = operator.index(value)
+    except TypeError:
+        raise InvalidInputError(f"{name} must be a positive int, got {type(value).__name__} {value!r}") from None
+    if as_int <= 0:
+        raise InvalidInputError(f"{name} must be a positive int, got {as_int}")
+    return as_int
+
+
+def _as_block_size(block_size: BlockSize) -> tuple[int, int]:
+    """``128`` or ``(Q_BLOCK, KV_BLOCK)`` -> ``(Q_BLOCK, KV_BLOCK)``."""
+    if isinstance(block_size, (tuple, list)):
+        if len(block_size) != 2:
+            raise InvalidInputError(f"BLOCK_SIZE must be an int or a (Q_BLOCK, KV_BLOCK) pair, got {block_size!r}")
+        return (_positive_int("BLOCK_SIZE[0] (Q_BLOCK)", block_size[0]), _positive_int("BLOCK_SIZE[1] (KV_BLOCK)", block_size[1]))
+    size = _positive_int("BLOCK_SIZE", block_size)
+    return (size, size)
+
+
+def _mod_name(fn) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# Ordered (num_blocks, indices) <-> dense block maps
+# --------------------------------------------------------------------------------------------
+
+
+def _dense_to_ordered(block_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 0/1 map ``[..., ROWS, COLS]`` -> per-row count and column indices, kept ones first.
+
+    A stable descending argsort puts the kept columns first in ascending order, then the others in
+    ascending order: the same layout torch produces, and the padding entries are valid indices.
+    """
+    block_map = block_map.to(INDEX_DTYPE)
+    num_blocks = block_map.sum(dim=-1, dtype=INDEX_DTYPE)
+    indices = torch.argsort(block_map, dim=-1, descending=True, stable=True)
+    return num_blocks.contiguous(), indices.to(INDEX_DTYPE).contiguous()
+
+
+def _ordered_to_dense(num_blocks: torch.Tensor, indices: torch.Tensor, num_cols: int) -> torch.Tensor:
+    """Per-row count and column indices -> int32 0/1 map ``[..., ROWS, num_cols]``."""
+    slots = torch.arange(indices.shape[-1], device=indices.device)
+    in_use = slots < num_blocks.unsqueeze(-1)
+    # Unused slots write into one spare column past the end, which is then dropped.
+    target = torch.where(in_use, indices.long(), num_cols)
+    dense = torch.zeros(*indices.shape[:-1], num_cols + 1, dtype=INDEX_DTYPE, device=indices.device)
+    dense.scatter_(-1, target, 1)
+    return dense[..., :num_cols].contiguous()
+
+
+def _as_4d(t: torch.Tensor, trailing: int) -> torch.Tensor:
+    """Prepend size-1 batch/head dims so a block tensor has the [B, H, ...] layout kernels expect."""
+    while t.dim() < 2 + trailing:
+        t = t.unsqueeze(0)
+    return t
+
+
+# --------------------------------------------------------------------------------------------
+# BlockMask
+# --------------------------------------------------------------------------------------------
+
+
+def _sliced_rows_mask_mod(b, h, q_idx, kv_idx):
+    """Stand-in mask_mod of a BlockMask whose query-block rows were selected with ``[]``."""
+    raise RuntimeError(
+        "This BlockMask was made by selecting query-block rows (block_mask[b, h, rows]), so query "
+        "index 0 of the new mask is no longer query index 0 of the original: the original mask_mod "
+        "would be evaluated at the wrong positions, and flexattn does not guess the offset.\n"
+        "Set the mask_mod yourself, shifting the query index by the first selected row:\n"
+        "\n  Incorrect:\n"
+        "    step_mask = base_mask[:, :, row]\n"
+        "    flex_attention(q, k, v, block_mask=step_mask)   # mask_mod was not shifted\n"
+        "\n  Correct:\n"
+        "    step_mask = base_mask[:, :, row]\n"
+        "    offset = row * base_mask.BLOCK_SIZE[0]           # first query position of that row\n"
+        "    def shifted(b, h, q_idx, kv_idx):\n"
+        "        return base_mask.mask_mod(b, h, q_idx + offset, kv_idx)   # base_mask's, not step_mask's\n"
+        "    step_mask.mask_mod = shifted\n"
+        "    step_mask.seq_lengths = (q_len, kv_len)            # the lengths you will call it with\n"
+    )
+
+
+def _reindexed_mask_mod(mask_mod: MaskMod, batch_map: Optional[torch.Tensor], head_map: Optional[torch.Tensor]) -> MaskMod:
+    """``mask_mod`` seen through a batch/head selection: new index i reads original index map[i].
+
+    The modulo mirrors how kernels broadcast a mask over a larger batch or head count.
+    """
+
+    def reindexed(b, h, q_idx, kv_idx):
+        if batch_map is not None:
+            b = batch_map[b % batch_map.shape[0]]
+        if head_map is not None:
+            h = head_map[h % head_map.shape[0]]
+        return mask_mod(b, h, q_idx, kv_idx)
+
+    reindexed.__name__ = f"{_mod_name(mask_mod)}_reindexed"
+    return reindexed
+
+
+class BlockMask:
+    """Block-sparse layout of an attention mask plus the mask_mod the kernels apply inside it.
+
+    See the module docstring for the format. Build one with :func:`create_block_mask` (from a
+    mask_mod) or :meth:`BlockMask.from_kv_blocks` (from block tables you computed yourself).
+
+    Attributes:
+        seq_lengths: ``(q_len, kv_len)`` the mask was built for.
+        kv_num_blocks, kv_indices: partial tiles per query-block row, int32 ``[B, H, ROWS]`` and
+            ``[B, H, ROWS, COLS]``.
+        full_kv_num_blocks, full_kv_indices: full tiles, same shapes, or None (then every visited
+            tile is treated as partial).
+        q_num_blocks, q_indices, full_q_num_blocks, full_q_indices: the transposed layout for the
+            backward pass, ``[B, H, COLS]`` and ``[B, H, COLS, ROWS]``; None for an inference-only
+            mask (``compute_q_blocks=False``).
+        BLOCK_SIZE: ``(Q_BLOCK, KV_BLOCK)``.
+        mask_mod: the callable evaluated on partial tiles.
+    """
+
+    def __init__(
+        self,
+        seq_lengths: tuple[int, int],
+        kv_num_blocks: torch.Tensor,
+        kv_indices: torch.Tensor,
+        full_kv_num_blocks: Optional[torch.Tensor],
+        full_kv_indices: Optional[torch.Tensor],
+        q_num_blocks: Optional[torch.Tensor],
+        q_indices: Optional[torch.Tensor],
+        full_q_num_blocks: Optional[torch.Tensor],
+        full_q_indices: Optional[torch.Tensor],
+        BLOCK_SIZE: tuple[int, int] = (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE),
+        mask_mod: MaskMod = noop_mask,
+    ) -> None:
+        # The positional order matches torch's BlockMask.__init__. Use from_kv_blocks to get checks
+        # and the transposed tables computed for you.
+        if (full_kv_num_blocks is None) != (full_kv_indices is None):
+            raise InvalidInputError("full_kv_num_blocks and full_kv_indices must be given together or both be None")
+        if (full_q_num_blocks is None) != (full_q_indices is None):
+            raise InvalidInputError("full_q_num_blocks and full_q_indices must be given together or both be None")
+        self.seq_lengths = tuple(seq_lengths)
+        self.kv_num_blocks = kv_num_blocks
+        self.kv_indices = kv_indices
+        self.full_kv_num_blocks = full_kv_num_blocks
+        self.full_kv_indices = full_kv_indices
+        self.q_num_blocks = q_num_blocks
+        self.q_indices = q_indices
+        self.full_q_num_blocks = full_q_num_blocks
+        self.full_q_indices = full_q_indices
+        self.BLOCK_SIZE = _as_block_size(BLOCK_SIZE)
+        self.mask_mod = mask_mod
+
+    # ---------------------------------------------------------------------------- construction
+
+    @classmethod
+    def from_kv_blocks(
+        cls,
+        kv_num_blocks: torch.Tensor,
+        kv_indices: torch.Tensor,
+        full_kv_num_blocks: Optional[torch.Tensor] = None,
+        full_kv_indices: Optional[torch.Tensor] = None,
+        BLOCK_SIZE: BlockSize = DEFAULT_BLOCK_SIZE,
+        mask_mod: Optional[MaskMod] = None,
+        seq_lengths: Optional[tuple[int, int]] = None,
+        compute_q_blocks: bool = True,
+    ) -> "BlockMask":
+        """A BlockMask from per-row block tables you built yourself.
+
+        Args:
+            kv_num_blocks: ``[B, H, ROWS]`` (leading dims may be left out: they become 1) number of
+                partial tiles per query-block row.
+            kv_indices: ``[B, H, ROWS, W]`` key-block index of each of those tiles, first
+                ``kv_num_blocks`` entries per row; the rest are padding.
+            full_kv_num_blocks, full_kv_indices: the same for full tiles (mask_mod skipped), or both
+                None.
+            BLOCK_SIZE: ``Q_BLOCK = KV_BLOCK`` as an int, or a ``(Q_BLOCK, KV_BLOCK)`` pair.
+            mask_mod: applied on partial tiles; defaults to ``noop_mask``.
+            seq_lengths: ``(q_len, kv_len)``; defaults to ``(ROWS * Q_BLOCK, COLS * KV_BLOCK)``.
+            compute_q_blocks: build the transposed tables the backward pass needs. False gives an
+                inference-only mask.
+
+        The number of key blocks COLS is the widest of the index tables and, when given,
+        ``ceil(kv_len / KV_BLOCK)``. Used entries must lie in ``[0, COLS)``; padding entries outside
+        that range are replaced by 0 so kernels may prefetch them. Tables are stored as int32.
+
+        Raises:
+            InvalidInputError: only one of the full_* tables given, shapes that disagree, non-integer
+                tables, or a used index outside ``[0, COLS)``.
+        """
+        if (full_kv_num_blocks is None) != (full_kv_indices is None):
+            raise InvalidInputError(
+                "from_kv_blocks: pass both full_kv_num_blocks and full_kv_indices (full tiles, mask_mod "
+                "skipped) or neither; got only "
+                + ("full_kv_num_blocks" if full_kv_indices is None else "full_kv_indices")
+            )
+        q_block, kv_block = _as_block_size(BLOCK_SIZE)
+        kv_num_blocks, kv_indices = _checked_table("kv", kv_num_blocks, kv_indices)
+        if full_kv_num_blocks is not None:
+            full_kv_num_blocks, full_kv_indices = _checked_table("full_kv", full_kv_num_blocks, full_kv_indices)
+            if full_kv_indices.shape[:-1] != kv_indices.shape[:-1] or full_kv_indices.device != kv_indices.device:
+                raise InvalidInputError(
+                    f"from_kv_blocks: full_kv_indices {tuple(full_kv_indices.shape)} on {full_kv_indices.device} "
+                    f"must match kv_indices {tuple(kv_indices.shape)} on {kv_indices.device} in every dim but the last"
+                )
+        rows = kv_indices.shape[-2]
+        widths = [kv_indices.shape[-1]] + ([full_kv_indices.shape[-1]] if full_kv_indices is not None else [])
+        if seq_lengths is None:
+            num_cols = max(widths)
+            seq_lengths = (rows * q_block, num_cols * kv_block)
+        else:
+            if len(seq_lengths) != 2:
+                raise InvalidInputError(f"seq_lengths must be (q_len, kv_len), got {seq_lengths!r}")
+            seq_lengths = (_positive_int("seq_lengths[0]", seq_lengths[0]), _positive_int("seq_lengths[1]", seq_lengths[1]))
+            num_cols = max(widths + [_cdiv(seq_lengths[1], kv_block)])
+        kv_indices = _checked_indices("kv", kv_num_blocks, kv_indices, num_cols)
+        if full_kv_indices is not None:
+            full_kv_indices = _checked_indices("full_kv", full_kv_num_blocks, full_kv_indices, num_cols)
+
+        q_tables: list[Optional[torch.Tensor]] = [None, None, None, None]
+        if compute_q_blocks:
+            partial_map = _ordered_to_dense(kv_num_blocks, kv_indices, num_cols)
+            full_map = None
+            if full_kv_indices is not None:
+                full_map = _ordered_to_dense(full_kv_num_blocks, full_kv_indices, num_cols)
+            q_tables = _transposed_tables(partial_map, full_map)
+        return cls(
+            seq_lengths,
+            kv_num_blocks,
+            kv_indices,
+            full_kv_num_blocks,
+            full_kv_indices,
+            *q_tables,
+            BLOCK_SIZE=(q_block, kv_block),
+            mask_mod=mask_mod if mask_mod is not None else noop_mask,
+        )
+
+    @classmethod
+    def _from_block_maps(
+        cls,
+        partial_map: torch.Tensor,
+        full_map: Optional[torch.Tensor],
+        block_size: tuple[int, int],
+        mask_mod: MaskMod,
+        seq_lengths: tuple[int, int],
+        compute_q_blocks: bool = True,
+    ) -> "BlockMask":
+        """A BlockMask from 0/1 maps ``[B, H, ROWS, COLS]`` of partial and full tiles (no checks)."""
+        kv_num_blocks, kv_indices = _dense_to_ordered(partial_map)
+        full_kv_num_blocks = full_kv_indices = None
+        if full_map is not None:
+            full_kv_num_blocks, full_kv_indices = _dense_to_ordered(full_map)
+        q_tables = _transposed_tables(partial_map, full_map) if compute_q_blocks else [None] * 4
+        return cls(
+            seq_lengths, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, *q_tables,
+            BLOCK_SIZE=block_size, mask_mod=mask_mod,
+        )
+
+    # ---------------------------------------------------------------------------- inspection
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(B, H, q_len, kv_len)``; B or H is 1 where the mask broadcasts."""
+        B, H = self.kv_num_blocks.shape[:2]
+        return (B, H, *self.seq_lengths)
+
+    def numel(self) -> int:
+        """Number of (b, h, q, kv) pairs the mask covers, ``B * H * q_len * kv_len``."""
+        B, H, q_len, kv_len = self.shape
+        return B * H * q_len * kv_len
+
+    def _num_cols(self) -> int:
+        widths = [self.kv_indices.shape[-1]]
+        if self.full_kv_indices is not None:
+            widths.append(self.full_kv_indices.shape[-1])
+        return max(widths)
+
+    def _partial_map(self) -> torch.Tensor:
+        return _ordered_to_dense(self.kv_num_blocks, self.kv_indices, self._num_cols())
+
+    def _full_map(self) -> Optional[torch.Tensor]:
+        if self.full_kv_indices is None:
+            return None
+        return _ordered_to_dense(self.full_kv_num_blocks, self.full_kv_indices, self._num_cols())
+
+    def to_dense(self) -> torch.Tensor:
+        """Int32 ``[B, H, ROWS, COLS]``: 1 where a tile is visited (partial or full), else 0."""
+        dense = self._partial_map()
+        full = self._full_map()
+        return dense if full is None else dense | full
+
+    def sparsity(self) -> float:
+        """Percent of the ``q_len x kv_len`` area (per batch and head) that the kernels skip.
+
+        Only the area inside ``seq_lengths`` counts: a tile that sticks out past the end counts
+        for its in-range part. The result is in [0, 100]. (torch counts every visited tile at its
+        full size, which goes negative when a length is not a multiple of the block size.)
+        """
+        q_block, kv_block = self.BLOCK_SIZE
+        q_len, kv_len = self.seq_lengths
+        device = self.kv_num_blocks.device
+        rows, cols = self.kv_indices.shape[-2], self._num_cols()
+        # In-range height of each query-block row and width of each key-block column.
+        heights = (q_len - q_block * torch.arange(rows, device=device, dtype=torch.float64)).clamp(0, q_block)
+        widths = (kv_len - kv_block * torch.arange(cols, device=device, dtype=torch.float64)).clamp(0, kv_block)
+        covered = (self.to_dense().to(torch.float64) * widths).sum(-1)  # [B, H, ROWS]
+        computed = (covered * heights).sum()
+        B, H = self.kv_num_blocks.shape[:2]
+        total = B * H * heights.sum() * widths.sum()
+        return float(100.0 * (1.0 - computed / total))
+
+    def to_string(self, grid_size: Union[int, tuple[int, int]] = (20, 20), limit: int = 4) -> str:
+        """A picture of the tiles of each (batch, head): ``█`` full, ``░`` partial, blank empty.
+
+        Large grids are downsampled to at most ``grid_size`` characters (rows, columns); a cell
+        that merges tiles shows ``█`` only if all of them are full and blank only if all are empty.
+        ``grid_size=-1`` draws one cell per tile. At most ``limit`` (batch, head) pairs are drawn.
+        """
+        partial = self._partial_map().bool()
+        full = self._full_map()
+        full = torch.zeros_like(partial) if full is None else full.bool()
+        B, H, rows, cols = partial.shape
+        if grid_size == -1:
+            max_rows, max_cols = rows, cols
+        elif isinstance(grid_size, int):
+            max_rows = max_cols = grid_size
+        else:
+            max_rows, max_cols = grid_size
+        row_step, col_step = max(1, _cdiv(rows, max_rows)), max(1, _cdiv(cols, max_cols))
+
+        pictures = []
+        for count, (b, h) in enumerate(itertools.product(range(B), range(H))):
+            if count == limit:
+                pictures.append(
+                    f"... {B * H - limit} more (batch, head) pairs: pass limit=N to draw more, or index "
+                    "block_mask[b, h] to draw one"
+                )
+                break
+            lines = [f"batch {b}, head {h}"]
+            for r in range(0, rows, row_step):
+                line = ""
+                for c in range(0, cols, col_step):
+                    cell_full = full[b, h, r : r + row_step, c : c + col_step]
+                    cell_any = cell_full | partial[b, h, r : r + row_step, c : c + col_step]
+                    char = "█" if bool(cell_full.all()) else ("░" if bool(cell_any.any()) else " ")
+                    line += char * 2  # two characters per cell keeps tiles roughly square
+                lines.append(line)
+            pictures.append("\n".join(lines))
+        return "\n".join(pictures)
+
+    def __str__(self) -> str:
+        return f"BlockMask(shape={self.shape}, sparsity={self.sparsity():.2f}%,\n{self.to_string()}\n)"
+
+    def __repr__(self) -> str:
+        full = "none" if self.full_kv_num_blocks is None else "separate"
+        backward = "no" if self.q_indices is None else "yes"
+        return (
+            f"BlockMask(shape={self.shape}, BLOCK_SIZE={self.BLOCK_SIZE}, sparsity={self.sparsity():.2f}%, "
+            f"full_blocks={full}, q_blocks={backward}, mask_mod={_mod_name(self.mask_mod)})"
+        )
+
+    # ---------------------------------------------------------------------------- new masks from this one
+
+    def __getitem__(self, index) -> "BlockMask":
+        """Select batches, heads and query-block rows: ``bm[b]``, ``bm[b, h]``, ``bm[b, h, rows]``.
+
+        Each position takes an int, a slice or an index tensor and applies to its own dim (an int
+        keeps its dim with size 1, as in torch, so the result stays ``[B, H, ...]``). The
+        transposed tables are rebuilt and ``seq_lengths`` is kept, as in torch.
+
+        The mask_mod follows the selection when only batches and heads are selected (new batch i
+        reads the original batch picked at position i). Selecting query-block rows shifts query
+        positions, so the new mask gets a mask_mod that raises and explains how to set a shifted one.
+        """
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) > 3:
+            raise IndexError(f"a BlockMask takes at most 3 indices (batch, head, query-block row), got {len(index)}")
+        index = index + (slice(None),) * (3 - len(index))
+        sizes = self.kv_num_blocks.shape[:3]
+        device = self.kv_num_blocks.device
+        selections = [_selection(i, n, device, name) for i, n, name in zip(index, sizes, ("batch", "head", "row"))]
+
+        def pick(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            if t is None:
+                return None
+            for dim, chosen in enumerate(selections):
+                if chosen is not None:
+                    t = t.index_select(dim, chosen)
+            return t.contiguous()
+
+        batch_sel, head_sel, row_sel = selections
+        if row_sel is not None:
+            mask_mod = _sliced_rows_mask_mod
+        elif batch_sel is None and head_sel is None:
+            mask_mod = self.mask_mod
+        else:
+            mask_mod = _reindexed_mask_mod(self.mask_mod, _as_map(batch_sel, sizes[0]), _as_map(head_sel, sizes[1]))
+
+        partial = pick(self._partial_map())
+        full = pick(self._full_map())
+        num_blocks, indices = pick(self.kv_num_blocks), pick(self.kv_indices)
+        full_num, full_indices = pick(self.full_kv_num_blocks), pick(self.full_kv_indices)
+        q_tables = _transposed_tables(partial, full) if self.q_indices is not None else [None] * 4
+        return BlockMask(
+            self.seq_lengths, num_blocks, indices, full_num, full_indices, *q_tables,
+            BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=mask_mod,
+        )
+
+    def to(self, device: Union[torch.device, str]) -> "BlockMask":
+        """A new BlockMask with every table on ``device`` (this one is unchanged)."""
+
+        def move(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t.to(device)
+
+        return BlockMask(
+            self.seq_lengths,
+            move(self.kv_num_blocks), move(self.kv_indices),
+            move(self.full_kv_num_blocks), move(self.full_kv_indices),
+            move(self.q_num_blocks), move(self.q_indices),
+            move(self.full_q_num_blocks), move(self.full_q_indices),
+            BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod,
+        )
+
+    def adjust(self, new_q_len: int, new_kv_len: int) -> "BlockMask":
+        """The top-left ``new_q_len x new_kv_len`` corner of this mask, e.g. for a shorter batch.
+
+        Tiles outside the corner are dropped and the tables recounted. A full tile that the new
+        boundary cuts through becomes partial, as create_block_mask would make it. The result equals
+        ``create_block_mask`` at the new lengths only for mask_mods that do not depend on the
+        lengths (causal, sliding window, documents do; "attend to the last 10 keys" does not).
+        Growing a mask is an error: the tiles past its lengths were never evaluated.
+        """
+        new_q_len = _positive_int("new_q_len", new_q_len)
+        new_kv_len = _positive_int("new_kv_len", new_kv_len)
+        q_len, kv_len = self.seq_lengths
+        if new_q_len > q_len or new_kv_len > kv_len:
+            raise InvalidInputError(
+                f"adjust({new_q_len}, {new_kv_len}) can only crop, and this mask was built for "
+                f"({q_len}, {kv_len}); build a new mask with create_block_mask for longer sequences"
+            )
+        q_block, kv_block = self.BLOCK_SIZE
+        rows, cols = _cdiv(new_q_len, q_block), _cdiv(new_kv_len, kv_block)
+        partial = self._partial_map()[:, :, :rows, :cols]
+        full = self._full_map()
+        if full is not None:
+            full = full[:, :, :rows, :cols].clone()
+            # Tiles cut by the new boundary hold positions past the end, which count as masked.
+            cut = torch.zeros_like(full, dtype=torch.bool)
+            if new_q_len % q_block:
+                cut[:, :, -1, :] = True
+            if new_kv_len % kv_block:
+                cut[:, :, :, -1] = True
+            partial = partial | (full & cut.to(full.dtype))
+            full = full.masked_fill(cut, 0)
+        return BlockMask._from_block_maps(
+            partial, full, self.BLOCK_SIZE, self.mask_mod, (new_q_len, new_kv_len),
+            compute_q_blocks=self.q_indices is not None,
+        )
+
+    _adjust = adjust  # torch's (private) name for the same operation
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers for BlockMask: checking user tables, transposing, selections
+# --------------------------------------------------------------------------------------------
+
+
+def _checked_table(name: str, num_blocks: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shape and dtype checks of one (num_blocks, indices) pair; returns them int32 and 4-D."""
+    for label, t in ((f"{name}_num_blocks", num_blocks), (f"{name}_indices", indices)):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInputError(f"from_kv_blocks: {label} must be a tensor, got {type(t).__name__}")
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise InvalidInputError(f"from_kv_blocks: {label} must be an integer tensor, got {t.dtype}")
+    if not 2 <= indices.dim() <= 4:
+        raise InvalidInputError(
+            f"from_kv_blocks: {name}_indices must be [B, H, ROWS, W] (B and H optional), got shape {tuple(indices.shape)}"
+        )
+    if num_blocks.shape != indices.shape[:-1]:
+        raise InvalidInputError(
+            f"from_kv_blocks: {name}_num_blocks has shape {tuple(num_blocks.shape)} but {name}_indices "
+            f"{tuple(indices.shape)} needs {tuple(indices.shape[:-1])}"
+        )
+    if num_blocks.device != indices.device:
+        raise InvalidInputError(f"from_kv_blocks: {name}_num_blocks and {name}_indices are on different devices")
+    num_blocks = _as_4d(num_blocks, 1).to(INDEX_DTYPE).contiguous()
+    indices = _as_4d(indices, 2).to(INDEX_DTYPE).contiguous()
+    return num_blocks, indices
+
+
+def _checked_indices(name: str, num_blocks: torch.Tensor, indices: torch.Tensor, num_cols: int) -> torch.Tensor:
+    """Reject used entries outside [0, num_cols); replace padding entries outside it by 0."""
+    slots = torch.arange(indices.shape[-1], device=indices.device)
+    in_use = slots < num_blocks.unsqueeze(-1)
+    outside = (indices < 0) | (indices >= num_cols)
+    # One device->host copy for all three checks.
+    bad_count, bad_used, bad_padding = torch.stack(
+        [((num_blocks < 0) | (num_blocks > indices.shape[-1])).any(), (outside & in_use).any(), (outside & ~in_use).any()]
+    ).tolist()
+    if bad_count:
+        raise InvalidInputError(
+            f"from_kv_blocks: {name}_num_blocks must lie in [0, {indices.shape[-1]}] (the width of {name}_indices)"
+        )
+    if bad_used:
+        raise InvalidInputError(
+            f"from_kv_blocks: {name}_indices has a used entry outside [0, {num_cols}), the key blocks of this mask"
+        )
+    if bad_padding:
+        indices = indices.masked_fill(outside, 0)
+    return indices
+
+
+def _transposed_tables(partial_map: torch.Tensor, full_map: Optional[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+    """(q_num_blocks, q_indices, full_q_num_blocks, full_q_indices) from the two tile maps."""
+    q_num_blocks, q_indices = _dense_to_ordered(partial_map.transpose(-2, -1))
+    if full_map is None:
+        return [q_num_blocks, q_indices, None, None]
+    full_q_num_blocks, full_q_indices = _dense_to_ordered(full_map.transpose(-2, -1))
+    return [q_num_blocks, q_indices, full_q_num_blocks, full_q_indices]
+
+
+def _selection(index, size: int, device: torch.device, name: str) -> Optional[torch.Tensor]:
+    """One position of a BlockMask index -> the chosen positions (int64), or None for "all"."""
+    if isinstance(index, slice):
+        chosen = range(size)[index]
+        if chosen == range(size):
+            return None
+        return torch.tensor(list(chosen), dtype=torch.long, device=device)
+    if isinstance(index, torch.Tensor):
+        if index.dtype == torch.bool:
+            if index.shape != (size,):
+                raise IndexError(f"a bool index for the {name} dim must have shape ({size},), got {tuple(index.shape)}")
+            return index.to(device).nonzero().flatten()
+        if index.dtype.is_floating_point or index.dim() > 1:
+            raise IndexError(f"a tensor index for the {name} dim must be a 0-d or 1-d integer tensor, got {index.dtype} {tuple(index.shape)}")
+        chosen = index.to(device=device, dtype=torch.long).reshape(-1)
+    else:
+        try:
+            position = operator.index(index)
+        except TypeError:
+            raise IndexError(f"cannot index the {name} dim of a BlockMask with {index!r}") from None
+        chosen = torch.tensor([position], dtype=torch.long, device=device)
+    if chosen.numel() and bool(((chosen < -size) | (chosen >= size)).any()):
+        raise IndexError(f"index {index!r} is out of range for the {name} dim of size {size}")
+    return chosen % size  # negative positions count from the end
+
+
+def _as_map(chosen: Optional[torch.Tensor], size: int) -> Optional[torch.Tensor]:
+    """A selection as an int32 lookup table for the mask_mod, or None when nothing moves."""
+    if chosen is None or size == 1:  # a size-1 dim broadcasts: every selection reads entry 0
+        return None
+    return chosen.to(INDEX_DTYPE)
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluating a mask_mod: tile by tile
+# --------------------------------------------------------------------------------------------
+
+
+def _vmap_over_bhqkv(fn: Callable) -> Callable:
+    """``fn(b, h, q_idx, kv_idx)`` on 0-d tensors -> a function of 1-D index tensors -> [b, h, q, kv].
+
+    Innermost vmap maps kv_idx, then q_idx, h, b; a mod that ignores an index gets a broadcast
+    (stride-0) result along it.
+    """
+    for in_dims in [(None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)]:
+        fn = torch.vmap(fn, in_dims=in_dims, out_dims=0)
+    return fn
+
+
+def _tile_plan(B: int, H: int, rows: int, cols: int, block_area: int) -> tuple[int, int, int, int]:
+    """How many (batches, heads, block rows, block cols) one tile spans, about TILE_ELEMENTS pairs.
+
+    Tiles grow along kv first, then q, then heads, then batches. A tile is never smaller than one
+    block, even when one block is larger than TILE_ELEMENTS.
+    """
+    budget = max(1, TILE_ELEMENTS // block_area)  # tiles of blocks
+    cols_step = min(cols, budget)
+    rows_step = min(rows, max(1, budget // cols_step))
+    heads_step = min(H, max(1, budget // (cols_step * rows_step)))
+    batch_step = min(B, max(1, budget // (cols_step * rows_step * heads_step)))
+    return batch_step, heads_step, rows_step, cols_step
+
+
+def _rows_per_group(q_block: int) -> int:
+    """The largest divisor of q_block that is at most 255 (see _reduce_tile)."""
+    return max(g for g in range(1, min(q_block, 255) + 1) if q_block % g == 0)
+
+
+def _lanes_equal_to(count: int) -> int:
+    """The int64 whose eight bytes all hold ``count`` (< 256), as a signed value."""
+    word = int.from_bytes(bytes([count]) * 8, "little")
+    return word - (1 << 64) if word >= 1 << 63 else word
+
+
+def _reduce_tile(kept: torch.Tensor, rows: int, q_block: int, cols: int, kv_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A padded bool tile ``[nb, nh, rows*q_block, cols*kv_block]`` -> (any kept, all kept) per block.
+
+    Fast path (kv_block a multiple of 8): read each run of 8 bools as one int64 word of eight 0/1
+    bytes ("lanes") and add the words of ``g <= 255`` consecutive query rows. No lane can exceed
+    255, so no carry crosses lanes and each byte of the sum counts the kept pairs of one key
+    column. A block keeps something iff some summed word is non-zero, and keeps everything iff
+    every summed word has all lanes equal to g. An int64 sum over rows is one cheap vectorized
+    pass, much faster than bool any/all over two strided dims. Bool storage holds only 0 and 1.
+    """
+    nb, nh = kept.shape[:2]
+    if kv_block % 8 == 0:
+        if kept.storage_offset() % 8 or not kept.is_contiguous():
+            kept = kept.clone(memory_format=torch.contiguous_format)  # the int64 view needs aligned, dense storage
+        group = _rows_per_group(q_block)
+        words_per_row = cols * kv_block // 8
+        words = kept.view(torch.uint8).view(torch.int64).view(-1, group, words_per_row)
+        lane_counts = words.sum(dim=1)  # wraps into the sign bit at 128 per lane: the bits stay exact
+        lane_counts = lane_counts.view(nb, nh, rows, q_block // group, cols, kv_block // 8)
+        any_kept = (lane_counts != 0).any(dim=5).any(dim=3)
+        all_kept = (lane_counts == _lanes_equal_to(group)).all(dim=5).all(dim=3)
+        return any_kept, all_kept
+    blocks = kept.reshape(nb, nh, rows, q_block, cols, kv_block)
+    return blocks.any(dim=5).any(dim=3), blocks.all(dim=5).all(dim=3)
+
+
+def _check_tile(kept, mask_mod, expected_shape) -> None:
+    if not isinstance(kept, torch.Tensor) or kept.dtype != torch.bool:
+        got = kept.dtype if isinstance(kept, torch.Tensor) else type(kept).__name__
+        raise InvalidInputError(
+            f"mask_mod '{_mod_name(mask_mod)}' must return a bool tensor (True = attend), got {got}; "
+            "compare instead, e.g. `q_idx >= kv_idx`, or use `.bool()` on a 0/1 result"
+        )
+    if tuple(kept.shape) != expected_shape:
+        raise InvalidInputError(
+            f"mask_mod '{_mod_name(mask_mod)}' must return one bool per (b, h, q_idx, kv_idx), i.e. a 0-d "
+            f"tensor per call; under vmap it gave shape {tuple(kept.shape)} instead of {expected_shape}"
+        )
+
+
+def _evaluate(vmapped: Callable, mask_mod: Callable, *index_ranges: torch.Tensor) -> torch.Tensor:
+    try:
+        return vmapped(*index_ranges)
+    except Exception as err:
+        err.add_note(
+            f"(while flexattn evaluated mask_mod '{_mod_name(mask_mod)}' with torch.vmap over b, h, q_idx, "
+            "kv_idx. Each argument is a 0-d int32 tensor: use tensor ops only, torch.where instead of "
+            "if/else on tensors, & and | instead of and/or, and no .item().)"
+        )
+        raise
+
+
+def _block_maps(
+    mask_mod: Callable, B: int, H: int, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bool ``[B, H, ROWS, COLS]`` maps: does a tile keep any pair, does it keep all of them.
+
+    Positions past q_len / kv_len are masked (the tile is padded with False), so a tile that
+    sticks out past the end is never "all kept". The mask_mod is never called on such positions,
+    so it may index tensors of length q_len / kv_len with q_idx / kv_idx.
+    """
+    rows, cols = _cdiv(q_len, q_block), _cdiv(kv_len, kv_block)
+    any_kept = torch.zeros(B, H, rows, cols, dtype=torch.bool, device=device)
+    all_kept = torch.zeros(B, H, rows, cols, dtype=torch.bool, device=device)
+    b_range = torch.arange(B, dtype=INDEX_DTYPE, device=device)
+    h_range = torch.arange(H, dtype=INDEX_DTYPE, device=device)
+    q_range = torch.arange(q_len, dtype=INDEX_DTYPE, device=device)
+    kv_range = torch.arange(kv_len, dtype=INDEX_DTYPE, device=device)
+    vmapped = _vmap_over_bhqkv(mask_mod)
+    b_step, h_step, r_step, c_step = _tile_plan(B, H, rows, cols, q_block * kv_block)
+
+    with torch.no_grad(), GetItemToIndex():  # tensor[idx] in the mod must stay a gather under vmap
+        for b0, h0, r0, c0 in itertools.product(
+            range(0, B, b_step), range(0, H, h_step), range(0, rows, r_step), range(0, cols, c_step)
+        ):
+            b1, h1, r1, c1 = min(b0 + b_step, B), min(h0 + h_step, H), min(r0 + r_step, rows), min(c0 + c_step, cols)
+            q0, q1 = r0 * q_block, min(r1 * q_block, q_len)
+            k0, k1 = c0 * kv_block, min(c1 * kv_block, kv_len)
+            kept = _evaluate(vmapped, mask_mod, b_range[b0:b1], h_range[h0:h1], q_range[q0:q1], kv_range[k0:k1])
+            _check_tile(kept, mask_mod, (b1 - b0, h1 - h0, q1 - q0, k1 - k0))
+            pad_q, pad_kv = (r1 - r0) * q_block - (q1 - q0), (c1 - c0) * kv_block - (k1 - k0)
+            if pad_q or pad_kv:
+                kept = torch.nn.functional.pad(kept, (0, pad_kv, 0, pad_q), value=False)
+            tile_any, tile_all = _reduce_tile(kept, r1 - r0, q_block, c1 - c0, kv_block)
+            any_kept[b0:b1, h0:h1, r0:r1, c0:c1] = tile_any
+            all_kept[b0:b1, h0:h1, r0:r1, c0:c1] = tile_all
+    return any_kept, all_kept
+
+
+def _check_mask_mod(mask_mod) -> None:
+    if not callable(mask_mod):
+        raise TypeError(f"mask_mod must be a callable mask_mod(b, h, q_idx, kv_idx) -> bool tensor, got {type(mask_mod).__name__}")
+
+
+def create_block_mask(
+    mask_mod: MaskMod,
+    B: Optional[int],
+    H: Optional[int],
+    Q_LEN: int,
+    KV_LEN: int,
+    device: Union[str, torch.device, None] = None,
+    BLOCK_SIZE: BlockSize = DEFAULT_BLOCK_SIZE,
+    _compile: bool = False,
+    separate_full_blocks: bool = True,
+) -> BlockMask:
+    """Build the BlockMask of ``mask_mod`` for a ``B x H x Q_LEN x KV_LEN`` attention.
+
+    Args:
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor``, True where the query may attend
+            to the key. It is called on 0-d int32 tensors (vmapped), so it must use tensor ops only.
+        B, H: batch size and number of query heads; None means 1 (the mask broadcasts over that dim,
+            and the mask_mod is evaluated with index 0 only).
+        Q_LEN, KV_LEN: sequence lengths.
+        device: where the mask is evaluated and stored; default "cuda" if available, else "cpu".
+        BLOCK_SIZE: tile size, an int or ``(Q_BLOCK, KV_BLOCK)``. The kernels' own block sizes must
+            divide it.
+        _compile: accepted for compatibility with torch's positional order and ignored: the eager
+            builder already works tile by tile, in bounded memory.
+        separate_full_blocks: put tiles where every pair is kept in ``full_kv_*`` so kernels skip the
+            mask_mod there. False stores every visited tile as partial.
+
+    The mask_mod is evaluated over tiles of about 16M (b, h, q, kv) pairs, each a whole number of
+    blocks, and reduced to per-tile "any kept" / "all kept" before the next tile: the dense mask is
+    never materialized. Positions past Q_LEN / KV_LEN count as masked, so the tiles at the end are
+    never full when a length is not a multiple of the block size.
+
+    Build it once and reuse it for every layer and step with the same lengths::
+
+        block_mask = create_block_mask(causal, None, None, 4096, 4096, device="cuda")
+        for layer in layers:
+            x = layer(x, block_mask=block_mask)
+    """
+    del _compile  # nothing to compile: see the docstring
+    _check_mask_mod(mask_mod)
+    B = 1 if B is None else _positive_int("B", B)
+    H = 1 if H is None else _positive_int("H", H)
+    Q_LEN = _positive_int("Q_LEN", Q_LEN)
+    KV_LEN = _positive_int("KV_LEN", KV_LEN)
+    q_block, kv_block = _as_block_size(BLOCK_SIZE)
+    device = _default_device() if device is None else torch.device(device)
+
+    any_kept, all_kept = _block_maps(mask_mod, B, H, Q_LEN, KV_LEN, q_block, kv_block, device)
+    if separate_full_blocks:
+        partial_map, full_map = any_kept & ~all_kept, all_kept
+    else:
+        partial_map, full_map = any_kept, None
+    return BlockMask._from_block_maps(partial_map, full_map, (q_block, kv_block), mask_mod, (Q_LEN, KV_LEN))
+
+
+def _required_positional_count(fn: Callable) -> int:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError) as err:
+        raise InvalidInputError(f"create_mask: cannot read the signature of {_mod_name(fn)}") from err
+    return sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty)
+
+
+def create_mask(
+    mod_fn: Callable,
+    B: Optional[int],
+    H: Optional[int],
+    Q_LEN: int,
+    KV_LEN: int,
+    device: Union[str, torch.device, None] = None,
+) -> torch.Tensor:
+    """The dense bool mask ``[B, H, Q_LEN, KV_LEN]`` of a mask_mod or score_mod, for debugging.
+
+    A function with 4 required positional arguments is a mask_mod (True = attend); one with 5 is a
+    score_mod, and a pair is kept where ``score_mod(0.0, b, h, q_idx, kv_idx)`` is not -inf. (Only
+    this helper tells the kinds apart by arity, as torch's does; everything else takes the kind
+    from the argument name.) Memory is ``B * H * Q_LEN * KV_LEN`` bytes: use
+    :func:`create_block_mask` for real sequence lengths.
+    """
+    _check_mask_mod(mod_fn)
+    B = 1 if B is None else _positive_int("B", B)
+    H = 1 if H is None else _positive_int("H", H)
+    Q_LEN = _positive_int("Q_LEN", Q_LEN)
+    KV_LEN = _positive_int("KV_LEN", KV_LEN)
+    device = _default_device() if device is None else torch.device(device)
+    indices = [torch.arange(n, dtype=INDEX_DTYPE, device=device) for n in (B, H, Q_LEN, KV_LEN)]
+    arity = _required_positional_count(mod_fn)
+    with torch.no_grad(), GetItemToIndex():
+        if arity == 4:
+            kept = _evaluate(_vmap_over_bhqkv(mod_fn), mod_fn, *indices)
+            _check_tile(kept, mod_fn, (B, H, Q_LEN, KV_LEN))
+            return kept.contiguous()
+        if arity == 5:
+            with_score = mod_fn
+            for in_dims in [(0, None, None, None, 0), (0, None, None, 0, None), (0, None, 0, None, None), (0, 0, None, None, None)]:
+                with_score = torch.vmap(with_score, in_dims=in_dims, out_dims=0)
+            scores = torch.zeros(B, H, Q_LEN, KV_LEN, dtype=torch.float32, device=device)
+            return ~torch.isneginf(with_score(scores, *indices))
+    raise InvalidInputError(
+        f"create_mask: {_mod_name(mod_fn)} takes {arity} required positional arguments; a mask_mod takes 4 "
+        "(b, h, q_idx, kv_idx) and a score_mod 5 (score, b, h, q_idx, kv_idx)"
+    )

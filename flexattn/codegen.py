@@ -1,0 +1,113 @@
+"""Codegen: plain values -> kernel source, written to the cache directory and imported as a module.
+
+Stage 3 of the pipeline (trace -> lowering -> codegen -> runtime). Templates take plain values
+only (the lowered mods' lines and parameter names), so a template can be read on its own. Each
+rendered kernel is written under a readable, content-addressed name, e.g.
+``fwd_alibi_causal_3f2a9c01d4e5b677.py``, and imported from there: Triton's ``@jit`` needs a real
+file, and a file is what a user opens when a kernel misbehaves. ``FLEXATTN_DEBUG=1`` prints where.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+import jinja2
+
+from .lowering import LoweredMod
+
+__all__ = ["ForwardSpec", "render_forward", "cache_dir", "load_kernel_module", "debug_enabled"]
+
+TEMPLATE_DIR = Path(__file__).parent / "templates"
+
+_environment = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+    undefined=jinja2.StrictUndefined,  # a missing value is a bug in codegen, not an empty string
+    keep_trailing_newline=True,
+    autoescape=False,
+)
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("FLEXATTN_DEBUG", "0") not in ("", "0")
+
+
+def cache_dir() -> Path:
+    """Where generated kernels and tuned configurations live (``FLEXATTN_CACHE_DIR`` overrides)."""
+    root = os.environ.get("FLEXATTN_CACHE_DIR")
+    if root is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "flexattn")
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@dataclass(frozen=True)
+class ForwardSpec:
+    """Everything the forward template needs; all other choices are Triton constexprs at launch."""
+
+    score_mod: Optional[LoweredMod]
+    mask_mod: Optional[LoweredMod]
+    score_name: str = "identity"
+    mask_name: str = "none"
+
+    def readable_name(self) -> str:
+        return f"fwd_{_slug(self.score_name)}_{_slug(self.mask_name)}"
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^0-9a-zA-Z]+", "_", name).strip("_")[:40] or "mod"
+
+
+def render_forward(spec: ForwardSpec) -> str:
+    template = _environment.get_template("forward.py.jinja")
+    return template.render(
+        kernel_name="flex_attention_forward",
+        description=f"score_mod={spec.score_name}, mask_mod={spec.mask_name}",
+        score_mod=spec.score_mod,
+        mask_mod=spec.mask_mod,
+        score_params=list(spec.score_mod.kernel_params) if spec.score_mod else [],
+        mask_params=list(spec.mask_mod.kernel_params) if spec.mask_mod else [],
+    )
+
+
+def _write_if_different(path: Path, text: str) -> None:
+    # Leave an identical file alone, so its mtime (and anything keyed on it) stays put. Write to a
+    # temporary name first so a concurrent process never imports half a file.
+    if path.exists() and path.read_text() == text:
+        return
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+_loaded: dict[str, ModuleType] = {}
+
+
+def load_kernel_module(source: str, readable_name: str) -> ModuleType:
+    """Write ``source`` under a content-addressed name and import it (once per process)."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    stem = f"{readable_name}_{digest}"
+    module = _loaded.get(stem)
+    if module is not None:
+        return module
+    path = cache_dir() / "kernels" / f"{stem}.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_if_different(path, source)
+    if debug_enabled():
+        print(f"[flexattn] kernel {stem}: {path}", file=sys.stderr)
+    module_name = f"flexattn_generated_{stem}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    _loaded[stem] = module
+    return module

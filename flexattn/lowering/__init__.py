@@ -1,0 +1,19 @@
+"""Lowering: a traced score_mod / mask_mod (an aten fx graph) becomes Triton source.
+
+Stage 2 of the pipeline (trace -> lowering -> codegen -> runtime)::
+
+    traced, captured_values = trace_mod(alibi, "score_mod")
+    lowered = lower(traced, ModInputs(), prefix="sm_")
+    lowered.lines          # ('sm_t0 = ...',) statements to paste at the kernel's hook point
+    lowered.result         # 'qk + tl.load(sm_slopes_ptr + off_hq * sm_slopes_stride0) * ...'
+    lowered.kernel_params  # ('sm_slopes_ptr', 'sm_slopes_stride0')
+
+ops.py holds the table (one small function per aten op), emit.py the walk over the graph, index.py
+the sympy integer arithmetic for indices. The helpers the generated source calls (py_floordiv,
+precise_tanh, ...) are in templates/mod_helpers.py.jinja.
+"""
+
+from .emit import LoweredMod, ModInputs, lower
+from .ops import LOWERINGS, register_lowering
+
+__all__ = ["LoweredMod", "ModInputs", "lower", "register_lowering", "LOWERINGS"]

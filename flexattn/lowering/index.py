@@ -1,0 +1,158 @@
+"""Integer index arithmetic as sympy expressions, printed as Triton source.
+
+Integer values that come from ``b``, ``h``, ``q_idx``, ``kv_idx``, integer constants, loaded
+integers and stride parameters through ``+ - * //`` and ``%`` are kept as sympy expressions while the
+graph is walked. sympy folds what the user's code leaves in (``q_idx - kv_idx + 255 - 255`` is
+``q_idx - kv_idx``; ``intervals[doc[q], 1]`` adds ``1 * stride1``, i.e. ``stride1``) and the printer
+below writes the result back as Triton source. Float math never enters sympy: rounding makes its
+algebra unsound.
+
+``FloorDiv`` and ``PyMod`` are PyTorch's (and Python's) integer ``//`` and ``%``: they round toward
+negative infinity and give the remainder the divisor's sign. Triton's own ``//`` and ``%`` truncate
+like C, so they print as calls to the ``py_floordiv`` / ``py_remainder`` helpers of
+``templates/mod_helpers.py.jinja``.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import sympy
+
+__all__ = ["FloorDiv", "PyMod", "print_index", "ATOM", "UNARY", "MUL", "ADD"]
+
+# Binding strength of the outermost operator of an expression, as in Python's grammar (higher binds
+# tighter). An operand is put in parentheses when it binds more loosely than its position needs.
+ATOM = 100  # names, literals, calls, subscripts, parenthesised expressions
+UNARY = 80  # -x, ~x
+MUL = 70  # * / // %
+ADD = 60  # + -
+BAND = 50  # &
+BXOR = 45  # ^
+BOR = 40  # |
+CMP = 30  # == != < <= > >= (these chain in Python, so a comparison never takes a bare comparison)
+
+
+def _divides(divisor: sympy.Integer, expr: sympy.Expr) -> bool:
+    """True when every term of ``expr`` has an integer coefficient that ``divisor`` divides."""
+    for term in sympy.Add.make_args(expr):
+        coeff, _ = term.as_coeff_Mul()
+        if not coeff.is_Integer or int(coeff) % int(divisor) != 0:
+            return False
+    return True
+
+
+class FloorDiv(sympy.Function):
+    """``a // b`` rounding toward negative infinity, for integers."""
+
+    is_integer = True
+
+    @classmethod
+    def eval(cls, a, b):
+        if b == 1:
+            return a
+        if a.is_Integer and b.is_Integer and b != 0:
+            return sympy.Integer(int(a) // int(b))
+        if b.is_Integer and b != 0 and _divides(b, a):  # (4*x + 8) // 4 == x + 2, exactly
+            return sympy.expand(a / b)
+        return None
+
+
+class PyMod(sympy.Function):
+    """``a % b`` with the sign of ``b``, for integers."""
+
+    is_integer = True
+
+    @classmethod
+    def eval(cls, a, b):
+        if b == 1 or b == -1:
+            return sympy.Integer(0)
+        if a.is_Integer and b.is_Integer and b != 0:
+            return sympy.Integer(int(a) % int(b))
+        if b.is_Integer and b != 0 and _divides(b, a):
+            return sympy.Integer(0)
+        return None
+
+
+def _paren(text_prec: tuple[str, int], need: int) -> str:
+    text, prec = text_prec
+    return text if prec >= need else f"({text})"
+
+
+class _Printer:
+    """sympy integer expression -> (Triton source, binding strength).
+
+    ``names`` gives the source text for each symbol (a kernel variable, or an inlined expression
+    such as a load). Symbols in ``last`` (stride parameters) are written after the other factors of
+    a product, so offsets read ``index * stride``.
+    """
+
+    def __init__(self, names: Mapping[sympy.Symbol, tuple[str, int]], last: frozenset):
+        self.names = names
+        self.last = last
+
+    def print(self, expr: sympy.Expr) -> tuple[str, int]:
+        if expr.is_Integer:
+            value = int(expr)
+            return str(value), (ATOM if value >= 0 else UNARY)
+        if expr.is_Symbol:
+            return self.names.get(expr, (expr.name, ATOM))
+        if expr.is_Add:
+            return self._add(expr)
+        if expr.is_Mul or expr.is_Pow:
+            return self._mul(expr)
+        if isinstance(expr, FloorDiv):
+            a, b = (self.print(arg)[0] for arg in expr.args)
+            return f"py_floordiv({a}, {b})", ATOM
+        if isinstance(expr, PyMod):
+            a, b = (self.print(arg)[0] for arg in expr.args)
+            return f"py_remainder({a}, {b})", ATOM
+        raise NotImplementedError(f"cannot print {sympy.srepr(expr)} as Triton index arithmetic")
+
+    def _add(self, expr: sympy.Add) -> tuple[str, int]:
+        const, rest = expr.as_coeff_Add()
+
+        def order(term):  # positive terms first, offset terms in the order of their strides
+            strides = tuple(sorted(s.name for s in term.free_symbols if s in self.last))
+            return (term.could_extract_minus_sign(), strides, sympy.default_sort_key(term))
+
+        terms = sorted(sympy.Add.make_args(rest), key=order)
+        parts: list[str] = []
+        if const > 0 and all(t.could_extract_minus_sign() for t in terms):
+            parts.append(str(int(const)))  # 2 - q_idx rather than -q_idx + 2
+            const = sympy.Integer(0)
+        for term in terms:
+            negative = term.could_extract_minus_sign()
+            shown = self.print(-term if (negative and parts) else term)
+            if not parts:
+                parts.append(shown[0])
+            else:
+                parts.append(("- " if negative else "+ ") + _paren(shown, ADD + 1))
+        if const != 0:
+            parts.append(f"- {-int(const)}" if const < 0 else f"+ {int(const)}")
+        return " ".join(parts), ADD
+
+    def _mul(self, expr: sympy.Expr) -> tuple[str, int]:
+        coeff, rest = expr.as_coeff_Mul()
+        factors: list[sympy.Expr] = []
+        for factor in sympy.Mul.make_args(rest):
+            base, exp = factor.as_base_exp()
+            if not (exp.is_Integer and int(exp) >= 1):
+                raise NotImplementedError(f"cannot print {factor} as Triton index arithmetic")
+            factors.extend([base] * int(exp))
+        factors.sort(key=lambda f: (f in self.last, sympy.default_sort_key(f)))
+        shown = [_paren(self.print(f), MUL if i == 0 else MUL + 1) for i, f in enumerate(factors)]
+        if coeff == -1:
+            return "-" + " * ".join(shown), MUL
+        if coeff != 1:
+            shown.insert(0, str(int(coeff)))
+        return " * ".join(shown), MUL
+
+
+def print_index(
+    expr: sympy.Expr,
+    names: Mapping[sympy.Symbol, tuple[str, int]] = {},
+    last: frozenset = frozenset(),
+) -> tuple[str, int]:
+    """Triton source for an integer sympy expression, and how tightly its outer operator binds."""
+    return _Printer(names, last).print(expr)

@@ -1,0 +1,318 @@
+"""Runtime: compile-once kernels, launch configurations, autotuning and launches.
+
+Stage 4 of the pipeline (trace -> lowering -> codegen -> runtime). A ``ForwardKernel`` is built
+once per (score_mod graph, mask_mod graph, lowering flags) and kept; each call only gathers
+pointers, strides and constexprs and launches. Triton compiles each constexpr specialisation once
+and caches it on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+from .codegen import ForwardSpec, cache_dir, load_kernel_module, render_forward
+from .errors import BackendUnavailableError, InvalidInputError
+from .lowering import LoweredMod, lower
+from .trace import TracedMod
+
+__all__ = ["LaunchConfig", "ForwardKernel", "forward_kernel", "interpreter_enabled", "select_config"]
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    BLOCK_M: int
+    BLOCK_N: int
+    num_warps: int
+    num_stages: int
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def shared_memory_bytes(cfg: LaunchConfig, elem_bytes: int, qk_dim_p2: int, v_dim_p2: int) -> int:
+    """Upper estimate of the forward's shared memory: Q once, K and V tiles per pipeline stage."""
+    q_tile = cfg.BLOCK_M * qk_dim_p2
+    kv_tiles = cfg.BLOCK_N * (qk_dim_p2 + v_dim_p2) * max(1, cfg.num_stages - 1)
+    return (q_tile + kv_tiles) * elem_bytes
+
+
+def max_shared_memory(device: torch.device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
+
+
+# Defaults measured on an H100 (see docs/benchmarks.md); other GPUs start from the same shapes and
+# shrink until shared memory fits.
+_GPU_DEFAULTS = {
+    # (head dim up to, elem bytes): config
+    (64, 2): LaunchConfig(128, 128, 4, 3),
+    (128, 2): LaunchConfig(128, 64, 8, 3),
+    (256, 2): LaunchConfig(64, 32, 4, 3),
+    (64, 4): LaunchConfig(64, 64, 4, 3),
+    (128, 4): LaunchConfig(64, 32, 4, 3),
+    (256, 4): LaunchConfig(32, 32, 4, 2),
+}
+
+
+def _fit_to_mask(cfg: LaunchConfig, sparse_q: int, sparse_kv: int) -> LaunchConfig:
+    block_m = min(cfg.BLOCK_M, sparse_q)
+    block_n = min(cfg.BLOCK_N, sparse_kv)
+    while sparse_q % block_m:
+        block_m //= 2
+    while sparse_kv % block_n:
+        block_n //= 2
+    return LaunchConfig(block_m, block_n, cfg.num_warps, cfg.num_stages)
+
+
+def select_config(
+    device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int, sparse_q: int, sparse_kv: int
+) -> LaunchConfig:
+    """A launch configuration that divides the mask's blocks and fits in shared memory."""
+    if interpreter_enabled() or device.type != "cuda":
+        # The interpreter runs each program in numpy: fewer, larger tiles are faster.
+        return _fit_to_mask(LaunchConfig(128, 128, 4, 1), sparse_q, sparse_kv)
+    elem = dtype.itemsize
+    dim = max(qk_dim, v_dim)
+    bucket = next((d for d in (64, 128, 256) if dim <= d), 256)
+    cfg = _fit_to_mask(_GPU_DEFAULTS[(bucket, 2 if elem <= 2 else 4)], sparse_q, sparse_kv)
+    limit = max_shared_memory(device)
+    qk_p2, v_p2 = _next_pow2(qk_dim), _next_pow2(v_dim)
+    while shared_memory_bytes(cfg, elem, qk_p2, v_p2) > limit:
+        if cfg.num_stages > 2:
+            cfg = LaunchConfig(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps, cfg.num_stages - 1)
+        elif cfg.BLOCK_N > 16:
+            cfg = LaunchConfig(cfg.BLOCK_M, cfg.BLOCK_N // 2, cfg.num_warps, cfg.num_stages)
+        elif cfg.BLOCK_M > 16:
+            cfg = LaunchConfig(cfg.BLOCK_M // 2, cfg.BLOCK_N, cfg.num_warps, cfg.num_stages)
+        else:
+            break
+    return cfg
+
+
+def _candidate_configs(base: LaunchConfig, sparse_q: int, sparse_kv: int) -> list[LaunchConfig]:
+    shapes = [(128, 128), (128, 64), (64, 64), (64, 128), (128, 32), (64, 32)]
+    out = {base}
+    for bm, bn in shapes:
+        for warps in (4, 8):
+            for stages in (2, 3, 4):
+                out.add(_fit_to_mask(LaunchConfig(bm, bn, warps, stages), sparse_q, sparse_kv))
+    return sorted(out, key=lambda c: (c != base, -c.BLOCK_M, -c.BLOCK_N, c.num_warps, c.num_stages))
+
+
+class _TunedConfigs:
+    """Autotuned choices, kept in ``<cache dir>/autotune.json`` so later processes reuse them."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._table: Optional[dict] = None
+
+    @property
+    def path(self):
+        return cache_dir() / "autotune.json"
+
+    def _load(self) -> dict:
+        if self._table is None:
+            try:
+                self._table = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                self._table = {}
+        return self._table
+
+    def get(self, key: str) -> Optional[LaunchConfig]:
+        with self._lock:
+            entry = self._load().get(key)
+        return LaunchConfig(**entry) if entry else None
+
+    def put(self, key: str, cfg: LaunchConfig) -> None:
+        with self._lock:
+            table = self._load()
+            table[key] = asdict(cfg)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+            os.replace(tmp, self.path)
+
+
+tuned_configs = _TunedConfigs()
+
+_OPTION_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+
+
+def _pinned_config(options: dict, default: LaunchConfig, sparse_q: int, sparse_kv: int) -> LaunchConfig:
+    cfg = LaunchConfig(**{k: int(options.get(k, getattr(default, k))) for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")})
+    for name, value, sparse, what in (("BLOCK_M", cfg.BLOCK_M, sparse_q, "query"), ("BLOCK_N", cfg.BLOCK_N, sparse_kv, "key")):
+        if value < 16 or value & (value - 1) or sparse % value:
+            raise InvalidInputError(
+                f"kernel_options['{name}'] must be a power of two >= 16 that divides the BlockMask's "
+                f"{what} block size {sparse}, got {value}"
+            )
+    if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1:
+        raise InvalidInputError(
+            f"kernel_options num_warps must be 1, 2, 4, 8 or 16 and num_stages >= 1, got {cfg.num_warps} and {cfg.num_stages}"
+        )
+    return cfg
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    if dtype != torch.float32:
+        return "ieee"
+    # fp32 inputs use tf32 tensor cores only when torch's own matmul setting allows it.
+    return "tf32" if torch.get_float32_matmul_precision() != "highest" else "ieee"
+
+
+class ForwardKernel:
+    """One rendered and imported forward kernel, for one pair of traced mods."""
+
+    def __init__(self, score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool):
+        self.score_lowered: Optional[LoweredMod] = lower(score, prefix="sm_", tanh_approx=tanh_approx) if score else None
+        self.mask_lowered: Optional[LoweredMod] = lower(mask, prefix="mm_", tanh_approx=tanh_approx) if mask else None
+        self.spec = ForwardSpec(
+            score_mod=self.score_lowered,
+            mask_mod=self.mask_lowered,
+            score_name=score.name if score else "identity",
+            mask_name=mask.name if mask else "none",
+        )
+        self.source = render_forward(self.spec)
+        self.source_digest = hashlib.sha256(self.source.encode()).hexdigest()[:16]
+        self.module = load_kernel_module(self.source, self.spec.readable_name())
+        self.jit_fn = self.module.flex_attention_forward
+        self.has_score_mod = score is not None
+
+    # ---------------------------------------------------------------- launch
+    def __call__(
+        self, q, k, v, block_mask, scale: float, score_captured, mask_captured, *,
+        need_lse: bool, need_max: bool, options: dict,
+    ):
+        B, Hq, L, E = q.shape
+        Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+        sparse_q, sparse_kv = block_mask.BLOCK_SIZE
+        out = _empty((B, Hq, L, Ev), q.dtype, q.device)
+        lse = _empty((B, Hq, L), torch.float32, q.device) if need_lse else out
+        mx = _empty((B, Hq, L), torch.float32, q.device) if need_max else out
+        has_full = block_mask.full_kv_num_blocks is not None
+        nb, idx = block_mask.kv_num_blocks, block_mask.kv_indices
+        fnb = block_mask.full_kv_num_blocks if has_full else nb
+        fidx = block_mask.full_kv_indices if has_full else idx
+        # K/V batch of 1 broadcast over the query batch: stride 0 re-reads the same rows.
+        k_strides = (0 if k.shape[0] == 1 and B > 1 else k.stride(0),) + k.stride()[1:]
+        v_strides = (0 if v.shape[0] == 1 and B > 1 else v.stride(0),) + v.stride()[1:]
+
+        cfg = self._config(q, k, v, block_mask, scale, score_captured, mask_captured, options, sparse_q, sparse_kv)
+        extra = []
+        for lowered, tensors in ((self.score_lowered, score_captured), (self.mask_lowered, mask_captured)):
+            if lowered is None:
+                continue
+            for t in tensors:
+                extra.append(t)
+                extra.extend(t.stride())
+        grid = (triton_cdiv(L, cfg.BLOCK_M), Hq, B)
+        self.jit_fn[grid](
+            q, k, v, out, lse, mx, nb, idx, fnb, fidx,
+            *q.stride(), *k_strides, *v_strides, *out.stride(),
+            *nb.stride(), *idx.stride(), *fnb.stride(), *fidx.stride(),
+            L, S, float(scale), *extra,
+            SPARSE_Z=nb.shape[0], SPARSE_HQ=nb.shape[1], GQA_GROUP=Hq // Hkv,
+            QK_HEAD_DIM=E, QK_HEAD_DIM_P2=max(16, _next_pow2(E)),
+            V_HEAD_DIM=Ev, V_HEAD_DIM_P2=max(16, _next_pow2(Ev)),
+            SPARSE_Q_BLOCK_SIZE=sparse_q, SPARSE_KV_BLOCK_SIZE=sparse_kv,
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+            EVEN_M=L % cfg.BLOCK_M == 0, EVEN_N=S % sparse_kv == 0,
+            HAS_SCORE_MOD=self.has_score_mod,
+            HAS_PARTIAL_BLOCKS=self.mask_lowered is not None, HAS_FULL_BLOCKS=has_full,
+            OUTPUT_LSE=need_lse, OUTPUT_MAX=need_max,
+            INPUT_PRECISION=_input_precision(q.dtype), NUM_STAGES=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return out, (lse if need_lse else None), (mx if need_max else None)
+
+    # ---------------------------------------------------------------- configs
+    def _config(self, q, k, v, block_mask, scale, score_captured, mask_captured, options, sparse_q, sparse_kv):
+        E, Ev = q.shape[-1], v.shape[-1]
+        default = select_config(q.device, q.dtype, E, Ev, sparse_q, sparse_kv)
+        if _OPTION_KEYS & options.keys():
+            return _pinned_config(options, default, sparse_q, sparse_kv)
+        if not options.get("AUTOTUNE") or interpreter_enabled() or q.device.type != "cuda":
+            return default
+        key = "|".join(
+            str(x) for x in (
+                self.spec.readable_name(), self.source_digest, torch.cuda.get_device_name(q.device),
+                q.dtype, E, Ev, _next_pow2(q.shape[2]), _next_pow2(k.shape[2]), q.shape[1] // k.shape[1],
+                sparse_q, sparse_kv,
+            )
+        )
+        cached = tuned_configs.get(key)
+        if cached is not None:
+            return cached
+        best = self._autotune(q, k, v, block_mask, scale, score_captured, mask_captured, default, sparse_q, sparse_kv)
+        tuned_configs.put(key, best)
+        return best
+
+    def _autotune(self, q, k, v, block_mask, scale, score_captured, mask_captured, default, sparse_q, sparse_kv):
+        import triton.testing
+
+        limit = max_shared_memory(q.device)
+        qk_p2, v_p2 = _next_pow2(q.shape[-1]), _next_pow2(v.shape[-1])
+        timings = []
+        for cfg in _candidate_configs(default, sparse_q, sparse_kv):
+            if shared_memory_bytes(cfg, q.dtype.itemsize, qk_p2, v_p2) > limit:
+                continue
+            pinned = {"BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+            def run():
+                self(q, k, v, block_mask, scale, score_captured, mask_captured,
+                     need_lse=True, need_max=False, options=pinned)
+
+            try:
+                ms = triton.testing.do_bench(run, warmup=5, rep=20, return_mode="median")
+            except Exception:  # a config the compiler rejects (resources) is simply not a candidate
+                continue
+            timings.append((ms, cfg))
+        if not timings:
+            return default
+        return min(timings, key=lambda t: t[0])[1]
+
+
+# Tests set FLEXATTN_POISON_OUTPUTS=1: outputs start as NaN, so an element a kernel forgets to
+# write fails the comparison instead of passing on whatever the allocator left there.
+_POISON_OUTPUTS = os.environ.get("FLEXATTN_POISON_OUTPUTS", "0") not in ("", "0")
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    if _POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+_kernels: dict[tuple, ForwardKernel] = {}
+
+
+def forward_kernel(score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool = False) -> ForwardKernel:
+    """The forward kernel for these traced mods, built on first use and kept for the process."""
+    key = (score, mask, tanh_approx)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        try:
+            import triton  # noqa: F401
+        except ImportError as err:  # pragma: no cover - Linux always has the wheel
+            raise BackendUnavailableError(
+                "the Triton backend needs the 'triton' package (pip install triton); "
+                "use kernel_options={'BACKEND': 'PYTORCH'} to run without it"
+            ) from err
+        kernel = ForwardKernel(score, mask, tanh_approx=tanh_approx)
+        _kernels[key] = kernel
+    return kernel

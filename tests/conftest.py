@@ -1,0 +1,38 @@
+"""Shared test set-up: import path, the Triton interpreter on CPU machines, GPU markers."""
+
+import os
+import sys
+import zlib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)  # so tests can `import gym` (the shared variant catalogue)
+
+# Kernels' outputs start as NaN in tests, so an element a kernel never writes cannot pass.
+os.environ.setdefault("FLEXATTN_POISON_OUTPUTS", "1")
+
+import torch  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    # Without a GPU every generated Triton kernel runs in Triton's interpreter. The variable must be
+    # set before kernels are imported: @triton.jit reads it when a kernel module is loaded.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the device)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed(request):
+    # A different but reproducible seed per test: fresh random inputs, never zeros.
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    yield
