@@ -266,7 +266,9 @@ class BlockMask:
 
         The number of key blocks COLS is the widest of the index tables and, when given,
         ``ceil(kv_len / KV_BLOCK)``. Used entries must lie in ``[0, COLS)``; padding entries outside
-        that range are replaced by 0 so kernels may prefetch them. Tables are stored as int32.
+        that range are replaced by 0 so kernels may prefetch them. Tables are stored as int32,
+        with leading dims added up to ``[B, H, ...]`` and narrower index tables padded to COLS.
+        The given order of the used entries is kept (kernels visit tiles in that order).
 
         Raises:
             InvalidInputError: only one of the full_* tables given, shapes that disagree, non-integer
@@ -300,6 +302,8 @@ class BlockMask:
         kv_indices = _checked_indices("kv", kv_num_blocks, kv_indices, num_cols)
         if full_kv_indices is not None:
             full_kv_indices = _checked_indices("full_kv", full_kv_num_blocks, full_kv_indices, num_cols)
+            full_kv_indices = _widened(full_kv_indices, num_cols)
+        kv_indices = _widened(kv_indices, num_cols)
 
         q_tables: list[Optional[torch.Tensor]] = [None, None, None, None]
         if compute_q_blocks:
@@ -472,13 +476,13 @@ class BlockMask:
                     t = t.index_select(dim, chosen)
             return t.contiguous()
 
-        batch_sel, head_sel, row_sel = selections
-        if row_sel is not None:
+        batch_map, head_map = _as_map(selections[0], sizes[0]), _as_map(selections[1], sizes[1])
+        if selections[2] is not None:
             mask_mod = _sliced_rows_mask_mod
-        elif batch_sel is None and head_sel is None:
+        elif batch_map is None and head_map is None:
             mask_mod = self.mask_mod
         else:
-            mask_mod = _reindexed_mask_mod(self.mask_mod, _as_map(batch_sel, sizes[0]), _as_map(head_sel, sizes[1]))
+            mask_mod = _reindexed_mask_mod(self.mask_mod, batch_map, head_map)
 
         partial = pick(self._partial_map())
         full = pick(self._full_map())
@@ -508,11 +512,14 @@ class BlockMask:
     def adjust(self, new_q_len: int, new_kv_len: int) -> "BlockMask":
         """The top-left ``new_q_len x new_kv_len`` corner of this mask, e.g. for a shorter batch.
 
-        Tiles outside the corner are dropped and the tables recounted. A full tile that the new
-        boundary cuts through becomes partial, as create_block_mask would make it. The result equals
-        ``create_block_mask`` at the new lengths only for mask_mods that do not depend on the
-        lengths (causal, sliding window, documents do; "attend to the last 10 keys" does not).
-        Growing a mask is an error: the tiles past its lengths were never evaluated.
+        Tiles outside the corner are dropped and the tables recounted; the mask_mod is not called
+        again. A full tile that the new boundary cuts through becomes partial (positions past the
+        end count as masked, as in create_block_mask). A partial tile cut by the boundary stays
+        partial even when none of its remaining pairs are kept: the kernels apply the mask_mod
+        there, so results are exact, just slightly less sparse than a fresh create_block_mask.
+        Cropping is only right for mask_mods that do not depend on the lengths (causal, sliding
+        window, documents; not "attend to the last 10 keys"). Growing a mask is an error: the
+        tiles past its lengths were never evaluated.
         """
         new_q_len = _positive_int("new_q_len", new_q_len)
         new_kv_len = _positive_int("new_kv_len", new_kv_len)
@@ -592,6 +599,15 @@ def _checked_indices(name: str, num_blocks: torch.Tensor, indices: torch.Tensor,
     if bad_padding:
         indices = indices.masked_fill(outside, 0)
     return indices
+
+
+def _widened(indices: torch.Tensor, num_cols: int) -> torch.Tensor:
+    """Pad an index table with zeros (valid padding) to one slot per key block.
+
+    Every table of a BlockMask is then ``[B, H, ROWS, COLS]``, whatever width the caller used.
+    """
+    missing = num_cols - indices.shape[-1]
+    return torch.nn.functional.pad(indices, (0, missing)) if missing > 0 else indices
 
 
 def _transposed_tables(partial_map: torch.Tensor, full_map: Optional[torch.Tensor]) -> list[Optional[torch.Tensor]]:

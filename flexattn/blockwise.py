@@ -481,7 +481,7 @@ def blockwise_backward(
                             if w:
                                 g = next(grads_iter)
                                 if g is not None:
-                                    captured_grads[i] += 2*g.to(dtype)
+                                    captured_grads[i] += g.to(dtype)
                         del s, raw
                     else:
                         draw = ds

@@ -58,7 +58,7 @@ def max_shared_memory(device: torch.device) -> int:
 _GPU_DEFAULTS = {
     # (head dim up to, elem bytes): config
     (64, 2): LaunchConfig(128, 128, 4, 3),
-    (128, 2): LaunchConfig(128, 64, 8, 3),
+    (128, 2): LaunchConfig(128, 64, 4, 3),
     (256, 2): LaunchConfig(64, 32, 4, 3),
     (64, 4): LaunchConfig(64, 64, 4, 3),
     (128, 4): LaunchConfig(64, 32, 4, 3),
@@ -77,7 +77,8 @@ def _fit_to_mask(cfg: LaunchConfig, sparse_q: int, sparse_kv: int) -> LaunchConf
 
 
 def select_config(
-    device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int, sparse_q: int, sparse_kv: int
+    device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int, sparse_q: int, sparse_kv: int,
+    has_mods: bool = False,
 ) -> LaunchConfig:
     """A launch configuration that divides the mask's blocks and fits in shared memory."""
     if interpreter_enabled() or device.type != "cuda":
@@ -86,7 +87,11 @@ def select_config(
     elem = dtype.itemsize
     dim = max(qk_dim, v_dim)
     bucket = next((d for d in (64, 128, 256) if dim <= d), 256)
-    cfg = _fit_to_mask(_GPU_DEFAULTS[(bucket, 2 if elem <= 2 else 4)], sparse_q, sparse_kv)
+    base = _GPU_DEFAULTS[(bucket, 2 if elem <= 2 else 4)]
+    if has_mods and (bucket, elem) == (128, 2):
+        # Measured on an H200 (gym/sweep.py): with mods in the loop, d=128 prefers 8 warps on 128x128.
+        base = LaunchConfig(128, 128, 8, 3)
+    cfg = _fit_to_mask(base, sparse_q, sparse_kv)
     limit = max_shared_memory(device)
     qk_p2, v_p2 = _next_pow2(qk_dim), _next_pow2(v_dim)
     while shared_memory_bytes(cfg, elem, qk_p2, v_p2) > limit:
@@ -229,9 +234,12 @@ class ForwardKernel:
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
             EVEN_M=L % cfg.BLOCK_M == 0, EVEN_N=S % sparse_kv == 0,
             HAS_SCORE_MOD=self.has_score_mod,
+            # The mods see the scaled score; the scale folds into the exp2 only when it is positive.
+            SCALE_FIRST=self.has_score_mod or scale <= 0,
             HAS_PARTIAL_BLOCKS=self.mask_lowered is not None, HAS_FULL_BLOCKS=has_full,
             OUTPUT_LSE=need_lse, OUTPUT_MAX=need_max,
             INPUT_PRECISION=_input_precision(q.dtype), NUM_STAGES=cfg.num_stages,
+            UPCAST_DOTS=q.dtype == torch.bfloat16 and interpreter_enabled(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out, (lse if need_lse else None), (mx if need_max else None)
@@ -239,7 +247,10 @@ class ForwardKernel:
     # ---------------------------------------------------------------- configs
     def _config(self, q, k, v, block_mask, scale, score_captured, mask_captured, options, sparse_q, sparse_kv):
         E, Ev = q.shape[-1], v.shape[-1]
-        default = select_config(q.device, q.dtype, E, Ev, sparse_q, sparse_kv)
+        default = select_config(
+            q.device, q.dtype, E, Ev, sparse_q, sparse_kv,
+            has_mods=self.score_lowered is not None or self.mask_lowered is not None,
+        )
         if _OPTION_KEYS & options.keys():
             return _pinned_config(options, default, sparse_q, sparse_kv)
         if not options.get("AUTOTUNE") or interpreter_enabled() or q.device.type != "cuda":

@@ -325,14 +325,23 @@ def _per_batch_and_head_mask(q_len: int, kv_len: int):
 
 
 @pytest.mark.parametrize(
-    "index",
-    [1, -1, (1, 2), (slice(0, 2), slice(1, 3)), (slice(None), -2), torch.tensor([2, 0]), (2, torch.tensor(3))],
-    ids=["int", "negative", "int_int", "slices", "head_only", "tensor", "int_0d_tensor"],
+    "index, torch_index",
+    [
+        (1, 1),
+        (-1, -1),
+        ((1, 2), (1, 2)),
+        ((slice(0, 2), slice(1, 3)), (slice(0, 2), slice(1, 3))),
+        ((slice(None), -2), (slice(None), -2)),
+        (torch.tensor([2, 0]), torch.tensor([2, 0])),
+        ((2, torch.tensor(3)), (2, 3)),  # torch drops the dim of a 0-d tensor index; we keep it
+        ((torch.tensor([True, False, True]), torch.tensor([1, 3])), (slice(0, 3, 2), slice(1, 4, 2))),
+    ],
+    ids=["int", "negative", "int_int", "slices", "head_only", "tensor", "int_0d_tensor", "bool_and_tensor"],
 )
-def test_getitem_batches_and_heads(index):
+def test_getitem_batches_and_heads(index, torch_index):
     mask_mod = _per_batch_and_head_mask(400, 400)
     bm = create_block_mask(mask_mod, 3, 4, 400, 400, device=CPU, BLOCK_SIZE=64)
-    theirs = torch_flex.create_block_mask(mask_mod, 3, 4, 400, 400, device=CPU, BLOCK_SIZE=64)[index]
+    theirs = torch_flex.create_block_mask(mask_mod, 3, 4, 400, 400, device=CPU, BLOCK_SIZE=64)[torch_index]
     sliced = bm[index]
     assert sliced.kv_num_blocks.dim() == 3 and sliced.kv_indices.dim() == 4  # ints keep their dim
     assert_same_as_torch(sliced, theirs)
@@ -382,19 +391,58 @@ def test_to_returns_a_new_mask_on_the_device():
         assert torch.equal(getattr(back, name), getattr(bm, name)), name
 
 
+def assert_is_crop_of(cropped: BlockMask, fresh, new_q: int, new_kv: int) -> None:
+    """``cropped`` is ``fresh`` except that tiles cut by the new boundary may stay partial.
+
+    Those tiles lost pairs the mask_mod kept, and adjust() does not call the mask_mod again to
+    find out whether any kept pair is left; fresh may call them empty.
+    """
+    q_block, kv_block = cropped.BLOCK_SIZE
+    cols = fresh.kv_indices.shape[-1]
+    ours_partial = dense_by_loop(cropped.kv_num_blocks, cropped.kv_indices, cols).bool()
+    their_partial = dense_by_loop(fresh.kv_num_blocks, fresh.kv_indices, cols).bool()
+    ours_full = dense_by_loop(cropped.full_kv_num_blocks, cropped.full_kv_indices, cols)
+    assert torch.equal(ours_full, dense_by_loop(fresh.full_kv_num_blocks, fresh.full_kv_indices, cols))
+    cut = torch.zeros_like(ours_partial)
+    if new_q % q_block:
+        cut[..., -1, :] = True
+    if new_kv % kv_block:
+        cut[..., :, -1] = True
+    assert torch.equal(ours_partial & ~cut, their_partial & ~cut)
+    assert bool((their_partial <= ours_partial).all())
+    # The backward tables describe the same (cropped) tiles.
+    assert torch.equal(dense_by_loop(cropped.q_num_blocks, cropped.q_indices, cropped.q_indices.shape[-1]),
+                       ours_partial.int().transpose(-2, -1))
+    assert cropped.seq_lengths == (new_q, new_kv) and cropped.kv_indices.shape == fresh.kv_indices.shape
+
+
 @pytest.mark.parametrize("name", ["causal", "sliding_window", "document", "per_head"])
-def test_adjust_equals_building_at_the_new_lengths(name):
+def test_adjust_crops_to_the_new_lengths(name):
     q_len, kv_len = 1000, 1000
+    block_size = (128, 64)
     mask_mod, B, H = make_mask(name, q_len, kv_len)
-    bm = create_block_mask(mask_mod, B, H, q_len, kv_len, device=CPU, BLOCK_SIZE=(128, 64))
-    for new_q, new_kv in [(1000, 1000), (_randint(1, 1001), _randint(1, 1001)), (512, 384), (700, 1000)]:
+    bm = create_block_mask(mask_mod, B, H, q_len, kv_len, device=CPU, BLOCK_SIZE=block_size)
+    # Lengths on block boundaries (and the original lengths) cut no tile: the tables are exact.
+    for new_q, new_kv in [(1000, 1000), (512, 384), (128 * _randint(1, 8), 64 * _randint(1, 16))]:
+        fresh = torch_flex.create_block_mask(mask_mod, B, H, new_q, new_kv, device=CPU, BLOCK_SIZE=block_size)
+        assert_same_as_torch(bm.adjust(new_q, new_kv), fresh)
+    for new_q, new_kv in [(700, 1000), (_randint(1, 1001), _randint(1, 1001)), (1, 1)]:
+        fresh = torch_flex.create_block_mask(mask_mod, B, H, new_q, new_kv, device=CPU, BLOCK_SIZE=block_size)
         cropped = bm.adjust(new_q, new_kv)
-        fresh = torch_flex.create_block_mask(mask_mod, B, H, new_q, new_kv, device=CPU, BLOCK_SIZE=(128, 64))
-        assert_same_as_torch(cropped, fresh)
+        assert_is_crop_of(cropped, fresh, new_q, new_kv)
         assert cropped.mask_mod is mask_mod
+        assert 0.0 <= cropped.sparsity() <= 100.0
     assert_same_as_torch(bm._adjust(300, 200), bm.adjust(300, 200))
     with pytest.raises(InvalidInputError, match="can only crop"):
         bm.adjust(1001, 1000)
+
+
+def test_adjust_demotes_full_tiles_cut_by_the_boundary():
+    bm = create_block_mask(causal_mask, 1, 1, 256, 256, device=CPU, BLOCK_SIZE=128)
+    assert bm.full_kv_num_blocks.tolist() == [[[0, 1]]]
+    cropped = bm.adjust(200, 256)  # tile (1, 0) keeps all of its 72 remaining rows but is cut
+    assert cropped.full_kv_num_blocks.tolist() == [[[0, 0]]]
+    assert cropped.kv_num_blocks.tolist() == [[[1, 2]]]
 
 
 # --------------------------------------------------------------------------------------------
@@ -445,10 +493,12 @@ def test_from_kv_blocks_adds_batch_dims_and_cleans_padding():
     num = torch.tensor([1, 2], dtype=torch.int32)
     idx = torch.tensor([[1, 99], [0, 2]], dtype=torch.int32)  # 99: padding outside [0, 3)
     bm = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=16, seq_lengths=(32, 48))
-    assert bm.kv_num_blocks.shape == (1, 1, 2) and bm.kv_indices.shape == (1, 1, 2, 2)
-    assert bm.kv_indices[0, 0, 0, 1] == 0  # replaced by a valid block index, so kernels may prefetch it
+    # Leading dims added; the table widened to COLS = ceil(48 / 16) = 3 key blocks.
+    assert bm.kv_num_blocks.shape == (1, 1, 2) and bm.kv_indices.shape == (1, 1, 2, 3)
+    assert bm.kv_indices[0, 0, 0].tolist() == [1, 0, 0]  # 99 replaced: kernels may prefetch padding
     assert torch.equal(bm.to_dense()[0, 0], torch.tensor([[0, 1, 0], [1, 0, 1]], dtype=torch.int32))
-    assert bm.q_indices.shape == (1, 1, 3, 2)  # COLS = ceil(48 / 16) = 3, wider than the table
+    assert bm.q_indices.shape == (1, 1, 3, 2)
+    assert bm.sparsity() == pytest.approx(50.0)
 
 
 def test_from_kv_blocks_errors():

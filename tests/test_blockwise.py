@@ -31,6 +31,16 @@ TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2, to
 FUDGE = 2.0
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # The shapes here are small. On a shared 2-core machine, two OpenMP threads that spin-wait while
+    # another process holds a core make small ops many times slower; one thread avoids that.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _rel_err(actual: torch.Tensor, golden: torch.Tensor) -> float:
     """Norm-wise relative error; -inf entries (fully masked rows) must match exactly and are skipped."""
     finite = torch.isfinite(golden)

@@ -15,7 +15,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: ker
 import ast
 import hashlib
 import importlib.util
-import math
 import pathlib
 import subprocess
 import sys
@@ -43,10 +42,14 @@ import triton.language as tl
 
 @triton.jit
 def mod_kernel(
-    out_ptr, score_ptr, off_z, off_hq, q_start, kv_start,
+    out_ptr, score_ptr, b, h, q_start, kv_start,
     {%- for p in params %} {{ p }},{% endfor %}
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # b and h as scalar tensors, as in the real kernels (program ids); a plain int argument equal to
+    # 1 would be specialised to a constexpr.
+    off_z = tl.full([], b, tl.int32)
+    off_hq = tl.full([], h, tl.int32)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     q_idx = (q_start + offs_m)[:, None]
@@ -139,7 +142,7 @@ KEEP = torch.rand(32, generator=_gen) > 0.5
 SMALL8 = torch.randint(0, 4, (32,), dtype=torch.int8, generator=_gen)
 HALF = torch.randn(32, generator=_gen).half()
 BF16 = torch.randn(32, generator=_gen).bfloat16()
-F64 = torch.randn(32, generator=_gen, dtype=torch.float64)
+F64 = torch.randn(64, generator=_gen, dtype=torch.float64)
 SCALE = torch.tensor(0.125)  # a 0-d captured tensor (read with one scalar load)
 
 # -- golden source -------------------------------------------------------------------------------
@@ -167,13 +170,10 @@ def test_golden_causal():
 
 
 def test_golden_alibi():
-    lowered = lowered_of(alibi_like)
+    lowered = lowered_of(generate_alibi_bias(4))
     assert lowered.lines == ()
     assert lowered.result == "qk + tl.load(sm_slopes_ptr + off_hq * sm_slopes_stride0) * (kv_idx - q_idx).to(tl.float32)"
-    assert lowered.kernel_params == ("sm_SLOPES_ptr", "sm_SLOPES_stride0") or lowered.kernel_params == (
-        "sm_slopes_ptr",
-        "sm_slopes_stride0",
-    )
+    assert lowered.kernel_params == ("sm_slopes_ptr", "sm_slopes_stride0")
 
 
 def test_golden_gather_strides():
@@ -328,10 +328,10 @@ SCORE_MODS = {
     "gather_negative_constant_index": lambda s, b, h, q, kv: s + BIAS[-1, q] + BIAS[h, -2],
     "gather_of_gather": lambda s, b, h, q, kv: s + INTERVALS[DOC[kv]][0] - INTERVALS[DOC[q], 1],
     "gather_index_of_partial": lambda s, b, h, q, kv: s + INTERVALS[DOC[kv]][torch.tensor(1)],
-    "gather_by_int8_values": lambda s, b, h, q, kv: s + BIAS[SMALL8[q], kv],
+    "gather_by_int8_values": lambda s, b, h, q, kv: s + BIAS[SMALL8[q].int(), kv] + BIAS[h, SMALL8[kv] + q],
     "int64_capture": lambda s, b, h, q, kv: s + ((q + OFFSETS64[h]) % 7) + (OFFSETS64[h] > 2**32),
     "bool_capture": lambda s, b, h, q, kv: torch.where(KEEP[kv], s, -s) + KEEP[q],
-    "fp16_bf16_f64_captures": lambda s, b, h, q, kv: s * HALF[kv] + BF16[q] + F64[q + kv - 5],
+    "fp16_bf16_f64_captures": lambda s, b, h, q, kv: s * HALF[kv] + BF16[q] + F64[q + kv],
     "scalar_capture": lambda s, b, h, q, kv: s * SCALE,
     "cast_whole_capture": lambda s, b, h, q, kv: s + DOC.float()[q] + KEEP.to(torch.int32)[kv],
 }
@@ -374,6 +374,7 @@ def test_catalogue_variant_matches_torch(variant):
             check(mask_mod, "mask_mod", **where)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_helpers_on_edge_values():
     """precise_tanh, pow_float and the float division helpers on huge, tiny, zero and NaN inputs."""
     values = torch.tensor([0.0, -0.0, 1e-30, -1e-7, 0.2499, 0.2501, -3.0, 9.5, 44.0, -1e30, float("inf"), NAN])
@@ -415,14 +416,14 @@ def test_helpers_template_is_plain_python():
     tree = ast.parse(source)
     names = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
     assert {"py_floordiv", "py_remainder", "py_floordiv_float", "trunc_div", "pow_float", "precise_tanh",
-            "tanh_approx", "torch_maximum", "torch_minimum"} <= names  # fmt: skip
+            "tanh_approx", "round_to_bfloat16", "torch_maximum", "torch_minimum"} <= names  # fmt: skip
 
 
 def test_register_lowering_adds_a_table_entry():
     op = torch.ops.aten.sinh
     assert op not in LOWERINGS and op.default not in LOWERINGS
     try:
-        register_lowering(op, lambda x: f"(tl.exp({x}) - tl.exp(-{x})) * 0.5")
+        register_lowering(op, lambda x: f"(tl.exp({x}) - tl.exp(-{x})) * 0.5", inputs="result")
         lowered = lowered_of(lambda s, b, h, q, kv: torch.sinh(s / 4) * 2)
         assert lowered.result == "(tl.exp(qk / 4.0) - tl.exp(-qk / 4.0)) * 0.5 * 2.0" or "sinh" not in lowered.result
         check(lambda s, b, h, q, kv: torch.sinh(s / 4) * 2 + torch.sinh(q - kv))

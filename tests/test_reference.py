@@ -18,6 +18,15 @@ from gym.catalogue import CATALOGUE
 FP64_TOL = 1e-10
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Small shapes: a second OpenMP thread only costs time when another process holds the other core.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Norm-wise relative error, with -inf entries required to match exactly and then ignored."""
     finite = torch.isfinite(expected)

@@ -17,7 +17,7 @@ Dtypes. Every float is float32 in the kernel, whatever torch computes it in: loa
 bfloat16 and float64 tensors are converted to float32, float64 arithmetic runs in float32 (kernels
 are fp32 throughout), and float16/bfloat16 arithmetic runs in float32 without rounding each step
 (as Inductor does). An explicit cast to float16/bfloat16 (``x.half()``) still rounds, through
-``.to(tl.float16).to(tl.float32)``. Integers and bools keep torch's dtypes: before each op its
+``.to(tl.float16).to(tl.float32)`` or ``round_to_bfloat16(x)``. Integers and bools keep torch's dtypes: before each op its
 operands are cast to the dtype torch would compute in (``node.meta["val"].dtype``), so an int32
 index plus an int64 captured value is an int64 sum, and ``int / int`` is a float32 division.
 Comparisons give ``tl.int1``.
@@ -133,7 +133,10 @@ def _paren(v: Val, need: int) -> str:
 
 def _const(value: Any, dtype: torch.dtype) -> Val:
     """A constant of torch dtype ``dtype``, rounded as torch would store it."""
-    value = torch.tensor(value, dtype=dtype).item()
+    if dtype in (torch.float32, torch.float64) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = float(value)  # written as given (0.1, not 0.10000000149011612): Triton rounds it alike
+    else:
+        value = torch.tensor(value, dtype=dtype).item()
     text, prec = literal(value)
     return Val(text, kernel_dtype(dtype), prec, value=value)
 
@@ -199,6 +202,11 @@ def _node_text(node: torch.fx.Node) -> str:
     args = [show(a) for a in node.args] + [f"{k}={show(v)}" for k, v in node.kwargs.items()]
     return f"{node.name} = {node.target}({', '.join(args)})"
 
+
+_INDEX_FIRST = (
+    "Index captured tensors down to one element before computing with them: bias[h, q_idx] * 2, "
+    "not (bias * 2)[h, q_idx]; a mod computes one value per (query, key) pair."
+)
 
 # Ops users reach for that have no entry, and what to write instead.
 _HINTS = {
@@ -388,8 +396,10 @@ class _Emitter:
         """``v.to(dtype)`` as torch computes it: a cast to float16/bfloat16 rounds."""
         if v.value is not None:
             return _const(v.value, dtype)
-        if dtype in (torch.float16, torch.bfloat16):
-            return Val(f"{_paren(v, ATOM)}.to({TL_DTYPES[dtype]}).to(tl.float32)", torch.float32, ATOM)
+        if dtype == torch.float16:
+            return Val(f"{_paren(v, ATOM)}.to(tl.float16).to(tl.float32)", torch.float32, ATOM)
+        if dtype == torch.bfloat16:  # see round_to_bfloat16 in mod_helpers.py.jinja for why not .to()
+            return Val(f"round_to_bfloat16({self.coerce(v, torch.float32).text})", torch.float32, ATOM)
         return self.coerce(v, kernel_dtype(dtype))
 
     # -- reads of captured tensors ---------------------------------------------------------------
@@ -465,11 +475,8 @@ class _Emitter:
             v = self.env[self.canonical[arg]]
             if isinstance(v, Gather):
                 shape = tuple(self.traced.captured[v.index].shape[d] for d in v.dims)
-                raise self.unsupported(
-                    node, f"a captured tensor used with dimensions of size {shape} not indexed",
-                    "Index captured tensors down to one element before computing with them: "
-                    "bias[h, q_idx] * 2, not (bias * 2)[h, q_idx]; mods compute one value per (query, key) pair.",
-                )  # fmt: skip
+                raise self.unsupported(node, f"a captured tensor used with dimensions of size {shape} not indexed",
+                                       _INDEX_FIRST)  # fmt: skip
             return v
         if isinstance(arg, (bool, int, float)):
             return _weak(arg)
@@ -499,7 +506,7 @@ class _Emitter:
             return self.convert(value, out.dtype)
         if out.dim() != 0:
             raise self.unsupported(node, f"a tensor of shape {tuple(out.shape)} built inside the mod",
-                                   "Build such tensors outside the mod and capture them.")  # fmt: skip
+                                   _INDEX_FIRST + " Build other tensors outside the mod and capture them.")  # fmt: skip
         if rule.kind == "constant":
             try:
                 value = rule.fn(*node.args, **node.kwargs)
