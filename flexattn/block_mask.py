@@ -94,7 +94,8 @@ def _as_block_size(block_size: BlockSize) -> tuple[int, int]:
     if isinstance(block_size, (tuple, list)):
         if len(block_size) != 2:
             raise InvalidInputError(f"BLOCK_SIZE must be an int or a (Q_BLOCK, KV_BLOCK) pair, got {block_size!r}")
-        return (_positive_int("BLOCK_SIZE[0] (Q_BLOCK)", block_size[0]), _positive_int("BLOCK_SIZE[1] (KV_BLOCK)", block_size[1]))
+        q_block = _positive_int("BLOCK_SIZE[0] (Q_BLOCK)", block_size[0])
+        return (q_block, _positive_int("BLOCK_SIZE[1] (KV_BLOCK)", block_size[1]))
     size = _positive_int("BLOCK_SIZE", block_size)
     return (size, size)
 
@@ -153,21 +154,23 @@ def _sliced_rows_mask_mod(b, h, q_idx, kv_idx):
         "This BlockMask was made by selecting query-block rows (block_mask[b, h, rows]), so query "
         "index 0 of the new mask is no longer query index 0 of the original: the original mask_mod "
         "would be evaluated at the wrong positions, and flexattn does not guess the offset.\n"
-        "Set the mask_mod yourself, shifting the query index by the first selected row:\n"
+        "Set the mask_mod yourself, shifting the query index to where your queries really are:\n"
         "\n  Incorrect:\n"
-        "    step_mask = base_mask[:, :, row]\n"
-        "    flex_attention(q, k, v, block_mask=step_mask)   # mask_mod was not shifted\n"
+        "    step_mask = base_mask[:, :, pos // base_mask.BLOCK_SIZE[0]]\n"
+        "    flex_attention(q, k, v, block_mask=step_mask)    # q_idx 0 is taken as position 0\n"
         "\n  Correct:\n"
-        "    step_mask = base_mask[:, :, row]\n"
-        "    offset = row * base_mask.BLOCK_SIZE[0]           # first query position of that row\n"
+        "    # pos: the position of the first query you pass (e.g. the decoding step)\n"
+        "    step_mask = base_mask[:, :, pos // base_mask.BLOCK_SIZE[0]]\n"
         "    def shifted(b, h, q_idx, kv_idx):\n"
-        "        return base_mask.mask_mod(b, h, q_idx + offset, kv_idx)   # base_mask's, not step_mask's\n"
+        "        return base_mask.mask_mod(b, h, q_idx + pos, kv_idx)   # base_mask's, not step_mask's\n"
         "    step_mask.mask_mod = shifted\n"
-        "    step_mask.seq_lengths = (q_len, kv_len)            # the lengths you will call it with\n"
+        "    step_mask.seq_lengths = (q_len, kv_len)             # the lengths you will call it with\n"
     )
 
 
-def _reindexed_mask_mod(mask_mod: MaskMod, batch_map: Optional[torch.Tensor], head_map: Optional[torch.Tensor]) -> MaskMod:
+def _reindexed_mask_mod(
+    mask_mod: MaskMod, batch_map: Optional[torch.Tensor], head_map: Optional[torch.Tensor]
+) -> MaskMod:
     """``mask_mod`` seen through a batch/head selection: new index i reads original index map[i].
 
     The modulo mirrors how kernels broadcast a mask over a larger batch or head count.
@@ -272,7 +275,9 @@ class BlockMask:
 
         Raises:
             InvalidInputError: only one of the full_* tables given, shapes that disagree, non-integer
-                tables, or a used index outside ``[0, COLS)``.
+                tables, a used index outside ``[0, COLS)``, or (checked with compute_q_blocks) a tile
+                listed twice in a row or listed as both partial and full, which kernels would visit
+                twice.
         """
         if (full_kv_num_blocks is None) != (full_kv_indices is None):
             raise InvalidInputError(
@@ -297,7 +302,7 @@ class BlockMask:
         else:
             if len(seq_lengths) != 2:
                 raise InvalidInputError(f"seq_lengths must be (q_len, kv_len), got {seq_lengths!r}")
-            seq_lengths = (_positive_int("seq_lengths[0]", seq_lengths[0]), _positive_int("seq_lengths[1]", seq_lengths[1]))
+            seq_lengths = tuple(_positive_int(f"seq_lengths[{i}]", n) for i, n in enumerate(seq_lengths))
             num_cols = max(widths + [_cdiv(seq_lengths[1], kv_block)])
         kv_indices = _checked_indices("kv", kv_num_blocks, kv_indices, num_cols)
         if full_kv_indices is not None:
@@ -311,6 +316,7 @@ class BlockMask:
             full_map = None
             if full_kv_indices is not None:
                 full_map = _ordered_to_dense(full_kv_num_blocks, full_kv_indices, num_cols)
+            _check_visited_once(kv_num_blocks, partial_map, full_kv_num_blocks, full_map)
             q_tables = _transposed_tables(partial_map, full_map)
         return cls(
             seq_lengths,
@@ -565,7 +571,8 @@ def _checked_table(name: str, num_blocks: torch.Tensor, indices: torch.Tensor) -
             raise InvalidInputError(f"from_kv_blocks: {label} must be an integer tensor, got {t.dtype}")
     if not 2 <= indices.dim() <= 4:
         raise InvalidInputError(
-            f"from_kv_blocks: {name}_indices must be [B, H, ROWS, W] (B and H optional), got shape {tuple(indices.shape)}"
+            f"from_kv_blocks: {name}_indices must be [B, H, ROWS, W] (B and H optional), "
+            f"got shape {tuple(indices.shape)}"
         )
     if num_blocks.shape != indices.shape[:-1]:
         raise InvalidInputError(
@@ -585,8 +592,9 @@ def _checked_indices(name: str, num_blocks: torch.Tensor, indices: torch.Tensor,
     in_use = slots < num_blocks.unsqueeze(-1)
     outside = (indices < 0) | (indices >= num_cols)
     # One device->host copy for all three checks.
+    bad_count = ((num_blocks < 0) | (num_blocks > indices.shape[-1])).any()
     bad_count, bad_used, bad_padding = torch.stack(
-        [((num_blocks < 0) | (num_blocks > indices.shape[-1])).any(), (outside & in_use).any(), (outside & ~in_use).any()]
+        [bad_count, (outside & in_use).any(), (outside & ~in_use).any()]
     ).tolist()
     if bad_count:
         raise InvalidInputError(
@@ -599,6 +607,20 @@ def _checked_indices(name: str, num_blocks: torch.Tensor, indices: torch.Tensor,
     if bad_padding:
         indices = indices.masked_fill(outside, 0)
     return indices
+
+
+def _check_visited_once(
+    num_blocks: torch.Tensor, partial_map: torch.Tensor, full_num_blocks: Optional[torch.Tensor], full_map
+) -> None:
+    """Each tile at most once per row, and never both partial and full: kernels would add it twice."""
+    checks = [(partial_map.sum(-1) != num_blocks).any()]
+    if full_map is not None:
+        checks += [(full_map.sum(-1) != full_num_blocks).any(), (partial_map & full_map).any()]
+    repeated, *rest = torch.stack(checks).tolist()  # one device->host copy
+    if repeated or (rest and rest[0]):
+        raise InvalidInputError("from_kv_blocks: a row of the index tables lists the same key block twice")
+    if rest and rest[1]:
+        raise InvalidInputError("from_kv_blocks: a tile is listed both as partial (kv_*) and as full (full_kv_*)")
 
 
 def _widened(indices: torch.Tensor, num_cols: int) -> torch.Tensor:
@@ -632,7 +654,10 @@ def _selection(index, size: int, device: torch.device, name: str) -> Optional[to
                 raise IndexError(f"a bool index for the {name} dim must have shape ({size},), got {tuple(index.shape)}")
             return index.to(device).nonzero().flatten()
         if index.dtype.is_floating_point or index.dim() > 1:
-            raise IndexError(f"a tensor index for the {name} dim must be a 0-d or 1-d integer tensor, got {index.dtype} {tuple(index.shape)}")
+            raise IndexError(
+                f"a tensor index for the {name} dim must be a 0-d or 1-d integer tensor, "
+                f"got {index.dtype} {tuple(index.shape)}"
+            )
         chosen = index.to(device=device, dtype=torch.long).reshape(-1)
     else:
         try:
@@ -657,13 +682,17 @@ def _as_map(chosen: Optional[torch.Tensor], size: int) -> Optional[torch.Tensor]
 # --------------------------------------------------------------------------------------------
 
 
+# in_dims of the four vmaps over (b, h, q_idx, kv_idx), innermost first.
+_BHQKV_IN_DIMS = [(None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)]
+
+
 def _vmap_over_bhqkv(fn: Callable) -> Callable:
     """``fn(b, h, q_idx, kv_idx)`` on 0-d tensors -> a function of 1-D index tensors -> [b, h, q, kv].
 
     Innermost vmap maps kv_idx, then q_idx, h, b; a mod that ignores an index gets a broadcast
     (stride-0) result along it.
     """
-    for in_dims in [(None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)]:
+    for in_dims in _BHQKV_IN_DIMS:
         fn = torch.vmap(fn, in_dims=in_dims, out_dims=0)
     return fn
 
@@ -693,7 +722,9 @@ def _lanes_equal_to(count: int) -> int:
     return word - (1 << 64) if word >= 1 << 63 else word
 
 
-def _reduce_tile(kept: torch.Tensor, rows: int, q_block: int, cols: int, kv_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _reduce_tile(
+    kept: torch.Tensor, rows: int, q_block: int, cols: int, kv_block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A padded bool tile ``[nb, nh, rows*q_block, cols*kv_block]`` -> (any kept, all kept) per block.
 
     Fast path (kv_block a multiple of 8): read each run of 8 bools as one int64 word of eight 0/1
@@ -784,7 +815,9 @@ def _block_maps(
 
 def _check_mask_mod(mask_mod) -> None:
     if not callable(mask_mod):
-        raise TypeError(f"mask_mod must be a callable mask_mod(b, h, q_idx, kv_idx) -> bool tensor, got {type(mask_mod).__name__}")
+        raise TypeError(
+            f"mask_mod must be a callable mask_mod(b, h, q_idx, kv_idx) -> bool tensor, got {type(mask_mod).__name__}"
+        )
 
 
 def create_block_mask(
@@ -880,9 +913,10 @@ def create_mask(
             _check_tile(kept, mod_fn, (B, H, Q_LEN, KV_LEN))
             return kept.contiguous()
         if arity == 5:
+            # The score tensor is mapped at every level (its leading dim is the index being mapped).
             with_score = mod_fn
-            for in_dims in [(0, None, None, None, 0), (0, None, None, 0, None), (0, None, 0, None, None), (0, 0, None, None, None)]:
-                with_score = torch.vmap(with_score, in_dims=in_dims, out_dims=0)
+            for index_dims in _BHQKV_IN_DIMS:
+                with_score = torch.vmap(with_score, in_dims=(0,) + index_dims, out_dims=0)
             scores = torch.zeros(B, H, Q_LEN, KV_LEN, dtype=torch.float32, device=device)
             return ~torch.isneginf(with_score(scores, *indices))
     raise InvalidInputError(

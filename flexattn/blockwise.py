@@ -206,13 +206,15 @@ def _chunks(keys: _RowKeys, rows_in_tile: int, lay: _Layout):
         yield keys.tokens[..., start:stop], keys.valid[..., start:stop]
 
 
-def _sub_rows(lay: _Layout):
-    """(start, stop, BlockMask row) of each query tile."""
+def _query_tiles(lay: _Layout):
+    """(start, stop, partial keys, full keys) of each query tile, one BlockMask row after another."""
     step = min(lay.q_block, Q_TILE_MAX)
     for row_start in range(0, lay.L, lay.q_block):
+        row = row_start // lay.q_block
+        partial_keys, full_keys = _row_keys(lay.partial, row, lay), _row_keys(lay.full, row, lay)
         row_stop = min(lay.L, row_start + lay.q_block)
         for start in range(row_start, row_stop, step):
-            yield start, min(row_stop, start + step), row_start // lay.q_block
+            yield start, min(row_stop, start + step), partial_keys, full_keys
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,11 +343,7 @@ def blockwise_forward(
     score_captured, mask_captured = list(score_captured), list(mask_captured)
 
     with torch.no_grad():
-        row_keys_cache: dict = {}
-        for start, stop, row in _sub_rows(lay):
-            if row not in row_keys_cache:
-                row_keys_cache = {row: (_row_keys(lay.partial, row, lay), _row_keys(lay.full, row, lay))}
-            partial_keys, full_keys = row_keys_cache[row]
+        for start, stop, partial_keys, full_keys in _query_tiles(lay):
             q_tile = _q_rows(q, start, stop, lay)
             Mq = stop - start
             m_i = torch.full((B, lay.Hkv, lay.G, Mq), -math.inf, dtype=lay.dtype, device=q.device)
@@ -417,9 +415,14 @@ def blockwise_backward(
     B, Hq, Hkv, G = lay.B, lay.Hq, lay.Hkv, lay.G
     dtype = lay.dtype
     mask_captured = list(mask_captured)
-    wants_grad = [c.requires_grad and c.dtype.is_floating_point for c in score_captured]
-    captured_leaves = [c.detach().requires_grad_() if w else c for c, w in zip(score_captured, wants_grad)]
-    captured_grads = [torch.zeros(c.shape, dtype=dtype, device=c.device) if w else None for c, w in zip(score_captured, wants_grad)]
+    # Captured tensors that require grad are replaced by detached leaves: the local autograd.grad
+    # calls then stop at them and never walk into the graph that produced them.
+    trainable = [i for i, c in enumerate(score_captured) if c.requires_grad]
+    captured_leaves = [c.detach().requires_grad_() if i in trainable else c for i, c in enumerate(score_captured)]
+    captured_grads = [
+        torch.zeros(c.shape, dtype=dtype, device=c.device) if i in trainable else None
+        for i, c in enumerate(score_captured)
+    ]
 
     with torch.no_grad():
         # delta = rowsum(dO * O) - dlse: d lse / d s = p, so the lse gradient enters as dS += p * dlse.
@@ -432,11 +435,7 @@ def blockwise_backward(
         dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
         dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
 
-        row_keys_cache: dict = {}
-        for start, stop, row in _sub_rows(lay):
-            if row not in row_keys_cache:
-                row_keys_cache = {row: (_row_keys(lay.partial, row, lay), _row_keys(lay.full, row, lay))}
-            partial_keys, full_keys = row_keys_cache[row]
+        for start, stop, partial_keys, full_keys in _query_tiles(lay):
             Mq = stop - start
             q_tile = _q_rows(q, start, stop, lay)
             do_tile = _q_rows(grad_out, start, stop, lay)
@@ -471,17 +470,15 @@ def blockwise_backward(
                     del p
                     # -- dS back through score_mod ----
                     if score_mod is not None:
-                        wanted = [raw] + [c for c, w in zip(captured_leaves, wants_grad) if w]
-                        grads = torch.autograd.grad(s, wanted, grad_outputs=ds, allow_unused=True)
-                        draw = grads[0] if grads[0] is not None else torch.zeros_like(ds)
+                        wanted = [raw] + [captured_leaves[i] for i in trainable]
+                        draw, *captured_tile_grads = torch.autograd.grad(s, wanted, grad_outputs=ds, allow_unused=True)
+                        if draw is None:  # the score_mod ignores the score
+                            draw = torch.zeros_like(ds)
                         if keep is not None:  # a mod's derivative may be inf/NaN where it was masked
                             draw = draw.masked_fill(~keep, 0.0)
-                        grads_iter = iter(grads[1:])
-                        for i, w in enumerate(wants_grad):
-                            if w:
-                                g = next(grads_iter)
-                                if g is not None:
-                                    captured_grads[i] += g.to(dtype)
+                        for i, g in zip(trainable, captured_tile_grads):
+                            if g is not None:
+                                captured_grads[i] += g.to(dtype)
                         del s, raw
                     else:
                         draw = ds

@@ -37,6 +37,10 @@ class FlexKernelOptions(TypedDict, total=False):
     """Time a small set of launch configurations on the first call for each shape class and keep the
     fastest; the choice is saved in the cache directory and reused by later processes."""
 
+    USE_TMA: bool
+    """Load K and V through tensor descriptors (the Hopper copy engine). Used only where the layout
+    allows it (unit last stride, 16-byte aligned rows) on compute capability 9.0 or newer."""
+
     TANH_APPROX: bool
     """Lower ``torch.tanh`` in score_mods to the hardware ``tanh.approx.f32`` instruction on NVIDIA
     GPUs (relative error about 2^-11). Default: on for float16/bfloat16 inputs on NVIDIA GPUs, where

@@ -151,7 +151,7 @@ class _TunedConfigs:
 
 tuned_configs = _TunedConfigs()
 
-_OPTION_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+_OPTION_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}  # keys that pin the launch config
 
 
 def _pinned_config(options: dict, default: LaunchConfig, sparse_q: int, sparse_kv: int) -> LaunchConfig:
@@ -221,6 +221,9 @@ class ForwardKernel:
             for t in tensors:
                 extra.append(t)
                 extra.extend(t.stride())
+        use_tma = bool(options.get("USE_TMA", False)) and _tma_compatible(k, v)
+        if use_tma:
+            _install_tma_allocator()
         grid = (triton_cdiv(L, cfg.BLOCK_M), Hq, B)
         self.jit_fn[grid](
             q, k, v, out, lse, mx, nb, idx, fnb, fidx,
@@ -240,6 +243,7 @@ class ForwardKernel:
             OUTPUT_LSE=need_lse, OUTPUT_MAX=need_max,
             INPUT_PRECISION=_input_precision(q.dtype), NUM_STAGES=cfg.num_stages,
             UPCAST_DOTS=q.dtype == torch.bfloat16 and interpreter_enabled(),
+            USE_TMA=use_tma,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out, (lse if need_lse else None), (mx if need_max else None)
@@ -292,6 +296,32 @@ class ForwardKernel:
         if not timings:
             return default
         return min(timings, key=lambda t: t[0])[1]
+
+
+def _tma_compatible(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Tensor descriptors need Hopper or newer, a unit last stride and 16-byte aligned rows."""
+    if interpreter_enabled() or not k.is_cuda or torch.cuda.get_device_capability(k.device)[0] < 9:
+        return False
+    for t in (k, v):
+        elem = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.stride(-2) * elem) % 16 or (t.shape[-1] * elem) < 16:
+            return False
+        if any((s * elem) % 16 for s in t.stride()[:2] if s):
+            return False
+    return True
+
+
+_tma_allocator_installed = False
+
+
+def _install_tma_allocator() -> None:
+    # Device-side tensor descriptors need a little global scratch per launch, from torch's allocator.
+    global _tma_allocator_installed
+    if not _tma_allocator_installed:
+        import triton
+
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        _tma_allocator_installed = True
 
 
 # Tests set FLEXATTN_POISON_OUTPUTS=1: outputs start as NaN, so an element a kernel forgets to

@@ -92,6 +92,13 @@ def main(argv=None) -> int:
     from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
     from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
+    # Every (variant, head dim) is a new specialisation of torch's compiled flex_attention; lift
+    # Dynamo's recompile limit so none of them silently falls back to the unfused path.
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 1024)
     torch_flex_compiled = torch.compile(torch_flex, dynamic=False)
     options = json.loads(args.kernel_options)
     device = torch.device("cuda")
@@ -160,6 +167,9 @@ def main(argv=None) -> int:
                 row["ratio_vs_cudnn"] = round(row["sdpa_cudnn_ms"] / row["flexattn_ms"], 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if args.out:  # write as we go: a crash later keeps the rows measured so far
+                with open(args.out, "w") as f:
+                    json.dump({"env": env, "rows": rows}, f, indent=1)
             del q, k, v
             torch.cuda.empty_cache()
 

@@ -16,8 +16,7 @@ from gym.benchmark import KV_BYTES, bench, block_density
 from gym.catalogue import CATALOGUE
 
 CONFIGS = [
-    (128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3),
-    (128, 64, 4, 4), (64, 128, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3),
+    (128, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 4),
 ]
 
 
@@ -26,6 +25,7 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--variants", nargs="+", default=["noop", "causal", "alibi"])
     parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--tma", type=int, nargs="+", default=[0, 1], help="USE_TMA values to try")
     args = parser.parse_args(argv)
     L = args.seq_len
     for D in args.head_dims:
@@ -37,15 +37,15 @@ def main(argv=None) -> int:
             bm = flexattn.create_block_mask(mask_mod, None, None, L, L, device="cuda") if mask_mod else None
             flops = 4.0 * B * H * L * L * D * (block_density(bm) if bm is not None else 1.0)
             results = []
-            for bm_, bn, w, s in CONFIGS:
-                opts = {"BLOCK_M": bm_, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
+            for (bm_, bn, w, s), tma in [(c, t) for c in CONFIGS for t in args.tma]:
+                opts = {"BLOCK_M": bm_, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "USE_TMA": tma}
                 try:
                     fn = lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, kernel_options=opts)  # noqa: E731
                     fn()
                     ms = bench(fn, rep_ms=100)
-                    results.append((round(flops / ms / 1e9, 1), bm_, bn, w, s))
+                    results.append((round(flops / ms / 1e9, 1), bm_, bn, w, s, "tma" if tma else "ptr"))
                 except Exception as err:  # out of resources: not a candidate
-                    results.append((0.0, bm_, bn, w, s, type(err).__name__))
+                    results.append((0.0, bm_, bn, w, s, "tma" if tma else "ptr", type(err).__name__, str(err)[-300:]))
             results.sort(reverse=True)
             print(json.dumps({"D": D, "variant": name, "B": B, "L": L, "best_tflops_cfg": results[:4],
                               "worst": results[-1]}), flush=True)

@@ -205,7 +205,9 @@ def test_many_small_tiles_match_torch(monkeypatch, block_size):
 def test_without_separate_full_blocks_matches_torch():
     mask_mod, B, H = make_mask("sliding_window", 517, 517)
     ours = create_block_mask(mask_mod, B, H, 517, 517, device=CPU, BLOCK_SIZE=64, separate_full_blocks=False)
-    theirs = torch_flex.create_block_mask(mask_mod, B, H, 517, 517, device=CPU, BLOCK_SIZE=64, separate_full_blocks=False)
+    theirs = torch_flex.create_block_mask(
+        mask_mod, B, H, 517, 517, device=CPU, BLOCK_SIZE=64, separate_full_blocks=False
+    )
     assert ours.full_kv_num_blocks is None and ours.full_kv_indices is None
     assert_same_as_torch(ours, theirs)
     with_full = create_block_mask(mask_mod, B, H, 517, 517, device=CPU, BLOCK_SIZE=64)
@@ -483,7 +485,9 @@ def test_from_kv_blocks_roundtrip():
     ordered = torch.where(used, bm.q_indices, rows + 1)
     assert bool((ordered.diff(dim=-1)[used[..., 1:]] > 0).all())
 
-    inference_only = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=32, compute_q_blocks=False, seq_lengths=(rows * 32 - 5, cols * 32))
+    inference_only = BlockMask.from_kv_blocks(
+        num, idx, BLOCK_SIZE=32, compute_q_blocks=False, seq_lengths=(rows * 32 - 5, cols * 32)
+    )
     assert inference_only.q_num_blocks is None and inference_only.q_indices is None
     assert inference_only.full_kv_num_blocks is None and inference_only.BLOCK_SIZE == (32, 32)
     assert inference_only.seq_lengths == (rows * 32 - 5, cols * 32)
@@ -520,6 +524,10 @@ def test_from_kv_blocks_errors():
         BlockMask.from_kv_blocks(num, idx, torch.tensor([[[1]]]), torch.tensor([[[[0]]]]))
     with pytest.raises(InvalidInputError, match="BLOCK_SIZE"):
         BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=0)
+    with pytest.raises(InvalidInputError, match="same key block twice"):
+        BlockMask.from_kv_blocks(num, torch.tensor([[[[0, 0], [1, 1]]]]))
+    with pytest.raises(InvalidInputError, match="both as partial"):
+        BlockMask.from_kv_blocks(num, idx, torch.tensor([[[0, 1]]]), torch.tensor([[[[0, 0], [1, 0]]]]))
 
 
 # --------------------------------------------------------------------------------------------

@@ -248,7 +248,9 @@ def test_gradient_into_captured_learnable_bias(dtype):
     grad_out = torch.randn(B, Hq, L, 32)
 
     gold_mod = build(bias, rel_pos)
-    *_, golden = _reference_grads(q.double(), k.double(), v.double(), gold_mod, causal_mask, grad_out.double(), extra=[bias, rel_pos])
+    *_, golden = _reference_grads(
+        q.double(), k.double(), v.double(), gold_mod, causal_mask, grad_out.double(), extra=[bias, rel_pos]
+    )
     bias_d = bias.detach().to(dtype).requires_grad_()
     rel_d = rel_pos.detach().to(dtype).requires_grad_()
     same_dtype_mod = build(bias_d, rel_d)
@@ -260,7 +262,8 @@ def test_gradient_into_captured_learnable_bias(dtype):
     out, lse, _ = _forward(q, k, v, same_dtype_mod, causal_mask, block_mask)
     dq, dk, dv, captured_grads = _backward(q, k, v, out, lse, grad_out.to(dtype), None, same_dtype_mod, causal_mask, block_mask)
     assert len(captured_grads) == 2 and all(g is not None and g.dtype == dtype for g in captured_grads)
-    for name, g, gold, r in zip(["dq", "dk", "dv", "d_bias", "d_rel_pos"], [dq, dk, dv, *captured_grads], golden, ref or [None] * 5):
+    names = ["dq", "dk", "dv", "d_bias", "d_rel_pos"]
+    for name, g, gold, r in zip(names, [dq, dk, dv, *captured_grads], golden, ref or [None] * 5):
         _assert_close(g, gold, r, dtype, name)
 
 
@@ -360,7 +363,9 @@ _MEMORY_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_32k_causal_forward_memory():
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     fields = dict(item.split("=") for item in result.stdout.split())
     peak_gib = int(fields["peak_kib"]) / 2**20

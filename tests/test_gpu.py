@@ -81,3 +81,15 @@ def test_backward_through_triton_forward():
     ref_grads = torch.autograd.grad(ref.sum(), (q64, k64, v64))
     for g, r in zip(grads, ref_grads):
         assert rel_err(g, r) < 1e-4
+
+
+@pytest.mark.parametrize("head_dim,length", [(64, 4096), (80, 1000), (128, 1531)])
+def test_tma_loads_match(head_dim, length):
+    q, k, v = (torch.randn(2, 4, length, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    bm = create_block_mask(causal_mask, None, None, length, length, device="cuda")
+    alibi = generate_alibi_bias(4, "cuda")
+    plain = flex_attention(q, k, v, score_mod=alibi, block_mask=bm, kernel_options={"USE_TMA": False})
+    tma = flex_attention(q, k, v, score_mod=alibi, block_mask=bm, kernel_options={"USE_TMA": True})
+    ref, _, _ = reference_attention(q.double(), k.double(), v.double(), score_mod=alibi, mask_mod=causal_mask)
+    assert rel_err(tma, ref) < 2e-2
+    assert rel_err(tma, plain) < 1e-2

@@ -318,6 +318,10 @@ SCORE_MODS = {
         s * torch.tensor(2.0) + torch.full((), 3.0) + torch.ones_like(s) + torch.zeros_like(q) + torch.tensor(7)
     ),
     "identity_views": lambda s, b, h, q, kv: s.detach().clone() + q.clone(),
+    "explicit_ops": lambda s, b, h, q, kv: (  # ops make_fx keeps when a mod calls them by name
+        torch.ops.prims.convert_element_type.default(q, torch.float32) + torch.ops.aten.alias.default(s)
+        + torch.full_like(s, 2.5) + torch.ops.aten.lift_fresh.default(s) + torch.ops.aten.to.dtype(kv, torch.float16)
+    ),
     # b and h
     "batch_and_head": lambda s, b, h, q, kv: s + b * 100 + h * 10 + (h // 2) - (b % 2),
     # reads of captured tensors
@@ -422,11 +426,13 @@ def test_helpers_template_is_plain_python():
 def test_register_lowering_adds_a_table_entry():
     op = torch.ops.aten.sinh
     assert op not in LOWERINGS and op.default not in LOWERINGS
+    mod = lambda s, b, h, q, kv: torch.sinh(s / 4) * 2 + torch.sinh(q - kv)  # noqa: E731
     try:
         register_lowering(op, lambda x: f"(tl.exp({x}) - tl.exp(-{x})) * 0.5", inputs="result")
-        lowered = lowered_of(lambda s, b, h, q, kv: torch.sinh(s / 4) * 2)
-        assert lowered.result == "(tl.exp(qk / 4.0) - tl.exp(-qk / 4.0)) * 0.5 * 2.0" or "sinh" not in lowered.result
-        check(lambda s, b, h, q, kv: torch.sinh(s / 4) * 2 + torch.sinh(q - kv))
+        lowered = lowered_of(mod)
+        assert lowered.lines == ("sm_t0 = qk / 4.0", "sm_t1 = (q_idx - kv_idx).to(tl.float32)")
+        assert lowered.result == "(tl.exp(sm_t0) - tl.exp(-sm_t0)) * 0.5 * 2.0 + (tl.exp(sm_t1) - tl.exp(-sm_t1)) * 0.5"
+        check(mod)
     finally:
         LOWERINGS.pop(op, None)
 

@@ -68,7 +68,9 @@ def test_matches_torch_flex_attention(name):
 
 
 def test_noop_is_plain_softmax_attention():
-    q, k, v = torch.randn(2, 3, 37, 16, dtype=torch.float64), torch.randn(2, 3, 53, 16, dtype=torch.float64), torch.randn(2, 3, 53, 24, dtype=torch.float64)
+    q = torch.randn(2, 3, 37, 16, dtype=torch.float64)
+    k = torch.randn(2, 3, 53, 16, dtype=torch.float64)
+    v = torch.randn(2, 3, 53, 24, dtype=torch.float64)
     scale = 0.3
     out, lse, max_scores = reference_attention(q, k, v, scale=scale)
     scores = q @ k.transpose(-1, -2) * scale
@@ -160,6 +162,8 @@ def test_half_inputs_compute_in_float32(dtype):
     q, k, v = (torch.randn(1, 2, 33, 16).to(dtype) for _ in range(3))
     out, lse, max_scores = reference_attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
     assert out.dtype == dtype and lse.dtype == torch.float32 and max_scores.dtype == torch.float32
-    golden, golden_lse, _ = reference_attention(q.double(), k.double(), v.double(), mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+    golden, golden_lse, _ = reference_attention(
+        q.double(), k.double(), v.double(), mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx
+    )
     assert _rel_err(out, golden) < 1e-2  # only the final rounding to the half dtype
     assert _rel_err(lse, golden_lse) < 1e-6

@@ -392,8 +392,8 @@ def register_lowering(op: Any, fn: Optional[Fn] = None, *, inputs: str = KEEP):
 
     ``fn`` gets one Triton expression string per argument of the aten op, in the op's argument
     order (Python numbers arrive as literal strings with a ``.value``; other arguments unchanged),
-    and returns a Triton expression. Tensor operands arrive as atoms (names, calls or parenthesised
-    expressions), so ``fn`` may write them next to any operator. With the default ``inputs="keep"``
+    and returns a Triton expression. Tensor operands arrive as names or constants (anything longer
+    is given a temporary first), so ``fn`` may write them next to any operator, and more than once. With the default ``inputs="keep"``
     floats arrive as float32 and ints keep their dtype; ``inputs="result"`` casts them to the op's
     output dtype first. The expression's dtype must be the op's output dtype (floats: float32).
 
@@ -414,7 +414,7 @@ def register_lowering(op: Any, fn: Optional[Fn] = None, *, inputs: str = KEEP):
     def register(f: Fn) -> Fn:
         if not callable(f):
             raise TypeError(f"fn must be callable, got {type(f).__name__}")
-        LOWERINGS[op] = Lowering(f, prec=None, inputs=inputs)
+        LOWERINGS[op] = Lowering(f, prec=None, inputs=inputs, reuses=True)
         return f
 
     return register if fn is None else register(fn)
