@@ -53,11 +53,11 @@ def max_shared_memory(device: torch.device) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
 
 
-# Defaults measured on an H100 (see docs/benchmarks.md); other GPUs start from the same shapes and
-# shrink until shared memory fits.
+# Defaults from gym/sweep.py on an H200 (docs/benchmarks.md); other GPUs start from the same shapes
+# and shrink until shared memory fits. AUTOTUNE searches around them per problem.
 _GPU_DEFAULTS = {
     # (head dim up to, elem bytes): config
-    (64, 2): LaunchConfig(128, 128, 4, 3),
+    (64, 2): LaunchConfig(64, 128, 4, 3),
     (128, 2): LaunchConfig(128, 64, 4, 3),
     (256, 2): LaunchConfig(64, 32, 4, 3),
     (64, 4): LaunchConfig(64, 64, 4, 3),
@@ -78,7 +78,7 @@ def _fit_to_mask(cfg: LaunchConfig, sparse_q: int, sparse_kv: int) -> LaunchConf
 
 def select_config(
     device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int, sparse_q: int, sparse_kv: int,
-    has_mods: bool = False,
+    has_mask_mod: bool = False,
 ) -> LaunchConfig:
     """A launch configuration that divides the mask's blocks and fits in shared memory."""
     if interpreter_enabled() or device.type != "cuda":
@@ -88,8 +88,8 @@ def select_config(
     dim = max(qk_dim, v_dim)
     bucket = next((d for d in (64, 128, 256) if dim <= d), 256)
     base = _GPU_DEFAULTS[(bucket, 2 if elem <= 2 else 4)]
-    if has_mods and (bucket, elem) == (128, 2):
-        # Measured on an H200 (gym/sweep.py): with mods in the loop, d=128 prefers 8 warps on 128x128.
+    if has_mask_mod and (bucket, elem) == (128, 2):
+        # Measured on an H200 (gym/sweep.py): with a mask_mod in the loop, d=128 prefers 8 warps on 128x128.
         base = LaunchConfig(128, 128, 8, 3)
     cfg = _fit_to_mask(base, sparse_q, sparse_kv)
     limit = max_shared_memory(device)
@@ -253,7 +253,7 @@ class ForwardKernel:
         E, Ev = q.shape[-1], v.shape[-1]
         default = select_config(
             q.device, q.dtype, E, Ev, sparse_q, sparse_kv,
-            has_mods=self.score_lowered is not None or self.mask_lowered is not None,
+            has_mask_mod=self.mask_lowered is not None,
         )
         if _OPTION_KEYS & options.keys():
             return _pinned_config(options, default, sparse_q, sparse_kv)

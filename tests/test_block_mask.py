@@ -439,6 +439,14 @@ def test_adjust_crops_to_the_new_lengths(name):
         bm.adjust(1001, 1000)
 
 
+def test_adjust_drops_blocks_past_the_new_end_in_any_order():
+    # A row visiting key blocks 4 and 5 only, cropped to 5 key blocks (torch keeps a count of 2 here).
+    row = BlockMask.from_kv_blocks(torch.tensor([[[2]]]), torch.tensor([[[[4, 5, 0, 1, 2, 3]]]]), BLOCK_SIZE=128)
+    cropped = row.adjust(128, 640)
+    assert cropped.kv_num_blocks.tolist() == [[[1]]] and cropped.kv_indices[0, 0, 0, 0] == 4
+    assert cropped.kv_indices.shape == (1, 1, 1, 5) and bool((cropped.kv_indices < 5).all())
+
+
 def test_adjust_demotes_full_tiles_cut_by_the_boundary():
     bm = create_block_mask(causal_mask, 1, 1, 256, 256, device=CPU, BLOCK_SIZE=128)
     assert bm.full_kv_num_blocks.tolist() == [[[0, 1]]]

@@ -320,7 +320,7 @@ SCORE_MODS = {
     "identity_views": lambda s, b, h, q, kv: s.detach().clone() + q.clone(),
     "explicit_ops": lambda s, b, h, q, kv: (  # ops make_fx keeps when a mod calls them by name
         torch.ops.prims.convert_element_type.default(q, torch.float32) + torch.ops.aten.alias.default(s)
-        + torch.full_like(s, 2.5) + torch.ops.aten.lift_fresh.default(s) + torch.ops.aten.to.dtype(kv, torch.float16)
+        + torch.full_like(s, 2.5) + torch.ops.aten.to.dtype(kv, torch.float16)
     ),
     # b and h
     "batch_and_head": lambda s, b, h, q, kv: s + b * 100 + h * 10 + (h // 2) - (b % 2),
@@ -337,7 +337,9 @@ SCORE_MODS = {
     "bool_capture": lambda s, b, h, q, kv: torch.where(KEEP[kv], s, -s) + KEEP[q],
     "fp16_bf16_f64_captures": lambda s, b, h, q, kv: s * HALF[kv] + BF16[q] + F64[q + kv],
     "scalar_capture": lambda s, b, h, q, kv: s * SCALE,
-    "cast_whole_capture": lambda s, b, h, q, kv: s + DOC.float()[q] + KEEP.to(torch.int32)[kv],
+    "cast_whole_capture": lambda s, b, h, q, kv: (
+        s + DOC.float()[q] + KEEP.to(torch.int32)[kv] + BIAS.half().float()[h, q] + BIAS.bfloat16()[h, kv]
+    ),
 }
 
 MASK_MODS = {

@@ -17,14 +17,16 @@ Dtypes. Every float is float32 in the kernel, whatever torch computes it in: loa
 bfloat16 and float64 tensors are converted to float32, float64 arithmetic runs in float32 (kernels
 are fp32 throughout), and float16/bfloat16 arithmetic runs in float32 without rounding each step
 (as Inductor does). An explicit cast to float16/bfloat16 (``x.half()``) still rounds, through
-``.to(tl.float16).to(tl.float32)`` or ``round_to_bfloat16(x)``. Integers and bools keep torch's dtypes: before each op its
-operands are cast to the dtype torch would compute in (``node.meta["val"].dtype``), so an int32
-index plus an int64 captured value is an int64 sum, and ``int / int`` is a float32 division.
-Comparisons give ``tl.int1``.
+``.to(tl.float16).to(tl.float32)`` or ``round_to_bfloat16(x)``. Integers and bools keep torch's
+dtypes: before each op its operands are cast to the dtype torch would compute in
+(``node.meta["val"].dtype``), so an int32 index plus an int64 captured value is an int64 sum, and
+``int / int`` is a float32 division. Comparisons give ``tl.int1``. Integer index arithmetic is
+assumed not to overflow (sympy may reorder it).
 """
 
 from __future__ import annotations
 
+import difflib
 import keyword
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -114,7 +116,7 @@ class Gather:
     index: int
     offset: sympy.Expr
     dims: tuple[int, ...]
-    dtype: torch.dtype  # torch dtype the elements are read as (a cast of the whole tensor changes it)
+    casts: tuple[torch.dtype, ...] = ()  # casts of the whole tensor (DOC.float()), applied after the load
 
 
 # Python orders & ^ | above comparisons, unlike C; mixed chains get parentheses so nobody has to know.
@@ -316,7 +318,7 @@ class _Emitter:
             # A constant the mod builds itself (torch.tensor(1), or the int of `x[doc, 1]`): its
             # value is fixed by the mod's code, so it is written into the kernel as a literal.
             return _const(c.fixed_value.item(), c.dtype)
-        return Gather(i, sympy.Integer(0), tuple(range(len(c.shape))), c.dtype)
+        return Gather(i, sympy.Integer(0), tuple(range(len(c.shape))))
 
     def params(self, i: int) -> list[str]:
         c = self.traced.captured[i]
@@ -419,7 +421,9 @@ class _Emitter:
             v = Val(text if c.dtype == torch.float32 else f"{text}.to(tl.float32)", torch.float32)
         else:
             v = Val(text, c.dtype)
-        return self.convert(v, g.dtype) if g.dtype != c.dtype else v
+        for dtype in g.casts:
+            v = self.convert(v, dtype)
+        return v
 
     def gather(self, node: torch.fx.Node) -> Gather:
         src, indices = node.args[0], node.args[1]
@@ -446,7 +450,7 @@ class _Emitter:
             else:
                 term = self.to_sym(v)
             offset = offset + term * self.stride(g.index, dim)
-        return Gather(g.index, offset, g.dims[len(indices):], g.dtype)
+        return replace(g, offset=offset, dims=g.dims[len(indices):])
 
     def select(self, node: torch.fx.Node) -> Gather:
         src, dim, position = node.args[:3]
@@ -458,7 +462,7 @@ class _Emitter:
         size = self.traced.captured[g.index].shape[d]
         position = position + size if position < 0 else position
         offset = g.offset + position * self.stride(g.index, d)
-        return Gather(g.index, offset, g.dims[:dim] + g.dims[dim + 1:], g.dtype)
+        return replace(g, offset=offset, dims=g.dims[:dim] + g.dims[dim + 1:])
 
     def gather_of(self, arg, node: torch.fx.Node) -> Gather:
         g = self.env.get(self.canonical.get(arg)) if isinstance(arg, torch.fx.Node) else None
@@ -502,7 +506,7 @@ class _Emitter:
             src = node.args[0]
             value = self.env[self.canonical[src]] if isinstance(src, torch.fx.Node) else self.value_of(src, node)
             if isinstance(value, Gather):
-                return replace(value, dtype=out.dtype)
+                return replace(value, casts=value.casts + (out.dtype,))
             return self.convert(value, out.dtype)
         if out.dim() != 0:
             raise self.unsupported(node, f"a tensor of shape {tuple(out.shape)} built inside the mod",
@@ -626,8 +630,6 @@ class _Emitter:
         if short in _HINTS:
             hint = _HINTS[short]
             lines.append(f"  {'Instead use ' + hint if not hint.startswith('A mod') else hint}")
-        import difflib
-
         close = difflib.get_close_matches(short, [n.split(".")[0] for n in supported_op_names(self.table)], n=4)
         if close:
             lines.append(f"  Supported ops with similar names: {', '.join(dict.fromkeys(close))}.")
@@ -638,7 +640,9 @@ class _Emitter:
         return UnsupportedOpError("\n".join(lines))
 
 
-def lower(traced: TracedMod, inputs: ModInputs = ModInputs(), prefix: str = "sm_", *, tanh_approx: bool = False) -> LoweredMod:
+def lower(
+    traced: TracedMod, inputs: ModInputs = ModInputs(), prefix: str = "sm_", *, tanh_approx: bool = False
+) -> LoweredMod:
     """Triton source for a traced score_mod or mask_mod.
 
     ``prefix`` starts every name this mod adds to the kernel (temporaries ``{prefix}t0``, captured

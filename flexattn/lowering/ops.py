@@ -393,9 +393,10 @@ def register_lowering(op: Any, fn: Optional[Fn] = None, *, inputs: str = KEEP):
     ``fn`` gets one Triton expression string per argument of the aten op, in the op's argument
     order (Python numbers arrive as literal strings with a ``.value``; other arguments unchanged),
     and returns a Triton expression. Tensor operands arrive as names or constants (anything longer
-    is given a temporary first), so ``fn`` may write them next to any operator, and more than once. With the default ``inputs="keep"``
-    floats arrive as float32 and ints keep their dtype; ``inputs="result"`` casts them to the op's
-    output dtype first. The expression's dtype must be the op's output dtype (floats: float32).
+    is given a temporary first), so ``fn`` may write them next to any operator, and more than once.
+    With the default ``inputs="keep"`` floats arrive as float32 and ints keep their dtype;
+    ``inputs="result"`` casts them to the op's output dtype first. The expression's dtype must be
+    the op's output dtype (floats: float32).
 
     Usable as a decorator::
 
