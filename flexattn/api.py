@@ -176,6 +176,8 @@ def _dense_block_mask(L: int, S: int, device: torch.device) -> BlockMask:
 
 
 def _pick_backend(query: torch.Tensor, options: dict) -> str:
+    if not options and query.is_cuda and query.dtype != torch.float64:
+        return "TRITON"  # the common case, decided without reading anything else
     backend = resolve_backend_name(options)
     if backend == "AUTO":
         # float64 has no tensor-core path: it runs on the blockwise PyTorch backend, like CPU tensors.

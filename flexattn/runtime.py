@@ -193,44 +193,79 @@ class ForwardKernel:
         self.module = load_kernel_module(self.source, self.spec.readable_name())
         self.jit_fn = self.module.flex_attention_forward
         self.has_score_mod = score is not None
+        self._plans: dict[tuple, tuple] = {}
+        self._device_copies: dict[tuple, torch.Tensor] = {}
 
     # ---------------------------------------------------------------- launch
     def __call__(
         self, q, k, v, block_mask, scale: float, score_captured, mask_captured, *,
         need_lse: bool, need_max: bool, options: dict,
     ):
-        B, Hq, L, E = q.shape
-        Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
-        sparse_q, sparse_kv = block_mask.BLOCK_SIZE
+        B, Hq, L, _ = q.shape
+        Ev = v.shape[3]
+        nb, idx = block_mask.kv_num_blocks, block_mask.kv_indices
+        has_full = block_mask.full_kv_num_blocks is not None
+        fnb = block_mask.full_kv_num_blocks if has_full else nb
+        fidx = block_mask.full_kv_indices if has_full else idx
+        plan_key = (
+            q.shape, k.shape, v.shape, q.dtype, q.device, block_mask.BLOCK_SIZE, nb.shape, has_full,
+            need_lse, need_max, scale > 0, tuple(sorted(options.items())) if options else (),
+            torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None,
+        )
+        plan = self._plans.get(plan_key)
+        if plan is None:
+            plan = self._plan(q, k, v, block_mask, scale, score_captured, mask_captured, need_lse, need_max, has_full, options)
+            self._plans[plan_key] = plan
+        grid, constexprs = plan
+        if constexprs["USE_TMA"] and not _tma_compatible(k, v):
+            constexprs = {**constexprs, "USE_TMA": False}  # this call's layout does not allow it
+
         out = _empty((B, Hq, L, Ev), q.dtype, q.device)
         lse = _empty((B, Hq, L), torch.float32, q.device) if need_lse else out
         mx = _empty((B, Hq, L), torch.float32, q.device) if need_max else out
-        has_full = block_mask.full_kv_num_blocks is not None
-        nb, idx = block_mask.kv_num_blocks, block_mask.kv_indices
-        fnb = block_mask.full_kv_num_blocks if has_full else nb
-        fidx = block_mask.full_kv_indices if has_full else idx
         # K/V batch of 1 broadcast over the query batch: stride 0 re-reads the same rows.
-        k_strides = (0 if k.shape[0] == 1 and B > 1 else k.stride(0),) + k.stride()[1:]
-        v_strides = (0 if v.shape[0] == 1 and B > 1 else v.stride(0),) + v.stride()[1:]
-
-        cfg = self._config(q, k, v, block_mask, scale, score_captured, mask_captured, options, sparse_q, sparse_kv)
+        k_strides = k.stride()
+        v_strides = v.stride()
+        if k.shape[0] == 1 and B > 1:
+            k_strides, v_strides = (0,) + k_strides[1:], (0,) + v_strides[1:]
         extra = []
-        for lowered, tensors in ((self.score_lowered, score_captured), (self.mask_lowered, mask_captured)):
-            if lowered is None:
-                continue
-            for t in tensors:
-                extra.append(t)
+        if self.score_lowered is not None:
+            for t in score_captured:
+                extra.append(t if t.device == q.device else self._on_device(t, q.device))
                 extra.extend(t.stride())
-        use_tma = bool(options.get("USE_TMA", False)) and _tma_compatible(k, v)
-        if use_tma:
-            _install_tma_allocator()
-        grid = (triton_cdiv(L, cfg.BLOCK_M), Hq, B)
+        if self.mask_lowered is not None:
+            for t in mask_captured:
+                extra.append(t if t.device == q.device else self._on_device(t, q.device))
+                extra.extend(t.stride())
         self.jit_fn[grid](
             q, k, v, out, lse, mx, nb, idx, fnb, fidx,
             *q.stride(), *k_strides, *v_strides, *out.stride(),
             *nb.stride(), *idx.stride(), *fnb.stride(), *fidx.stride(),
-            L, S, float(scale), *extra,
-            SPARSE_Z=nb.shape[0], SPARSE_HQ=nb.shape[1], GQA_GROUP=Hq // Hkv,
+            L, k.shape[2], scale, *extra, **constexprs,
+        )
+        return out, (lse if need_lse else None), (mx if need_max else None)
+
+    def _on_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        # Constants a mod creates itself live on the CPU (they are frozen at trace time); keep one
+        # copy per device instead of copying on every call. The API checks user tensors' devices.
+        key = (id(t), device)
+        copy = self._device_copies.get(key)
+        if copy is None:
+            copy = self._device_copies[key] = t.to(device)
+        return copy
+
+    def _plan(self, q, k, v, block_mask, scale, score_captured, mask_captured, need_lse, need_max, has_full, options):
+        """Grid and constexprs for one problem shape: computed once, reused by every later call."""
+        B, Hq, L, E = q.shape
+        Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+        sparse_q, sparse_kv = block_mask.BLOCK_SIZE
+        cfg = self._config(q, k, v, block_mask, scale, score_captured, mask_captured, options, sparse_q, sparse_kv)
+        use_tma = bool(options.get("USE_TMA", False)) and _tma_compatible(k, v)
+        if use_tma:
+            _install_tma_allocator()
+        constexprs = dict(
+            SPARSE_Z=block_mask.kv_num_blocks.shape[0], SPARSE_HQ=block_mask.kv_num_blocks.shape[1],
+            GQA_GROUP=Hq // Hkv,
             QK_HEAD_DIM=E, QK_HEAD_DIM_P2=max(16, _next_pow2(E)),
             V_HEAD_DIM=Ev, V_HEAD_DIM_P2=max(16, _next_pow2(Ev)),
             SPARSE_Q_BLOCK_SIZE=sparse_q, SPARSE_KV_BLOCK_SIZE=sparse_kv,
@@ -246,7 +281,7 @@ class ForwardKernel:
             USE_TMA=use_tma,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        return out, (lse if need_lse else None), (mx if need_max else None)
+        return (triton_cdiv(L, cfg.BLOCK_M), Hq, B), constexprs
 
     # ---------------------------------------------------------------- configs
     def _config(self, q, k, v, block_mask, scale, score_captured, mask_captured, options, sparse_q, sparse_kv):

@@ -21,6 +21,7 @@ import os
 import sys
 import traceback
 import types
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -114,12 +115,26 @@ class _Walker:
         self.tensors: list[torch.Tensor] = []
         self.tensor_names: list[str] = []
         self._seen: set[int] = set()
+        # For the warm-call fast path: every read of mutable state (a closure cell, a global), and
+        # for each tensor the read it came from. False once anything else mutable is walked.
+        self.reads: list[tuple] = []
+        self.tensor_reads: list[Optional[int]] = []
+        self.cacheable = True
+        self._current_read: Optional[int] = None
+
+    def read(self, container, key, value, name: str) -> None:
+        self.reads.append((container, key, value))
+        self._current_read = len(self.reads) - 1
+        self.value(value, name)
+        self._current_read = None
 
     def value(self, obj: Any, name: str) -> None:
         sig = self.signature
         if isinstance(obj, torch.Tensor):
             self.tensors.append(obj)
             self.tensor_names.append(name)
+            self.tensor_reads.append(self._current_read)
+            self._current_read = None
             sig.append(("tensor", obj.dtype, tuple(obj.shape), obj.requires_grad, obj.device.type))
             return
         # The type is part of the key: 1, 1.0 and True hash alike but trace to different graphs.
@@ -133,6 +148,7 @@ class _Walker:
             sig.append(("seen", id(obj)))
             return
         self._seen.add(id(obj))
+        self._current_read = None  # only a tensor read directly from a cell or global is re-read
         if isinstance(obj, types.FunctionType):
             self.function(obj)
         elif isinstance(obj, functools.partial):
@@ -148,26 +164,31 @@ class _Walker:
             self.value(obj.__func__, name)
             self.value(obj.__self__, name)
         elif isinstance(obj, (list, tuple)):
+            self.cacheable = self.cacheable and isinstance(obj, tuple)
             sig.append((type(obj).__name__, len(obj)))
             for i, item in enumerate(obj):
                 self.value(item, f"{name}_{i}")
         elif isinstance(obj, dict):
+            self.cacheable = self.cacheable and isinstance(obj, types.MappingProxyType)
             sig.append(("dict", len(obj)))
             for key in sorted(obj, key=repr):
                 sig.append(repr(key))
                 self.value(obj[key], f"{name}_{key}")
         elif isinstance(obj, torch.nn.Module):
+            self.cacheable = False
             sig.append(("module", type(obj)))
             for attr, tensor in list(obj.named_parameters()) + list(obj.named_buffers()):
                 sig.append(attr)
                 self.value(tensor, attr.replace(".", "_"))
             self.value(getattr(type(obj), "__call__", None), name)
         elif callable(obj) and hasattr(obj, "__call__") and isinstance(obj.__call__, types.MethodType):
+            self.cacheable = False
             sig.append(("callable", type(obj)))
             self.value(obj.__call__, name)
             self.value(vars(obj) if hasattr(obj, "__dict__") else None, name)
         else:
             # Unknown objects: identity is the only safe key (a new object means a fresh trace).
+            self.cacheable = False
             sig.append(("object", type(obj).__qualname__, id(obj)))
 
     def function(self, fn: types.FunctionType) -> None:
@@ -180,12 +201,12 @@ class _Walker:
                 contents = cell.cell_contents
             except ValueError:  # a cell not yet filled (recursive definition)
                 contents = None
-            self.value(contents, var)
+            self.read(cell, None, contents, var)
         fn_globals = fn.__globals__
         for var in _global_names(code):
             if var in fn_globals:
                 self.signature.append(var)
-                self.value(fn_globals[var], var)
+                self.read(fn_globals, var, fn_globals[var], var)
 
 
 def walk_callable(fn: Callable) -> tuple[tuple, list[torch.Tensor], list[str]]:
@@ -396,6 +417,9 @@ def _trace(fn: Callable, kind: str, tensors: list[torch.Tensor], names: list[str
 
 
 _CACHE: "OrderedDict[tuple, TracedMod]" = OrderedDict()
+# Warm calls with the same callable object skip the walk: id(fn) -> (weak ref, reads, tensor
+# sources, traced). Entries are re-validated on every hit (see _fast_lookup).
+_FAST: dict = {}
 _CACHE_SIZE = 512
 trace_count = 0  # how many real traces ran in this process (tests check that warm calls add none)
 
@@ -411,7 +435,12 @@ def trace_mod(fn: Callable, kind: str) -> tuple[TracedMod, list[torch.Tensor]]:
         raise ValueError(f"kind must be 'score_mod' or 'mask_mod', got {kind!r}")
     if not callable(fn):
         raise TypeError(f"{kind} must be callable, got {type(fn).__name__}")
-    signature, tensors, names = walk_callable(fn)
+    hit = _fast_lookup(fn, kind)
+    if hit is not None:
+        return hit
+    walker = _Walker()
+    walker.value(fn, getattr(fn, "__name__", "mod"))
+    signature, tensors, names = tuple(walker.signature), walker.tensors, walker.tensor_names
     key = (kind, signature)
     traced = _CACHE.get(key)
     if traced is None:
@@ -422,7 +451,54 @@ def trace_mod(fn: Callable, kind: str) -> tuple[TracedMod, list[torch.Tensor]]:
             _CACHE.popitem(last=False)
     else:
         _CACHE.move_to_end(key)
+    if walker.cacheable:
+        _remember(fn, kind, walker, traced)
     return traced, traced.captured_values(tensors)
+
+
+def _remember(fn: Callable, kind: str, walker: _Walker, traced: TracedMod) -> None:
+    try:
+        ref = weakref.ref(fn)
+    except TypeError:
+        return
+    meta = [None if i is None else _tensor_meta(walker.tensors[k]) for k, i in enumerate(walker.tensor_reads)]
+    _FAST[(id(fn), kind)] = (ref, walker.reads, walker.tensor_reads, list(walker.tensors), meta, traced)
+
+
+def _tensor_meta(t: torch.Tensor) -> tuple:
+    return (t.dtype, t.shape, t.requires_grad, t.device)
+
+
+def _fast_lookup(fn: Callable, kind: str):
+    """The cached trace of this very callable object, if nothing it reads has changed since.
+
+    Re-reads every closure cell and global the walk read: plain values must be the same objects,
+    tensors may be new objects but with the same dtype, shape, device and requires_grad.
+    """
+    entry = _FAST.get((id(fn), kind))
+    if entry is None:
+        return None
+    ref, reads, tensor_reads, tensors, meta, traced = entry
+    if ref() is not fn:
+        return None
+    current = []
+    for container, key, value in reads:
+        now = container.cell_contents if key is None else container.get(key, _MISSING)
+        if now is not value and not isinstance(value, torch.Tensor):
+            return None
+        current.append(now)
+    tensors = list(tensors)
+    for k, read in enumerate(tensor_reads):
+        if read is not None:
+            now = current[read]
+            if now is not tensors[k]:
+                if not isinstance(now, torch.Tensor) or _tensor_meta(now) != meta[k]:
+                    return None
+                tensors[k] = now
+    return traced, traced.captured_values(tensors)
+
+
+_MISSING = object()
 
 
 # --------------------------------------------------------------------------------------------
