@@ -138,6 +138,15 @@ def _check_arity(fn, kind: str, expected: int) -> None:
     _arity_cache[key] = True
 
 
+def _check_captured_devices(traced: TracedMod, values: list, device: torch.device) -> None:
+    for captured, value in zip(traced.captured, values):
+        if captured.walk_index is not None and value.device != device:
+            raise InvalidInputError(
+                f"{traced.kind} '{traced.name}' reads the tensor '{captured.name}' on {value.device}, but the "
+                f"query is on {device}; create it on the query's device (e.g. {captured.name}.to('{device}'))"
+            )
+
+
 def _validate_options(kernel_options: Optional[dict]) -> dict:
     if kernel_options is None:
         return {}
@@ -313,11 +322,13 @@ def flex_attention(
         _validate_block_mask(block_mask, query, key)
         _check_arity(block_mask.mask_mod, "mask_mod", 4)
         mask, mask_captured = trace_mod(block_mask.mask_mod, "mask_mod")
+        _check_captured_devices(mask, mask_captured, query.device)
         # mask_mods are boolean: their captured tensors take no gradient.
         mask_captured = [t.detach() for t in mask_captured]
     if score_mod is not None:
         _check_arity(score_mod, "score_mod", 5)
         score, score_captured = trace_mod(score_mod, "score_mod")
+        _check_captured_devices(score, score_captured, query.device)
     else:
         score, score_captured = None, []
 
