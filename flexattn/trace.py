@@ -319,6 +319,20 @@ def _check_output(gm: torch.fx.GraphModule, fn: Callable, kind: str) -> None:
         )
 
 
+def _check_no_data_dependent_reads(gm: torch.fx.GraphModule, fn: Callable, kind: str) -> None:
+    """``.item()`` traces to a symbolic scalar rather than failing; treat it like ``if`` on a tensor."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.target is torch.ops.aten._local_scalar_dense.default or isinstance(
+            val, (torch.SymInt, torch.SymFloat, torch.SymBool)
+        ):
+            probe = TracedMod(kind=kind, name=getattr(fn, "__name__", "mod"), fn=fn, graph_module=gm,
+                              arg_names=_ARGS_OF_KIND[kind], captured=())
+            raise ModTraceError(
+                f"Cannot trace {_describe_mod(fn, kind)}\n  {source_line_of(probe, node)}\n  {_DATA_DEPENDENT_HINT}"
+            )
+
+
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a is b:
         return True
@@ -403,6 +417,7 @@ def _trace(fn: Callable, kind: str, tensors: list[torch.Tensor], names: list[str
     except Exception as err:  # make_fx raises many kinds; all of them mean "this mod does not trace"
         raise _trace_error(fn, kind, err) from err
     _check_output(gm, fn, kind)
+    _check_no_data_dependent_reads(gm, fn, kind)
     gm.graph.eliminate_dead_code()
     captured = _lift_captured(gm, tensors, names)
     gm.recompile()
