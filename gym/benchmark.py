@@ -94,11 +94,11 @@ def main(argv=None) -> int:
 
     # Every (variant, head dim) is a new specialisation of torch's compiled flex_attention; lift
     # Dynamo's recompile limit so none of them silently falls back to the unfused path.
-    import torch._dynamo
+    from torch import _dynamo
 
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 1024)
+        if hasattr(_dynamo.config, name):
+            setattr(_dynamo.config, name, 1024)
     torch_flex_compiled = torch.compile(torch_flex, dynamic=False)
     options = json.loads(args.kernel_options)
     device = torch.device("cuda")
