@@ -76,9 +76,21 @@ def _fit_to_mask(cfg: LaunchConfig, sparse_q: int, sparse_kv: int) -> LaunchConf
     return LaunchConfig(block_m, block_n, cfg.num_warps, cfg.num_stages)
 
 
+def mean_blocks_per_row(block_mask) -> float:
+    """Average key blocks a query-block row visits (one host sync per BlockMask, then cached)."""
+    cached = getattr(block_mask, "_mean_blocks_per_row", None)
+    if cached is None:
+        total = block_mask.kv_num_blocks.sum()
+        if block_mask.full_kv_num_blocks is not None:
+            total = total + block_mask.full_kv_num_blocks.sum()
+        cached = float(total.item()) / max(1, block_mask.kv_num_blocks.numel())
+        block_mask._mean_blocks_per_row = cached
+    return cached
+
+
 def select_config(
     device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int, sparse_q: int, sparse_kv: int,
-    has_mask_mod: bool = False,
+    has_mask_mod: bool = False, blocks_per_row: float = float("inf"),
 ) -> LaunchConfig:
     """A launch configuration that divides the mask's blocks and fits in shared memory."""
     if interpreter_enabled() or device.type != "cuda":
@@ -88,9 +100,14 @@ def select_config(
     dim = max(qk_dim, v_dim)
     bucket = next((d for d in (64, 128, 256) if dim <= d), 256)
     base = _GPU_DEFAULTS[(bucket, 2 if elem <= 2 else 4)]
-    if has_mask_mod and (bucket, elem) == (128, 2):
-        # Measured on an H200 (gym/sweep.py): with a mask_mod in the loop, d=128 prefers 8 warps on 128x128.
-        base = LaunchConfig(128, 128, 8, 3)
+    if has_mask_mod and elem == 2 and bucket in (64, 128):
+        # Measured on an H200 (gym/sweep.py, gym/benchmark.py): masks whose rows visit few blocks
+        # (documents, short windows) want more, smaller programs; dense-row masks (causal, prefix)
+        # want 128 query rows per program.
+        if blocks_per_row < 8:
+            base = LaunchConfig(64, 128, 4, 3) if bucket == 64 else LaunchConfig(64, 64, 4, 3)
+        else:
+            base = LaunchConfig(128, 128, 4, 3) if bucket == 64 else LaunchConfig(128, 128, 8, 3)
     cfg = _fit_to_mask(base, sparse_q, sparse_kv)
     limit = max_shared_memory(device)
     qk_p2, v_p2 = _next_pow2(qk_dim), _next_pow2(v_dim)
@@ -209,12 +226,15 @@ class ForwardKernel:
         fidx = block_mask.full_kv_indices if has_full else idx
         plan_key = (
             q.shape, k.shape, v.shape, q.dtype, q.device, block_mask.BLOCK_SIZE, nb.shape, has_full,
+            id(block_mask) if self.mask_lowered is not None else None,  # configs depend on its density
             need_lse, need_max, scale > 0, tuple(sorted(options.items())) if options else (),
             torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None,
         )
         plan = self._plans.get(plan_key)
         if plan is None:
             plan = self._plan(q, k, v, block_mask, scale, score_captured, mask_captured, need_lse, need_max, has_full, options)
+            if len(self._plans) > 512:  # masks rebuilt every step would otherwise pile up here
+                self._plans.clear()
             self._plans[plan_key] = plan
         grid, constexprs = plan
         if constexprs["USE_TMA"] and not _tma_compatible(k, v):
@@ -289,6 +309,7 @@ class ForwardKernel:
         default = select_config(
             q.device, q.dtype, E, Ev, sparse_q, sparse_kv,
             has_mask_mod=self.mask_lowered is not None,
+            blocks_per_row=mean_blocks_per_row(block_mask) if self.mask_lowered is not None and q.is_cuda else float("inf"),
         )
         if _OPTION_KEYS & options.keys():
             return _pinned_config(options, default, sparse_q, sparse_kv)
