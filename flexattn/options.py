@@ -59,8 +59,8 @@ class AuxRequest(NamedTuple):
 
 
 class AuxOutput(NamedTuple):
-    """Auxiliary outputs: ``lse`` [B, Hq, L] and ``max_scores`` [B, Hq, L], float32, natural log
-    scale; a field is None unless it was requested."""
+    """Auxiliary outputs: ``lse`` [B, Hq, L] and ``max_scores`` [B, Hq, L], natural-log scale,
+    float32 (float64 for float64 inputs); a field is None unless it was requested."""
 
     lse: Optional[torch.Tensor] = None
     max_scores: Optional[torch.Tensor] = None
