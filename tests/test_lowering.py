@@ -4,9 +4,8 @@ The numerical tests render a standalone kernel around the lowered body (q_idx/kv
 random float32 score tile), run it with the Triton interpreter on CPU and compare it with the same
 mod evaluated by torch.vmap over the tile: the user's callable is the spec.
 
-The harness kernels are always imported with TRITON_INTERPRET=1 (set only while each is loaded, so
-other test modules on a GPU machine still compile for real). The GPU test at the end compiles the
-same kernels for real; it runs only where CUDA is available.
+They need a process started with TRITON_INTERPRET=1 (tests/conftest.py sets it where there is no
+GPU); elsewhere they skip, and the GPU test at the end compiles the same kernels for real.
 """
 
 import os
@@ -79,16 +78,7 @@ def compile_kernel(source: str):
         path.write_text(source)
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
-        # @triton.jit picks the interpreter when the module is loaded: CPU tensors need it.
-        previous = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
-            spec.loader.exec_module(module)
-        finally:
-            if previous is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = previous
+        spec.loader.exec_module(module)
         _MODULES[source] = module.mod_kernel
     return _MODULES[source]
 
