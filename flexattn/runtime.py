@@ -167,6 +167,7 @@ class _TunedConfigs:
 
 
 tuned_configs = _TunedConfigs()
+autotune_runs = 0  # searches run in this process (a stored choice from an earlier process adds none)
 
 _OPTION_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}  # keys that pin the launch config
 
@@ -325,6 +326,8 @@ class ForwardKernel:
         cached = tuned_configs.get(key)
         if cached is not None:
             return cached
+        global autotune_runs
+        autotune_runs += 1
         best = self._autotune(q, k, v, block_mask, scale, score_captured, mask_captured, default, sparse_q, sparse_kv)
         tuned_configs.put(key, best)
         return best

@@ -103,7 +103,8 @@ bm = flexattn.create_block_mask(causal_mask, None, None, 2048, 2048, device="cud
 t0 = time.perf_counter()
 out = flexattn.flex_attention(q, k, v, block_mask=bm, kernel_options={"AUTOTUNE": True})
 torch.cuda.synchronize()
-print(json.dumps({"seconds": time.perf_counter() - t0, "finite": bool(torch.isfinite(out).all())}))
+print(json.dumps({"seconds": time.perf_counter() - t0, "finite": bool(torch.isfinite(out).all()),
+                  "searches": flexattn.runtime.autotune_runs}))
 """
 
 
@@ -123,4 +124,4 @@ def test_autotuned_choice_persists_across_processes(tmp_path):
     table = json.loads((tmp_path / "autotune.json").read_text())
     assert len(table) == 1 and all(r["finite"] for r in runs)
     # The second process reads the stored choice instead of timing candidates again.
-    assert runs[1]["seconds"] < runs[0]["seconds"] / 2
+    assert [r["searches"] for r in runs] == [1, 0]
