@@ -228,9 +228,11 @@ class BlockMask:
             raise InvalidInputError("full_q_num_blocks and full_q_indices must be given together or both be None")
         self.seq_lengths = tuple(seq_lengths)
         self.kv_num_blocks = kv_num_blocks
-        self.kv_indices = kv_indices
+        # Kernels rely on each row's used entries being ascending: the one key block that crosses
+        # kv_len then comes last, and only it is bounds-checked (see the forward template).
+        self.kv_indices = _ascending(kv_num_blocks, kv_indices)
         self.full_kv_num_blocks = full_kv_num_blocks
-        self.full_kv_indices = full_kv_indices
+        self.full_kv_indices = None if full_kv_indices is None else _ascending(full_kv_num_blocks, full_kv_indices)
         self.q_num_blocks = q_num_blocks
         self.q_indices = q_indices
         self.full_q_num_blocks = full_q_num_blocks
@@ -271,7 +273,7 @@ class BlockMask:
         ``ceil(kv_len / KV_BLOCK)``. Used entries must lie in ``[0, COLS)``; padding entries outside
         that range are replaced by 0 so kernels may prefetch them. Tables are stored as int32,
         with leading dims added up to ``[B, H, ...]`` and narrower index tables padded to COLS.
-        The given order of the used entries is kept (kernels visit tiles in that order).
+        Each row's used entries are stored in ascending order (kernels rely on it).
 
         Raises:
             InvalidInputError: only one of the full_* tables given, shapes that disagree, non-integer
@@ -560,6 +562,16 @@ class BlockMask:
 # --------------------------------------------------------------------------------------------
 # Helpers for BlockMask: checking user tables, transposing, selections
 # --------------------------------------------------------------------------------------------
+
+
+def _ascending(num_blocks: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Each row's first ``num_blocks`` entries sorted ascending; padding entries keep their place."""
+    if indices.numel() == 0 or indices.shape[-1] < 2:
+        return indices
+    used = torch.arange(indices.shape[-1], device=indices.device) < num_blocks.unsqueeze(-1)
+    big = torch.iinfo(indices.dtype).max
+    ordered = torch.where(used, indices, big).sort(dim=-1).values
+    return torch.where(used, ordered, indices)
 
 
 def _checked_table(name: str, num_blocks: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
