@@ -184,8 +184,8 @@ def test_hand_built_mask_in_any_order_with_a_boundary_block():
     # kernel must still bounds-check exactly that block (BlockMask stores rows ascending).
     L, S, block = 128, 300, 64
     rows, cols = L // block, -(-S // block)
-    order = torch.arange(cols - 1, -1, -1, dtype=torch.int32).expand(1, 1, rows, cols).contiguous()
-    num = torch.full((1, 1, rows), cols, dtype=torch.int32)
+    order = torch.arange(cols - 1, -1, -1, dtype=torch.int32, device=DEVICE).expand(1, 1, rows, cols).contiguous()
+    num = torch.full((1, 1, rows), cols, dtype=torch.int32, device=DEVICE)
     bm = flexattn.BlockMask.from_kv_blocks(num, order, BLOCK_SIZE=block, seq_lengths=(L, S))
     q, k, v = qkv(1, 2, 2, L, S, 32, 32, torch.float32)
     out = flex_attention(q, k, v, block_mask=bm, kernel_options=TRITON)
