@@ -31,6 +31,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    # Small CPU shapes: on a shared 2-core machine a second OpenMP thread spin-waits while another
+    # process holds the other core, making small ops several times slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
     # A different but reproducible seed per test: fresh random inputs, never zeros.

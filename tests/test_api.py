@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from numerics import rel_err
 
 import flexattn
 from flexattn import AuxRequest, create_block_mask, flex_attention
@@ -22,8 +23,6 @@ needs_interpreter = pytest.mark.skipif(
 )
 
 
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def qkv(B=1, H=2, L=64, S=64, E=16, Ev=16, dtype=torch.float32, **kw):

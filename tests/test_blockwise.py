@@ -13,6 +13,8 @@ import textwrap
 import pytest
 import torch
 
+from numerics import rel_err
+
 from flexattn import blockwise
 from flexattn.block_mask import BlockMask, create_block_mask
 from flexattn.blockwise import blockwise_backward, blockwise_forward
@@ -31,27 +33,14 @@ TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2, to
 FUDGE = 2.0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The shapes here are small. On a shared 2-core machine, two OpenMP threads that spin-wait while
-    # another process holds a core make small ops many times slower; one thread avoids that.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _rel_err(actual: torch.Tensor, golden: torch.Tensor) -> float:
-    """Norm-wise relative error; -inf entries (fully masked rows) must match exactly and are skipped."""
-    finite = torch.isfinite(golden)
-    assert torch.equal(finite, torch.isfinite(actual)), "infinite or NaN entries differ from the golden value"
-    diff = (actual.double() - golden.double())[finite]
-    return (diff.norm() / golden.double()[finite].norm().clamp_min(1e-30)).item()
 
 
 def _assert_close(actual, golden, same_dtype_ref, dtype, what: str) -> None:
-    err = _rel_err(actual, golden)
-    budget = FUDGE * (_rel_err(same_dtype_ref, golden) if same_dtype_ref is not None else 0.0) + TOLERANCE[dtype]
+    err = rel_err(actual, golden)
+    budget = FUDGE * (rel_err(same_dtype_ref, golden) if same_dtype_ref is not None else 0.0) + TOLERANCE[dtype]
     assert err <= budget, f"{what}: relative error {err:.3g} > budget {budget:.3g} ({dtype})"
 
 
@@ -224,7 +213,7 @@ def test_mask_mod_runs_on_partial_blocks_only():
     q, k, v = _inputs(1, 1, 1, 64, 64, 16, 16, torch.float64)
     out, lse, _ = _forward(q, k, v, None, reject_everything, block_mask)
     expected, expected_lse, _ = reference_attention(q, k, v)
-    assert _rel_err(out, expected) < 1e-12 and _rel_err(lse, expected_lse) < 1e-12
+    assert rel_err(out, expected) < 1e-12 and rel_err(lse, expected_lse) < 1e-12
 
 
 # ---------------------------------------------------------------------------------------------

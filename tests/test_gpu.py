@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from numerics import rel_err
 
 from flexattn import AuxRequest, create_block_mask, flex_attention
 from flexattn.reference import reference_attention
@@ -12,11 +13,6 @@ pytestmark = pytest.mark.gpu
 TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 2e-2, torch.float32: 5e-3}  # fp32 may use tf32
 
 
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    finite = torch.isfinite(b)
-    assert torch.equal(torch.isfinite(a), finite)
-    return ((a[finite] - b[finite]).norm() / b[finite].norm()).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -10,6 +10,8 @@ import warnings
 
 import pytest
 import torch
+
+from numerics import rel_err
 from torch.nn.attention import flex_attention as torch_flex
 
 from flexattn.reference import reference_attention
@@ -18,21 +20,9 @@ from gym.catalogue import CATALOGUE
 FP64_TOL = 1e-10
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Small shapes: a second OpenMP thread only costs time when another process holds the other core.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """Norm-wise relative error, with -inf entries required to match exactly and then ignored."""
-    finite = torch.isfinite(expected)
-    assert torch.equal(finite, torch.isfinite(actual)), "infinite entries differ"
-    diff = (actual.double() - expected.double())[finite]
-    return (diff.norm() / expected.double()[finite].norm().clamp_min(1e-30)).item()
 
 
 def _torch_flex(q, k, v, score_mod, mask_mod, enable_gqa):
@@ -62,8 +52,8 @@ def test_matches_torch_flex_attention(name):
 
     assert out.shape == (B, Hq, L, 48) and out.dtype == torch.float64
     assert lse.dtype == torch.float64 and max_scores.dtype == torch.float64
-    assert _rel_err(out, torch_out) < FP64_TOL
-    assert _rel_err(lse, torch_lse) < FP64_TOL
+    assert rel_err(out, torch_out) < FP64_TOL
+    assert rel_err(lse, torch_lse) < FP64_TOL
     assert torch.all(max_scores <= lse)  # the row max never exceeds the log-sum-exp
 
 
@@ -74,13 +64,13 @@ def test_noop_is_plain_softmax_attention():
     scale = 0.3
     out, lse, max_scores = reference_attention(q, k, v, scale=scale)
     scores = q @ k.transpose(-1, -2) * scale
-    assert _rel_err(out, torch.softmax(scores, dim=-1) @ v) < FP64_TOL
-    assert _rel_err(lse, torch.logsumexp(scores, dim=-1)) < FP64_TOL
+    assert rel_err(out, torch.softmax(scores, dim=-1) @ v) < FP64_TOL
+    assert rel_err(lse, torch.logsumexp(scores, dim=-1)) < FP64_TOL
     assert torch.equal(max_scores, scores.amax(dim=-1))
     # The default scale is 1/sqrt(E).
     default_out, _, _ = reference_attention(q, k, v)
     expected = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(16), dim=-1) @ v
-    assert _rel_err(default_out, expected) < FP64_TOL
+    assert rel_err(default_out, expected) < FP64_TOL
 
 
 def test_mods_see_query_head_and_int32_indices():
@@ -95,7 +85,7 @@ def test_mods_see_query_head_and_int32_indices():
     _, lse, _ = reference_attention(q, k, v, score_mod=record, enable_gqa=True)
     _, plain_lse, _ = reference_attention(q, k, v, enable_gqa=True)
     shift = torch.arange(4, dtype=torch.float64).view(1, 4, 1) * 100 + torch.arange(2, dtype=torch.float64).view(2, 1, 1) * 1000
-    assert _rel_err(lse - plain_lse, shift.expand_as(lse)) < FP64_TOL
+    assert rel_err(lse - plain_lse, shift.expand_as(lse)) < FP64_TOL
     assert seen["dtypes"] == (torch.int32,) * 4
 
 
@@ -106,7 +96,7 @@ def test_gqa_and_kv_batch_broadcast_match_repeated_kv():
     k_full = k.repeat_interleave(3, dim=1).expand(3, -1, -1, -1)
     v_full = v.repeat_interleave(3, dim=1).expand(3, -1, -1, -1)
     expected, expected_lse, _ = reference_attention(q, k_full, v_full, mask_mod=lambda b, h, q_idx, kv_idx: q_idx + 4 >= kv_idx)
-    assert _rel_err(out, expected) < FP64_TOL and _rel_err(lse, expected_lse) < FP64_TOL
+    assert rel_err(out, expected) < FP64_TOL and rel_err(lse, expected_lse) < FP64_TOL
     with pytest.raises(ValueError, match="enable_gqa"):
         reference_attention(q, k, v)
 
@@ -152,9 +142,9 @@ def test_captured_bias_gradient_matches_hand_written_attention():
     grads = torch.autograd.grad((out * grad_out).sum(), [q, k, v, bias])
     expected_out = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8) + bias, dim=-1) @ v
     expected = torch.autograd.grad((expected_out * grad_out).sum(), [q, k, v, bias])
-    assert _rel_err(out, expected_out) < FP64_TOL
+    assert rel_err(out, expected_out) < FP64_TOL
     for g, e in zip(grads, expected):
-        assert _rel_err(g, e) < FP64_TOL
+        assert rel_err(g, e) < FP64_TOL
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -165,5 +155,5 @@ def test_half_inputs_compute_in_float32(dtype):
     golden, golden_lse, _ = reference_attention(
         q.double(), k.double(), v.double(), mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx
     )
-    assert _rel_err(out, golden) < 1e-2  # only the final rounding to the half dtype
-    assert _rel_err(lse, golden_lse) < 1e-6
+    assert rel_err(out, golden) < 1e-2  # only the final rounding to the half dtype
+    assert rel_err(lse, golden_lse) < 1e-6

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from numerics import rel_err
 
 import flexattn
 from flexattn import AuxRequest, create_block_mask, flex_attention
@@ -20,11 +21,6 @@ TRITON = {"BACKEND": "TRITON"}
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    finite = torch.isfinite(b)
-    assert torch.equal(torch.isfinite(a), finite), "non-finite values differ from the reference"
-    return ((a[finite] - b[finite]).norm() / b[finite].norm().clamp_min(1e-30)).item()
 
 
 def qkv(B, Hq, Hkv, L, S, E, Ev, dtype, kv_batch=None):
