@@ -180,6 +180,8 @@ def _dense_block_mask(L: int, S: int, device: torch.device) -> BlockMask:
         mask = BlockMask.from_kv_blocks(
             zeros, zero_idx, full_num, full_idx, BLOCK_SIZE=block, seq_lengths=(L, S)
         )
+        if len(_dense_masks) >= 64:  # lengths that keep changing (decoding) must not pile up masks
+            _dense_masks.clear()
         _dense_masks[key] = mask
     return mask
 
