@@ -326,7 +326,8 @@ def flex_attention(
         mask, mask_captured = trace_mod(block_mask.mask_mod, "mask_mod")
         _check_captured_devices(mask, mask_captured, query.device)
         # mask_mods are boolean: their captured tensors take no gradient.
-        mask_captured = [t.detach() for t in mask_captured]
+        if any(t.requires_grad for t in mask_captured):
+            mask_captured = [t.detach() for t in mask_captured]
     if score_mod is not None:
         _check_arity(score_mod, "score_mod", 5)
         score, score_captured = trace_mod(score_mod, "score_mod")
