@@ -2,10 +2,10 @@
 
 Stage 1 of the pipeline (trace -> lowering -> codegen -> runtime). It imports no Triton.
 
-The mod is run once by ``make_fx`` on fake 0-d tensors, so every torch call is recorded as an aten
-op and any use of a tensor's *value* in Python (``if score > 0``, ``.item()``, ``int(q_idx)``)
-fails at trace time instead of silently baking one branch into the kernel. docs/tracing.md says
-why we chose this over ``torch.fx.symbolic_trace`` and over Dynamo.
+The mod is run once on 0-d meta tensors under a recording dispatch mode, so every torch call is
+recorded as an aten op and any use of a tensor's *value* in Python (``if score > 0``, ``.item()``,
+``int(q_idx)``) fails at trace time instead of silently baking one branch into the kernel.
+docs/tracing.md says why we chose this over ``torch.fx.symbolic_trace``, ``make_fx`` and Dynamo.
 
 Tensors the mod closes over (closure cells, globals, bound modules, nested helper functions) are
 *lifted*: each becomes a graph placeholder after the mod's own arguments, so the same graph serves
@@ -17,6 +17,7 @@ tensor metadata), so a second call with the same mod costs a walk over its closu
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import sys
 import traceback
@@ -30,6 +31,7 @@ import torch
 import torch.fx
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import ModTraceError
 
@@ -245,10 +247,11 @@ class GetItemToIndex(TorchFunctionMode):
 
 
 def _example_args(kind: str) -> list[torch.Tensor]:
-    # Distinct tensors: make_fx tracks inputs by identity, so shared objects would merge placeholders.
-    indices = [torch.zeros((), dtype=INDEX_DTYPE) for _ in MASK_MOD_ARGS]
+    # Distinct tensors: the recorder tracks inputs by identity, so shared objects would merge them.
+    # q_idx = kv_idx = 1: no integer division by zero, and gathers at small in-range indices.
+    indices = [torch.tensor(v, dtype=INDEX_DTYPE) for v in (0, 0, 1, 1)]
     if kind == "score_mod":
-        return [torch.zeros((), dtype=SCORE_DTYPE)] + indices
+        return [torch.tensor(0.5, dtype=SCORE_DTYPE)] + indices
     return indices
 
 
@@ -287,7 +290,7 @@ _DATA_DEPENDENT_HINT = (
 def _trace_error(fn: Callable, kind: str, err: BaseException) -> ModTraceError:
     frame = _user_frame(traceback.extract_tb(err.__traceback__))
     name = type(err).__name__
-    data_dependent = "DataDependent" in name or "data-dependent" in str(err) or "GuardOnDataDependent" in name
+    data_dependent = isinstance(err, _DataDependentRead) or "meta tensors" in str(err)
     hint = _DATA_DEPENDENT_HINT if data_dependent else f"{name}: {str(err).splitlines()[0] if str(err) else ''}"
     return ModTraceError(f"Cannot trace {_describe_mod(fn, kind)}\n  {_where(frame)}\n  {hint}")
 
@@ -319,20 +322,6 @@ def _check_output(gm: torch.fx.GraphModule, fn: Callable, kind: str) -> None:
         )
 
 
-def _check_no_data_dependent_reads(gm: torch.fx.GraphModule, fn: Callable, kind: str) -> None:
-    """``.item()`` traces to a symbolic scalar rather than failing; treat it like ``if`` on a tensor."""
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if node.target is torch.ops.aten._local_scalar_dense.default or isinstance(
-            val, (torch.SymInt, torch.SymFloat, torch.SymBool)
-        ):
-            probe = TracedMod(kind=kind, name=getattr(fn, "__name__", "mod"), fn=fn, graph_module=gm,
-                              arg_names=_ARGS_OF_KIND[kind], captured=())
-            raise ModTraceError(
-                f"Cannot trace {_describe_mod(fn, kind)}\n  {source_line_of(probe, node)}\n  {_DATA_DEPENDENT_HINT}"
-            )
-
-
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a is b:
         return True
@@ -348,54 +337,6 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
 
 
-def _lift_captured(gm: torch.fx.GraphModule, tensors: list[torch.Tensor], names: list[str]) -> tuple:
-    """Replace get_attr constants by placeholders, in first-use order; return their descriptions."""
-    graph = gm.graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    insert_after = placeholders[-1]
-    lifted: list[tuple[Any, torch.fx.Node]] = []  # (walk index or constant tensor, placeholder)
-    captured: list[CapturedInput] = []
-    for node in list(graph.nodes):
-        if node.op != "get_attr":
-            continue
-        value = getattr(gm, node.target)
-        if not isinstance(value, torch.Tensor):
-            continue
-        walk_index = next((i for i, t in enumerate(tensors) if _same_tensor(t, value)), None)
-        key = walk_index if walk_index is not None else id(value)
-        placeholder = next((p for k, p in lifted if k == key), None)
-        if placeholder is None:
-            if walk_index is not None:
-                name = names[walk_index]
-                source = tensors[walk_index]
-            else:
-                name = f"const{len(captured)}"
-                source = value
-            name = _unique_name(name, {c.name for c in captured})
-            with graph.inserting_after(insert_after):
-                placeholder = graph.placeholder(name)
-            placeholder.meta["val"] = node.meta.get("val")
-            insert_after = placeholder
-            lifted.append((key, placeholder))
-            captured.append(
-                CapturedInput(
-                    name=name,
-                    shape=tuple(source.shape),
-                    dtype=source.dtype,
-                    requires_grad=bool(source.requires_grad),
-                    walk_index=walk_index,
-                    fixed_value=None if walk_index is not None else value.detach().clone(),
-                )
-            )
-        node.replace_all_uses_with(placeholder)
-        graph.erase_node(node)
-    for name, _ in list(gm.named_buffers()) + list(gm.named_parameters()):
-        delattr(gm, name)
-    for attr in [a for a in vars(gm) if a.startswith("_tensor_constant")]:
-        delattr(gm, attr)
-    return tuple(captured)
-
-
 def _unique_name(name: str, taken: set[str]) -> str:
     base = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in name) or "buf"
     if base[0].isdigit():
@@ -406,20 +347,157 @@ def _unique_name(name: str, taken: set[str]) -> str:
     return candidate
 
 
-def _trace(fn: Callable, kind: str, tensors: list[torch.Tensor], names: list[str]) -> TracedMod:
-    from torch.fx.experimental.proxy_tensor import make_fx
+class _DataDependentRead(RuntimeError):
+    """The mod asked for a tensor's value (``.item()``, ``bool()``, ``int()``) while tracing."""
 
+
+# Ops that read a tensor's value into Python: tracing cannot know it.
+_VALUE_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
+
+
+class _GraphRecorder(TorchDispatchMode):
+    """Runs the mod once on 0-d tensors and records every aten op it reaches into an fx graph.
+
+    A tensor reaching an op that the recorder has not produced itself is one the mod closes over
+    (or builds, like ``torch.tensor(2.0)``): it becomes a placeholder after the mod's own
+    arguments. Reads of a tensor's value into Python raise at once.
+
+    The first attempt runs on real CPU tensors: each op costs microseconds. Some mods cannot run
+    on example values (a gather whose index is out of range at q_idx = kv_idx = 1), so the second
+    attempt runs on meta tensors, which carry no values; their Python meta kernels import Dynamo,
+    over a second on the first use, which is why meta is not the first choice.
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Recent torch wraps every mode's __torch_dispatch__ in a Dynamo guard, importing Dynamo on
+        # first use. Tracing never runs under torch.compile, so opt out.
+        return False
+
+    def __init__(self, walked: list[torch.Tensor], walked_names: list[str], on_meta: bool):
+        super().__init__()
+        self.graph = torch.fx.Graph()
+        self.captured: list[CapturedInput] = []
+        self._walked, self._walked_names, self._on_meta = walked, walked_names, on_meta
+        self._node_of: dict[int, torch.fx.Node] = {}
+        self._run_value: dict[int, torch.Tensor] = {}  # node name -> the tensor the ops run on
+        self._captured_by_key: dict = {}
+        self._alive: list[torch.Tensor] = []  # keeps every traced tensor alive, so ids stay unique
+        self._last_placeholder: Optional[torch.fx.Node] = None
+
+    def add_argument(self, name: str, example: torch.Tensor) -> None:
+        node = self.graph.placeholder(name)
+        self._record(example, node)
+        self._last_placeholder = node
+
+    def _record(self, tensor: torch.Tensor, node: torch.fx.Node) -> None:
+        node.meta["val"] = tensor
+        self._node_of[id(tensor)] = node
+        self._alive.append(tensor)
+
+    def _capture(self, tensor: torch.Tensor) -> torch.fx.Node:
+        walk_index = next((i for i, t in enumerate(self._walked) if _same_tensor(t, tensor)), None)
+        key = walk_index if walk_index is not None else id(tensor)
+        node = self._captured_by_key.get(key)
+        if node is None:
+            base = self._walked_names[walk_index] if walk_index is not None else f"const{len(self.captured)}"
+            name = _unique_name(base, {c.name for c in self.captured})
+            with self.graph.inserting_after(self._last_placeholder):
+                node = self.graph.placeholder(name)
+            value = tensor.detach()
+            if self._on_meta:
+                value = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+            node.meta["val"] = value
+            self._alive.append(tensor)
+            self._last_placeholder = node
+            self._captured_by_key[key] = node
+            self.captured.append(
+                CapturedInput(
+                    name=name,
+                    shape=tuple(tensor.shape),
+                    dtype=tensor.dtype,
+                    requires_grad=bool(tensor.requires_grad),
+                    walk_index=walk_index,
+                    fixed_value=None if walk_index is not None else tensor.detach().clone(),
+                )
+            )
+        self._node_of[id(tensor)] = node
+        return node
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _VALUE_READS:
+            raise _DataDependentRead(f"{func} reads a tensor's value")
+        flat, spec = tree_flatten((args, kwargs or {}))
+        run_flat, node_flat = [], []
+        for item in flat:
+            if isinstance(item, torch.Tensor):
+                node = self._node_of.get(id(item)) or self._capture(item)
+                run_flat.append(node.meta["val"])
+                node_flat.append(node)
+            elif isinstance(item, torch.device) and item.type == "meta":
+                # Factories inherit the meta device from the inputs; the graph runs on real
+                # devices later, where 0-d CPU constants mix with any device.
+                run_flat.append(item)
+                node_flat.append(torch.device("cpu"))
+            else:
+                run_flat.append(item)
+                node_flat.append(item)
+        run_args, run_kwargs = tree_unflatten(run_flat, spec)
+        out = func(*run_args, **run_kwargs)
+        node_args, node_kwargs = tree_unflatten(node_flat, spec)
+        node = self.graph.call_function(func, tuple(node_args), dict(node_kwargs))
+        if isinstance(out, torch.Tensor):
+            out = self._on_device(out)
+            self._record(out, node)
+            return out
+        if isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
+            # Several outputs (torch.sort, torch.max along a dim): one getitem node each.
+            out = type(out)(self._on_device(o) for o in out)
+            node.meta["val"] = out
+            for i, item in enumerate(out):
+                self._record(item, self.graph.call_function(operator.getitem, (node, i)))
+            return out
+        raise ModTraceError(f"{func} returned {type(out).__name__}; mods may only use ops that return tensors")
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        # A factory without a device (torch.full) runs on the CPU; on the meta attempt, continue on meta.
+        return t.to("meta") if self._on_meta and not t.is_meta else t
+
+    def finish(self, result) -> torch.fx.GraphModule:
+        if isinstance(result, torch.Tensor):
+            node = self._node_of.get(id(result)) or self._capture(result)
+        else:
+            node = result  # a plain value: _check_output reports it
+        self.graph.output(node)
+        return torch.fx.GraphModule(torch.nn.Module(), self.graph)
+
+
+def _record_graph(fn: Callable, kind: str, tensors: list, names: list, on_meta: bool):
+    recorder = _GraphRecorder(tensors, names, on_meta)
+    example = _example_args(kind)
+    if on_meta:
+        example = [t.to("meta") for t in example]
+    for name, arg in zip(_ARGS_OF_KIND[kind], example):
+        recorder.add_argument(name, arg)
+    with torch.no_grad(), GetItemToIndex(), recorder:
+        result = fn(*example)
+    return recorder.finish(result), recorder.captured
+
+
+def _trace(fn: Callable, kind: str, tensors: list[torch.Tensor], names: list[str]) -> TracedMod:
     try:
-        with GetItemToIndex():
-            gm = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*_example_args(kind))
+        try:
+            gm, captured = _record_graph(fn, kind, tensors, names, on_meta=False)
+        except (ModTraceError, _DataDependentRead):
+            raise
+        except Exception:  # the example values did not suit this mod: trace without values
+            gm, captured = _record_graph(fn, kind, tensors, names, on_meta=True)
     except ModTraceError:
         raise
-    except Exception as err:  # make_fx raises many kinds; all of them mean "this mod does not trace"
+    except Exception as err:  # any failure here means "this mod does not trace": say where and why
         raise _trace_error(fn, kind, err) from err
     _check_output(gm, fn, kind)
-    _check_no_data_dependent_reads(gm, fn, kind)
     gm.graph.eliminate_dead_code()
-    captured = _lift_captured(gm, tensors, names)
     gm.recompile()
     return TracedMod(
         kind=kind,
@@ -427,7 +505,7 @@ def _trace(fn: Callable, kind: str, tensors: list[torch.Tensor], names: list[str
         fn=fn,
         graph_module=gm,
         arg_names=_ARGS_OF_KIND[kind],
-        captured=captured,
+        captured=tuple(captured),
     )
 
 

@@ -143,3 +143,32 @@ def test_slicing_a_captured_tensor_is_an_error_with_the_supported_form():
     table = torch.randn(4, 8)
     with pytest.raises(ModTraceError, match=r"bias\[h, q_idx - kv_idx\]"):
         trace_mod(lambda score, b, h, q_idx, kv_idx: score + table[:, kv_idx][0], "score_mod")
+
+
+def test_mod_that_cannot_run_on_the_example_values_still_traces():
+    # At the example indices (q_idx = kv_idx = 1) this gather is out of range; the recorder then
+    # traces on meta tensors, which carry no values.
+    table = torch.randn(40)
+
+    def far(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx + 100 - 2 * kv_idx - 90]
+
+    traced, captured = trace_mod(far, "score_mod")
+    assert float(run_graph(traced, captured, 0.0, 0, 0, 5, 3)) == pytest.approx(float(table[9]))
+
+
+def test_first_trace_is_fast():
+    import subprocess
+    import sys
+
+    code = (
+        "import time, torch, flexattn\n"
+        "from flexattn.trace import trace_mod\n"
+        "t = time.perf_counter()\n"
+        "trace_mod(lambda s, b, h, q, kv: torch.where(q >= kv, s * 2, s), 'score_mod')\n"
+        "print(time.perf_counter() - t)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**__import__("os").environ, "PYTHONPATH": __import__("os").getcwd()})
+    # Tracing must not pull in Dynamo/Inductor (over a second): a first trace is milliseconds.
+    assert float(done.stdout.strip().splitlines()[-1]) < 0.5
