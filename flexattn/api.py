@@ -9,7 +9,6 @@ LSE) for both backends until the Triton backward kernel lands.
 
 from __future__ import annotations
 
-import inspect
 import math
 import warnings
 from typing import Optional, Union
@@ -111,31 +110,6 @@ def _validate_block_mask(block_mask, query, key) -> None:
             f"block_mask is on {block_mask.kv_num_blocks.device} but query is on {query.device}; "
             "use block_mask.to(query.device) or create_block_mask(..., device=query.device)"
         )
-
-
-_arity_cache: dict = {}
-
-
-def _check_arity(fn, kind: str, expected: int) -> None:
-    code = getattr(fn, "__code__", None)
-    key = (code, kind) if code is not None else (id(fn), kind)
-    if key in _arity_cache:
-        return
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        _arity_cache[key] = True
-        return
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = [p for p in positional if p.default is p.empty]
-    variadic = any(p.kind == p.VAR_POSITIONAL for p in params)
-    if not (len(required) <= expected and (len(positional) >= expected or variadic)):
-        names = "score, b, h, q_idx, kv_idx" if kind == "score_mod" else "b, h, q_idx, kv_idx"
-        raise InvalidInputError(
-            f"{kind} '{getattr(fn, '__name__', fn)}' must take {expected} positional arguments ({names}), "
-            f"it takes {len(required)} required"
-        )
-    _arity_cache[key] = True
 
 
 def _check_captured_devices(traced: TracedMod, values: list, device: torch.device) -> None:
@@ -322,14 +296,12 @@ def flex_attention(
         mask, mask_captured = None, []
     else:
         _validate_block_mask(block_mask, query, key)
-        _check_arity(block_mask.mask_mod, "mask_mod", 4)
         mask, mask_captured = trace_mod(block_mask.mask_mod, "mask_mod")
         _check_captured_devices(mask, mask_captured, query.device)
         # mask_mods are boolean: their captured tensors take no gradient.
         if any(t.requires_grad for t in mask_captured):
             mask_captured = [t.detach() for t in mask_captured]
     if score_mod is not None:
-        _check_arity(score_mod, "score_mod", 5)
         score, score_captured = trace_mod(score_mod, "score_mod")
         _check_captured_devices(score, score_captured, query.device)
     else:

@@ -227,12 +227,15 @@ class BlockMask:
         if (full_q_num_blocks is None) != (full_q_indices is None):
             raise InvalidInputError("full_q_num_blocks and full_q_indices must be given together or both be None")
         self.seq_lengths = tuple(seq_lengths)
-        self.kv_num_blocks = kv_num_blocks
-        # Kernels rely on each row's used entries being ascending: the one key block that crosses
-        # kv_len then comes last, and only it is bounds-checked (see the forward template).
-        self.kv_indices = _ascending(kv_num_blocks, kv_indices)
-        self.full_kv_num_blocks = full_kv_num_blocks
-        self.full_kv_indices = None if full_kv_indices is None else _ascending(full_kv_num_blocks, full_kv_indices)
+        # Kernels rely on contiguous tables (they index them from their shapes) and on each row's
+        # used entries being ascending: the one key block that crosses kv_len then comes last, and
+        # only it is bounds-checked (see the forward template).
+        self.kv_num_blocks = kv_num_blocks.contiguous()
+        self.kv_indices = _ascending(kv_num_blocks, kv_indices).contiguous()
+        self.full_kv_num_blocks = None if full_kv_num_blocks is None else full_kv_num_blocks.contiguous()
+        self.full_kv_indices = (
+            None if full_kv_indices is None else _ascending(full_kv_num_blocks, full_kv_indices).contiguous()
+        )
         self.q_num_blocks = q_num_blocks
         self.q_indices = q_indices
         self.full_q_num_blocks = full_q_num_blocks

@@ -261,7 +261,7 @@ class ForwardKernel:
         self.jit_fn[grid](
             q, k, v, out, lse, mx, nb, idx, fnb, fidx,
             *q.stride(), *k_strides, *v_strides, *out.stride(),
-            *nb.stride(), *idx.stride(), *fnb.stride(), *fidx.stride(),
+            nb.shape[2], idx.shape[3], fidx.shape[3],
             L, k.shape[2], scale, *extra, **constexprs,
         )
         return out, (lse if need_lse else None), (mx if need_max else None)

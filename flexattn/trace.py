@@ -17,6 +17,7 @@ tensor metadata), so a second call with the same mod costs a walk over its closu
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
 import os
 import sys
@@ -33,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .errors import ModTraceError
+from .errors import InvalidInputError, ModTraceError
 
 __all__ = [
     "SCORE_MOD_ARGS",
@@ -484,7 +485,25 @@ def _record_graph(fn: Callable, kind: str, tensors: list, names: list, on_meta: 
     return recorder.finish(result), recorder.captured
 
 
+def _check_arity(fn: Callable, kind: str) -> None:
+    """A mod must accept its arguments positionally (extra ones with defaults are fine)."""
+    expected = len(_ARGS_OF_KIND[kind])
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins and some C callables have no signature: just try
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    variadic = any(p.kind == p.VAR_POSITIONAL for p in params)
+    if not (len(required) <= expected and (len(positional) >= expected or variadic)):
+        raise InvalidInputError(
+            f"{kind} '{getattr(fn, '__name__', fn)}' must take {expected} positional arguments "
+            f"({', '.join(_ARGS_OF_KIND[kind])}), it takes {len(required)} required"
+        )
+
+
 def _trace(fn: Callable, kind: str, tensors: list[torch.Tensor], names: list[str]) -> TracedMod:
+    _check_arity(fn, kind)  # once per distinct mod: later calls hit the cache
     try:
         try:
             gm, captured = _record_graph(fn, kind, tensors, names, on_meta=False)
