@@ -186,7 +186,7 @@ def _pick_backend(query: torch.Tensor, options: dict) -> str:
     return backend
 
 
-def _use_tanh_approx(q: torch.Tensor, score: Optional[TracedMod], options: dict) -> bool:
+def _use_tanh_approx(q: torch.Tensor, options: dict) -> bool:
     choice = options.get("TANH_APPROX")
     if choice is not None:
         return bool(choice)
@@ -197,7 +197,7 @@ def _use_tanh_approx(q: torch.Tensor, score: Optional[TracedMod], options: dict)
 
 def _run_forward(backend, q, k, v, block_mask, scale, score, score_captured, mask, mask_captured, need_lse, need_max, options):
     if backend == "TRITON":
-        kernel = forward_kernel(score, mask, tanh_approx=_use_tanh_approx(q, score, options))
+        kernel = forward_kernel(score, mask, tanh_approx=_use_tanh_approx(q, options))
         return kernel(
             q, k, v, block_mask, scale, score_captured, mask_captured,
             need_lse=need_lse, need_max=need_max, options=options,
