@@ -38,8 +38,17 @@ class FlexKernelOptions(TypedDict, total=False):
     fastest; the choice is saved in the cache directory and reused by later processes."""
 
     USE_TMA: bool
-    """Load K and V through tensor descriptors (the Hopper copy engine). Used only where the layout
-    allows it (unit last stride, 16-byte aligned rows) on compute capability 9.0 or newer."""
+    """Move Q, K, V and the output through tensor descriptors (the Hopper copy engine). Used only
+    where the layout allows it (unit last stride, 16-byte aligned rows) on compute capability 9.0
+    or newer. Default: on there for 16-bit inputs, except for masks whose rows visit few blocks and
+    for small problems, where pointer loads are faster."""
+
+    WARP_SPECIALIZE: bool
+    """Hand the key loop to Triton's warp specialisation (loader and compute warp groups). Default:
+    on only where flexattn validated it (Hopper, Triton 3.6, head dim 128, no mods, key length a
+    multiple of the block). ``True`` extends it to other head dims, tile shapes and Triton
+    versions, for experiments. Kernels with a score_mod or mask_mod, and calls that need the LSE or
+    row maxima (training, aux outputs), never get it: Triton 3.6 computed wrong results there."""
 
     TANH_APPROX: bool
     """Lower ``torch.tanh`` in score_mods to the hardware ``tanh.approx.f32`` instruction on NVIDIA

@@ -35,6 +35,8 @@ class LaunchConfig:
     BLOCK_N: int
     num_warps: int
     num_stages: int
+    USE_TMA: bool = False  # Q, K, V and O through tensor descriptors (Hopper's copy engine)
+    WARP_SPECIALIZE: bool = False  # Triton's warp specialisation of the key loop
 
 
 def _next_pow2(x: int) -> int:
@@ -55,7 +57,7 @@ def max_shared_memory(device: torch.device) -> int:
 
 # Defaults from gym/sweep.py on an H200 (docs/benchmarks.md); other GPUs start from the same shapes
 # and shrink until shared memory fits. AUTOTUNE searches around them per problem.
-_GPU_DEFAULTS = {
+_GPU_DEFAULTS = {  # pointer loads, any GPU
     # (head dim up to, elem bytes): config
     (64, 2): LaunchConfig(64, 128, 4, 3),
     (128, 2): LaunchConfig(128, 64, 4, 3),
@@ -66,6 +68,26 @@ _GPU_DEFAULTS = {
 }
 
 
+# Hopper with tensor descriptors, 16-bit inputs (gym/sweep.py at 16k tokens on an H200): two
+# pipeline stages beat three once the copy engine fetches K/V, and 128-row programs win at d=128.
+_HOPPER_TMA_DEFAULTS = {
+    64: LaunchConfig(64, 128, 4, 2, USE_TMA=True),
+    128: LaunchConfig(128, 64, 4, 2, USE_TMA=True),
+}
+# The one warp-specialised configuration flexattn validated (Triton 3.6, H100/H200, d=128, no
+# mods, no LSE): +6 to 7% over the best plain loop. Triton 3.6 miscompiled every other case we
+# tried: wrong results with captured tensors or masks in the loop, NaN with three stages, and the
+# per-row LSE of half the rows never stored. So nothing else gets it by default, and calls that
+# need the LSE or row maxima never get it (see _plan).
+_HOPPER_WS_CONFIG = LaunchConfig(128, 128, 4, 2, USE_TMA=True, WARP_SPECIALIZE=True)
+
+
+def warp_specialization_validated() -> bool:
+    import triton
+
+    return triton.__version__.startswith("3.6.")
+
+
 def _fit_to_mask(cfg: LaunchConfig, sparse_q: int, sparse_kv: int) -> LaunchConfig:
     block_m = min(cfg.BLOCK_M, sparse_q)
     block_n = min(cfg.BLOCK_N, sparse_kv)
@@ -73,7 +95,9 @@ def _fit_to_mask(cfg: LaunchConfig, sparse_q: int, sparse_kv: int) -> LaunchConf
         block_m //= 2
     while sparse_kv % block_n:
         block_n //= 2
-    return LaunchConfig(block_m, block_n, cfg.num_warps, cfg.num_stages)
+    if (block_m, block_n) == (cfg.BLOCK_M, cfg.BLOCK_N):
+        return cfg
+    return LaunchConfig(block_m, block_n, cfg.num_warps, cfg.num_stages, cfg.USE_TMA)
 
 
 def mean_blocks_per_row(block_mask) -> float:
@@ -90,9 +114,14 @@ def mean_blocks_per_row(block_mask) -> float:
 
 def select_config(
     device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int, sparse_q: int, sparse_kv: int,
-    has_mask_mod: bool = False, blocks_per_row: float = float("inf"),
+    has_mask_mod: bool = False, blocks_per_row: float = float("inf"), *,
+    has_score_mod: bool = False, tma_ok: bool = False, even_n: bool = True, row_stats: bool = False,
 ) -> LaunchConfig:
-    """A launch configuration that divides the mask's blocks and fits in shared memory."""
+    """A launch configuration that divides the mask's blocks and fits in shared memory.
+
+    tma_ok: the tensors allow tensor descriptors (see _tma_compatible); even_n: the key length is
+    a multiple of the BlockMask's key block; row_stats: the call writes the LSE or the row maxima.
+    """
     if interpreter_enabled() or device.type != "cuda":
         # The interpreter runs each program in numpy: fewer, larger tiles are faster.
         return _fit_to_mask(LaunchConfig(128, 128, 4, 1), sparse_q, sparse_kv)
@@ -100,24 +129,32 @@ def select_config(
     dim = max(qk_dim, v_dim)
     bucket = next((d for d in (64, 128, 256) if dim <= d), 256)
     base = _GPU_DEFAULTS[(bucket, 2 if elem <= 2 else 4)]
+    sparse_rows = has_mask_mod and blocks_per_row < 8
     if has_mask_mod and elem == 2 and bucket in (64, 128):
         # Measured on an H200 (gym/sweep.py, gym/benchmark.py): masks whose rows visit few blocks
         # (documents, short windows) want more, smaller programs; dense-row masks (causal, prefix)
         # want 128 query rows per program.
-        if blocks_per_row < 8:
+        if sparse_rows:
             base = LaunchConfig(64, 128, 4, 3) if bucket == 64 else LaunchConfig(64, 64, 4, 3)
         else:
             base = LaunchConfig(128, 128, 4, 3) if bucket == 64 else LaunchConfig(128, 128, 8, 3)
+    if tma_ok and elem == 2 and bucket in _HOPPER_TMA_DEFAULTS and not sparse_rows:
+        # Rows that visit few blocks keep pointer loads: the descriptor set-up does not pay there
+        # (document mask, d=64: 281 vs 246 TFLOP/s).
+        base = _HOPPER_TMA_DEFAULTS[bucket]
+        if (qk_dim == v_dim == 128 and not has_mask_mod and not has_score_mod and even_n and not row_stats
+                and torch.cuda.get_device_capability(device) == (9, 0) and warp_specialization_validated()):
+            base = _HOPPER_WS_CONFIG
     cfg = _fit_to_mask(base, sparse_q, sparse_kv)
     limit = max_shared_memory(device)
     qk_p2, v_p2 = _next_pow2(qk_dim), _next_pow2(v_dim)
     while shared_memory_bytes(cfg, elem, qk_p2, v_p2) > limit:
         if cfg.num_stages > 2:
-            cfg = LaunchConfig(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps, cfg.num_stages - 1)
+            cfg = LaunchConfig(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps, cfg.num_stages - 1, cfg.USE_TMA)
         elif cfg.BLOCK_N > 16:
-            cfg = LaunchConfig(cfg.BLOCK_M, cfg.BLOCK_N // 2, cfg.num_warps, cfg.num_stages)
+            cfg = LaunchConfig(cfg.BLOCK_M, cfg.BLOCK_N // 2, cfg.num_warps, cfg.num_stages, cfg.USE_TMA)
         elif cfg.BLOCK_M > 16:
-            cfg = LaunchConfig(cfg.BLOCK_M // 2, cfg.BLOCK_N, cfg.num_warps, cfg.num_stages)
+            cfg = LaunchConfig(cfg.BLOCK_M // 2, cfg.BLOCK_N, cfg.num_warps, cfg.num_stages, cfg.USE_TMA)
         else:
             break
     return cfg
@@ -129,7 +166,7 @@ def _candidate_configs(base: LaunchConfig, sparse_q: int, sparse_kv: int) -> lis
     for bm, bn in shapes:
         for warps in (4, 8):
             for stages in (2, 3, 4):
-                out.add(_fit_to_mask(LaunchConfig(bm, bn, warps, stages), sparse_q, sparse_kv))
+                out.add(_fit_to_mask(LaunchConfig(bm, bn, warps, stages, base.USE_TMA), sparse_q, sparse_kv))
     return sorted(out, key=lambda c: (c != base, -c.BLOCK_M, -c.BLOCK_N, c.num_warps, c.num_stages))
 
 
@@ -173,7 +210,11 @@ _OPTION_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}  # keys that pi
 
 
 def _pinned_config(options: dict, default: LaunchConfig, sparse_q: int, sparse_kv: int) -> LaunchConfig:
-    cfg = LaunchConfig(**{k: int(options.get(k, getattr(default, k))) for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")})
+    # A pinned shape keeps the default's load path; warp specialisation only when asked for.
+    cfg = LaunchConfig(
+        **{k: int(options.get(k, getattr(default, k))) for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")},
+        USE_TMA=default.USE_TMA,
+    )
     for name, value, sparse, what in (("BLOCK_M", cfg.BLOCK_M, sparse_q, "query"), ("BLOCK_N", cfg.BLOCK_N, sparse_kv, "key")):
         if value < 16 or value & (value - 1) or sparse % value:
             raise InvalidInputError(
@@ -212,6 +253,7 @@ class ForwardKernel:
         self.jit_fn = self.module.flex_attention_forward
         self.has_score_mod = score is not None
         self._plans: dict[tuple, tuple] = {}
+        self.last_constexprs: Optional[dict] = None
         self._device_copies: dict[tuple, torch.Tensor] = {}
 
     # ---------------------------------------------------------------- launch
@@ -226,7 +268,8 @@ class ForwardKernel:
         fnb = block_mask.full_kv_num_blocks if has_full else nb
         fidx = block_mask.full_kv_indices if has_full else idx
         plan_key = (
-            q.shape, k.shape, v.shape, q.dtype, q.device, block_mask.BLOCK_SIZE, nb.shape, has_full,
+            q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
+            block_mask.BLOCK_SIZE, nb.shape, has_full,
             id(block_mask) if self.mask_lowered is not None else None,  # configs depend on its density
             need_lse, need_max, scale > 0, tuple(sorted(options.items())) if options else (),
             torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None,
@@ -238,8 +281,10 @@ class ForwardKernel:
                 self._plans.clear()
             self._plans[plan_key] = plan
         grid, constexprs = plan
-        if constexprs["USE_TMA"] and not _tma_compatible(k, v):
-            constexprs = {**constexprs, "USE_TMA": False}  # this call's layout does not allow it
+        if constexprs["USE_TMA"] and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
+            # Same shapes and strides as the plan's first call, but an unaligned view this time.
+            constexprs = {**constexprs, "USE_TMA": False, "WARP_SPECIALIZE": False}
+        self.last_constexprs = constexprs  # what the latest launch used (tests and debugging read it)
 
         out = _empty((B, Hq, L, Ev), q.dtype, q.device)
         lse = _empty((B, Hq, L), torch.float32, q.device) if need_lse else out
@@ -280,8 +325,13 @@ class ForwardKernel:
         B, Hq, L, E = q.shape
         Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
         sparse_q, sparse_kv = block_mask.BLOCK_SIZE
-        cfg = self._config(q, k, v, block_mask, scale, score_captured, mask_captured, options, sparse_q, sparse_kv)
-        use_tma = bool(options.get("USE_TMA", False)) and _tma_compatible(k, v)
+        cfg = self._config(q, k, v, block_mask, scale, score_captured, mask_captured, options, sparse_q, sparse_kv,
+                           need_lse, need_max)
+        use_tma = bool(options.get("USE_TMA", cfg.USE_TMA)) and _tma_layout_ok(q, k, v)
+        # Never with row statistics or mods, even when asked for: Triton 3.6 gets those wrong
+        # (see _HOPPER_WS_CONFIG), and a fast wrong answer is not an option.
+        warp_specialize = (use_tma and bool(options.get("WARP_SPECIALIZE", cfg.WARP_SPECIALIZE))
+                           and not (need_lse or need_max or self.has_score_mod or self.mask_lowered is not None))
         if use_tma:
             _install_tma_allocator()
         constexprs = dict(
@@ -300,17 +350,23 @@ class ForwardKernel:
             INPUT_PRECISION=_input_precision(q.dtype), NUM_STAGES=cfg.num_stages,
             UPCAST_DOTS=q.dtype == torch.bfloat16 and interpreter_enabled(),
             USE_TMA=use_tma,
+            WARP_SPECIALIZE=warp_specialize,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return (triton_cdiv(L, cfg.BLOCK_M), Hq, B), constexprs
 
     # ---------------------------------------------------------------- configs
-    def _config(self, q, k, v, block_mask, scale, score_captured, mask_captured, options, sparse_q, sparse_kv):
+    def _config(self, q, k, v, block_mask, scale, score_captured, mask_captured, options, sparse_q, sparse_kv,
+                need_lse, need_max):
         E, Ev = q.shape[-1], v.shape[-1]
         default = select_config(
             q.device, q.dtype, E, Ev, sparse_q, sparse_kv,
             has_mask_mod=self.mask_lowered is not None,
             blocks_per_row=mean_blocks_per_row(block_mask) if self.mask_lowered is not None and q.is_cuda else float("inf"),
+            # Descriptors cost host time per launch (scratch for them, a longer launch); on problems
+            # below about a million scores the launch, not the kernel, sets the pace.
+            has_score_mod=self.has_score_mod, tma_ok=_tma_layout_ok(q, k, v) and q.shape[2] * k.shape[2] >= 1 << 20,
+            even_n=k.shape[2] % sparse_kv == 0, row_stats=need_lse or need_max,
         )
         if _OPTION_KEYS & options.keys():
             return _pinned_config(options, default, sparse_q, sparse_kv)
@@ -320,7 +376,7 @@ class ForwardKernel:
             str(x) for x in (
                 self.spec.readable_name(), self.source_digest, torch.cuda.get_device_name(q.device),
                 q.dtype, E, Ev, _next_pow2(q.shape[2]), _next_pow2(k.shape[2]), q.shape[1] // k.shape[1],
-                sparse_q, sparse_kv,
+                sparse_q, sparse_kv, need_lse or need_max,
             )
         )
         cached = tuned_configs.get(key)
@@ -328,11 +384,13 @@ class ForwardKernel:
             return cached
         global autotune_runs
         autotune_runs += 1
-        best = self._autotune(q, k, v, block_mask, scale, score_captured, mask_captured, default, sparse_q, sparse_kv)
+        best = self._autotune(q, k, v, block_mask, scale, score_captured, mask_captured, default, sparse_q, sparse_kv,
+                              need_lse, need_max)
         tuned_configs.put(key, best)
         return best
 
-    def _autotune(self, q, k, v, block_mask, scale, score_captured, mask_captured, default, sparse_q, sparse_kv):
+    def _autotune(self, q, k, v, block_mask, scale, score_captured, mask_captured, default, sparse_q, sparse_kv,
+                  need_lse, need_max):
         import triton.testing
 
         limit = max_shared_memory(q.device)
@@ -341,11 +399,12 @@ class ForwardKernel:
         for cfg in _candidate_configs(default, sparse_q, sparse_kv):
             if shared_memory_bytes(cfg, q.dtype.itemsize, qk_p2, v_p2) > limit:
                 continue
-            pinned = {"BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+            pinned = {"BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "num_warps": cfg.num_warps,
+                      "num_stages": cfg.num_stages, "USE_TMA": cfg.USE_TMA, "WARP_SPECIALIZE": cfg.WARP_SPECIALIZE}
 
             def run():
                 self(q, k, v, block_mask, scale, score_captured, mask_captured,
-                     need_lse=True, need_max=False, options=pinned)
+                     need_lse=need_lse, need_max=need_max, options=pinned)
 
             try:
                 ms = triton.testing.do_bench(run, warmup=5, rep=20, return_mode="median")
@@ -357,11 +416,19 @@ class ForwardKernel:
         return min(timings, key=lambda t: t[0])[1]
 
 
-def _tma_compatible(k: torch.Tensor, v: torch.Tensor) -> bool:
+def _tma_layout_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Q, K, V and the output (contiguous, V's head dim) can all go through tensor descriptors."""
+    return _tma_compatible(q, k, v) and (v.shape[-1] * q.element_size()) % 16 == 0
+
+
+def _tma_compatible(*tensors: torch.Tensor) -> bool:
     """Tensor descriptors need Hopper or newer, a unit last stride and 16-byte aligned rows."""
-    if interpreter_enabled() or not k.is_cuda or torch.cuda.get_device_capability(k.device)[0] < 9:
+    first = tensors[0]
+    if interpreter_enabled() or not first.is_cuda or torch.cuda.get_device_capability(first.device)[0] < 9:
         return False
-    for t in (k, v):
+    # Plans are keyed by shapes and strides (see __call__): only the base addresses can change
+    # between two calls that share a plan, and __call__ re-checks just those.
+    for t in tensors:
         elem = t.element_size()
         if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.stride(-2) * elem) % 16 or (t.shape[-1] * elem) < 16:
             return False
@@ -371,15 +438,26 @@ def _tma_compatible(k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 _tma_allocator_installed = False
+_tma_scratch: dict = {}  # stream handle -> int8 buffer
+
+
+def _tma_scratch_for(size: int, alignment: int, stream) -> torch.Tensor:
+    # Device-side tensor descriptors need global scratch for every launch. Launches on one stream
+    # run in order, so one buffer per stream, grown when needed, serves them all and saves a
+    # caching-allocator round trip per call (a few microseconds of host time).
+    buf = _tma_scratch.get(stream)
+    if buf is None or buf.numel() < size:
+        buf = torch.empty(max(size, 1 << 16), dtype=torch.int8, device="cuda")
+        _tma_scratch[stream] = buf
+    return buf
 
 
 def _install_tma_allocator() -> None:
-    # Device-side tensor descriptors need a little global scratch per launch, from torch's allocator.
     global _tma_allocator_installed
     if not _tma_allocator_installed:
         import triton
 
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        triton.set_allocator(_tma_scratch_for)
         _tma_allocator_installed = True
 
 

@@ -15,8 +15,11 @@ import flexattn
 from gym.benchmark import KV_BYTES, bench, block_density
 from gym.catalogue import CATALOGUE
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, USE_TMA, WARP_SPECIALIZE)
 CONFIGS = [
-    (128, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 4),
+    (64, 128, 4, 3, 0, 0), (64, 128, 4, 2, 1, 0), (64, 128, 4, 3, 1, 0), (64, 64, 4, 2, 1, 0),
+    (64, 64, 4, 3, 0, 0), (64, 64, 4, 3, 1, 0), (128, 64, 4, 2, 1, 0), (128, 64, 4, 3, 0, 0),
+    (128, 128, 4, 2, 1, 0), (128, 128, 8, 3, 0, 0), (128, 128, 8, 2, 1, 0), (128, 128, 4, 2, 1, 1),
 ]
 
 
@@ -24,31 +27,34 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--variants", nargs="+", default=["noop", "causal", "alibi"])
-    parser.add_argument("--seq-len", type=int, default=8192)
-    parser.add_argument("--tma", type=int, nargs="+", default=[0, 1], help="USE_TMA values to try")
+    parser.add_argument("--seq-len", type=int, default=16384)
     args = parser.parse_args(argv)
     L = args.seq_len
     for D in args.head_dims:
         H = 16
-        B = max(1, KV_BYTES // (H * 16384 * D * 2))
+        B = max(1, KV_BYTES // (H * L * D * 2))
         q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         for name in args.variants:
             score_mod, mask_mod = CATALOGUE[name].build(B, H, L, L, "cuda")
             bm = flexattn.create_block_mask(mask_mod, None, None, L, L, device="cuda") if mask_mod else None
             flops = 4.0 * B * H * L * L * D * (block_density(bm) if bm is not None else 1.0)
             results = []
-            for (bm_, bn, w, s), tma in [(c, t) for c in CONFIGS for t in args.tma]:
-                opts = {"BLOCK_M": bm_, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "USE_TMA": tma}
+            baseline = flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm).float()
+            default_ms = bench(lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm), rep_ms=100)
+            for (bm_, bn, w, s, tma, ws) in CONFIGS:
+                opts = {"BLOCK_M": bm_, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "USE_TMA": bool(tma),
+                        "WARP_SPECIALIZE": bool(ws)}
+                tag = [bm_, bn, w, s, "ws" if ws else "tma" if tma else "ptr"]
                 try:
                     fn = lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, kernel_options=opts)  # noqa: E731
-                    fn()
+                    diff = ((fn().float() - baseline).abs().max() / baseline.abs().max()).item()
                     ms = bench(fn, rep_ms=100)
-                    results.append((round(flops / ms / 1e9, 1), bm_, bn, w, s, "tma" if tma else "ptr"))
+                    results.append((round(flops / ms / 1e9, 1), *tag, round(diff, 4)))
                 except Exception as err:  # out of resources: not a candidate
-                    results.append((0.0, bm_, bn, w, s, "tma" if tma else "ptr", type(err).__name__, str(err)[-300:]))
-            results.sort(reverse=True)
-            print(json.dumps({"D": D, "variant": name, "B": B, "L": L, "best_tflops_cfg": results[:4],
-                              "worst": results[-1]}), flush=True)
+                    results.append((0.0, *tag, type(err).__name__, str(err)[-200:]))
+            results.sort(key=lambda r: -r[0])
+            print(json.dumps({"D": D, "variant": name, "B": B, "L": L,
+                              "default_tflops": round(flops / default_ms / 1e9, 1), "results": results}), flush=True)
     return 0
 
 

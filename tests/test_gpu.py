@@ -79,8 +79,9 @@ def test_backward_through_triton_forward():
         assert rel_err(g, r) < 1e-4
 
 
-@pytest.mark.parametrize("head_dim,length", [(64, 4096), (80, 1000), (128, 1531)])
+@pytest.mark.parametrize("head_dim,length", [(64, 4096), (80, 1000), (128, 1531), (64, 1000)])
 def test_tma_loads_match(head_dim, length):
+    # Q, K, V and O through descriptors; odd lengths end in partial tiles the copy engine clips.
     q, k, v = (torch.randn(2, 4, length, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     bm = create_block_mask(causal_mask, None, None, length, length, device="cuda")
     alibi = generate_alibi_bias(4, "cuda")
@@ -89,6 +90,65 @@ def test_tma_loads_match(head_dim, length):
     ref, _, _ = reference_attention(q.double(), k.double(), v.double(), score_mod=alibi, mask_mod=causal_mask)
     assert rel_err(tma, ref) < 2e-2
     assert rel_err(tma, plain) < 1e-2
+
+
+def _hopper():
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+def _last_plan_constexprs():
+    # The kernel without mods for 16-bit inputs (forward_kernel's key: score, mask, tanh_approx).
+    import flexattn.runtime as rt
+
+    kernel = rt._kernels[(None, None, True)]
+    return kernel.last_constexprs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["contiguous", "gqa", "sequence_major"])
+def test_warp_specialized_loop(dtype, layout):
+    # The default for d=128 without mods on Hopper and Triton 3.6 (runtime._HOPPER_WS_CONFIG).
+    B, H, L, D = 2, 8, 4096, 128
+    if layout == "sequence_major":  # [B, L, H, D] storage viewed as [B, H, L, D]
+        q, k, v = (torch.randn(B, L, H, D, device="cuda", dtype=dtype).transpose(1, 2) for _ in range(3))
+    else:
+        hkv = 2 if layout == "gqa" else H
+        q = torch.randn(B, H, L, D, device="cuda", dtype=dtype)
+        k, v = (torch.randn(B, hkv, L, D, device="cuda", dtype=dtype) for _ in range(2))
+    gqa = layout == "gqa"
+    from flexattn.runtime import warp_specialization_validated
+
+    ref, ref_lse, _ = reference_attention(q.double(), k.double(), v.double(), enable_gqa=gqa)
+    forced = flex_attention(q, k, v, enable_gqa=gqa, kernel_options={"USE_TMA": True, "WARP_SPECIALIZE": True})
+    assert _last_plan_constexprs()["WARP_SPECIALIZE"]
+    out = flex_attention(q, k, v, enable_gqa=gqa)
+    assert _last_plan_constexprs()["WARP_SPECIALIZE"] == (_hopper() and warp_specialization_validated())
+    # Triton 3.6's warp specialisation loses the LSE stores of half the rows: a call that needs
+    # the LSE never gets it, even when asked for.
+    with_lse, aux = flex_attention(q, k, v, enable_gqa=gqa, return_aux=AuxRequest(lse=True),
+                                   kernel_options={"WARP_SPECIALIZE": True})
+    assert not _last_plan_constexprs()["WARP_SPECIALIZE"]
+    for result in (forced, out, with_lse):
+        assert rel_err(result, ref) < TOLERANCE[dtype]
+    assert rel_err(aux.lse, ref_lse) < 1e-3
+
+
+def test_load_path_defaults():
+    from flexattn.runtime import select_config, warp_specialization_validated
+
+    dev = torch.device("cuda")
+    bf16 = torch.bfloat16
+    noop128 = select_config(dev, bf16, 128, 128, 128, 128, tma_ok=True)
+    masked128 = select_config(dev, bf16, 128, 128, 128, 128, has_mask_mod=True, blocks_per_row=64, tma_ok=True)
+    sparse64 = select_config(dev, bf16, 64, 64, 128, 128, has_mask_mod=True, blocks_per_row=2, tma_ok=True)
+    odd128 = select_config(dev, bf16, 128, 128, 128, 128, tma_ok=True, even_n=False)
+    lse128 = select_config(dev, bf16, 128, 128, 128, 128, tma_ok=True, row_stats=True)
+    assert not sparse64.USE_TMA and not masked128.WARP_SPECIALIZE
+    assert not odd128.WARP_SPECIALIZE and not lse128.WARP_SPECIALIZE
+    assert not select_config(dev, bf16, 128, 128, 128, 128, tma_ok=False).USE_TMA
+    if _hopper():
+        assert noop128.USE_TMA and masked128.USE_TMA
+        assert noop128.WARP_SPECIALIZE == warp_specialization_validated()
 
 
 AUTOTUNE_CHILD = r"""
