@@ -43,12 +43,19 @@ class FlexKernelOptions(TypedDict, total=False):
     or newer. Default: on there for 16-bit inputs, except for masks whose rows visit few blocks and
     for small problems, where pointer loads are faster."""
 
+    HOST_DESCRIPTORS: bool
+    """With ``USE_TMA``: build the tensor descriptors on the host, once per call, instead of in
+    every program. Default: on for head dims up to 64 and for masks whose rows visit few blocks,
+    where each program's own descriptor set-up costs up to 10%; off for long rows at head dim 128,
+    where Triton loads the host-built (4-D) descriptors more slowly."""
+
     WARP_SPECIALIZE: bool
     """Hand the key loop to Triton's warp specialisation (loader and compute warp groups). Default:
     on only where flexattn validated it (Hopper, Triton 3.6, head dim 128, no mods, key length a
     multiple of the block). ``True`` extends it to other head dims, tile shapes and Triton
-    versions, for experiments. Kernels with a score_mod or mask_mod, and calls that need the LSE or
-    row maxima (training, aux outputs), never get it: Triton 3.6 computed wrong results there."""
+    versions, for experiments. Kernels with a score_mod or mask_mod, calls that need the row
+    maxima, and calls that need the LSE of a query length that is not a multiple of 4 never get
+    it: Triton 3.6 computed wrong results there."""
 
     TANH_APPROX: bool
     """Lower ``torch.tanh`` in score_mods to the hardware ``tanh.approx.f32`` instruction on NVIDIA

@@ -12,8 +12,8 @@ import hashlib
 import json
 import os
 import threading
-from dataclasses import asdict, dataclass
-from typing import Optional
+from dataclasses import asdict, dataclass, replace
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -37,6 +37,7 @@ class LaunchConfig:
     num_stages: int
     USE_TMA: bool = False  # Q, K, V and O through tensor descriptors (Hopper's copy engine)
     WARP_SPECIALIZE: bool = False  # Triton's warp specialisation of the key loop
+    HOST_DESCRIPTORS: bool = False  # with USE_TMA: descriptors built by the launcher, not per program
 
 
 def _next_pow2(x: int) -> int:
@@ -75,11 +76,18 @@ _HOPPER_TMA_DEFAULTS = {
     128: LaunchConfig(128, 64, 4, 2, USE_TMA=True),
 }
 # The one warp-specialised configuration flexattn validated (Triton 3.6, H100/H200, d=128, no
-# mods, no LSE): +6 to 7% over the best plain loop. Triton 3.6 miscompiled every other case we
-# tried: wrong results with captured tensors or masks in the loop, NaN with three stages, and the
-# per-row LSE of half the rows never stored. So nothing else gets it by default, and calls that
-# need the LSE or row maxima never get it (see _plan).
+# mods): +6 to 7% over the best plain loop. Triton 3.6 miscompiled every other case we tried:
+# wrong results with captured tensors or masks in the loop, NaN with three stages, a 3x slower
+# kernel with any masked tile outside the loop, and pointer stores of the per-row LSE that lose
+# half the rows (the template stores it through a descriptor instead). So nothing else gets it by
+# default, and calls that need row maxima never get it (see _plan).
 _HOPPER_WS_CONFIG = LaunchConfig(128, 128, 4, 2, USE_TMA=True, WARP_SPECIALIZE=True)
+# Rows that visit few blocks (document masks), with descriptors built on the host (16k tokens,
+# H200): d=64 310 vs 287 TFLOP/s with pointers; d=128 345 vs 309.
+_HOPPER_SHORT_ROW_DEFAULTS = {
+    64: LaunchConfig(64, 128, 4, 2, USE_TMA=True, HOST_DESCRIPTORS=True),
+    128: LaunchConfig(64, 32, 4, 2, USE_TMA=True, HOST_DESCRIPTORS=True),
+}
 
 
 def warp_specialization_validated() -> bool:
@@ -97,30 +105,47 @@ def _fit_to_mask(cfg: LaunchConfig, sparse_q: int, sparse_kv: int) -> LaunchConf
         block_n //= 2
     if (block_m, block_n) == (cfg.BLOCK_M, cfg.BLOCK_N):
         return cfg
-    return LaunchConfig(block_m, block_n, cfg.num_warps, cfg.num_stages, cfg.USE_TMA)
+    return replace(cfg, BLOCK_M=block_m, BLOCK_N=block_n)
 
 
-def mean_blocks_per_row(block_mask) -> float:
-    """Average key blocks a query-block row visits (one host sync per BlockMask, then cached)."""
-    cached = getattr(block_mask, "_mean_blocks_per_row", None)
+class RowStats(NamedTuple):
+    mean_blocks: float  # key blocks (partial and full) a query-block row visits, on average
+    consecutive_partial: bool  # every row's partial blocks are first, first + 1, first + 2, ...
+    consecutive_full: bool  # the same for the full blocks
+
+
+def _consecutive(num: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    steps = torch.arange(idx.shape[-1], device=idx.device, dtype=idx.dtype)
+    used = steps < num.unsqueeze(-1)
+    return ((idx == idx[..., :1] + steps) | ~used).all()
+
+
+def block_mask_row_stats(block_mask) -> RowStats:
+    """What launch choices need from a BlockMask's tables: one host sync per BlockMask, then cached."""
+    cached = getattr(block_mask, "_row_stats", None)
     if cached is None:
-        total = block_mask.kv_num_blocks.sum()
-        if block_mask.full_kv_num_blocks is not None:
-            total = total + block_mask.full_kv_num_blocks.sum()
-        cached = float(total.item()) / max(1, block_mask.kv_num_blocks.numel())
-        block_mask._mean_blocks_per_row = cached
+        nb, fnb = block_mask.kv_num_blocks, block_mask.full_kv_num_blocks
+        total = nb.sum(dtype=torch.int64) + (fnb.sum(dtype=torch.int64) if fnb is not None else 0)
+        flags = [_consecutive(nb, block_mask.kv_indices)]
+        flags.append(_consecutive(fnb, block_mask.full_kv_indices) if fnb is not None else flags[0])
+        total, partial, full = torch.stack([total, *(f.to(torch.int64) for f in flags)]).tolist()
+        cached = RowStats(total / max(1, nb.numel()), bool(partial), bool(full))
+        block_mask._row_stats = cached
     return cached
 
 
 def select_config(
     device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int, sparse_q: int, sparse_kv: int,
     has_mask_mod: bool = False, blocks_per_row: float = float("inf"), *,
-    has_score_mod: bool = False, tma_ok: bool = False, even_n: bool = True, row_stats: bool = False,
+    has_score_mod: bool = False, tma_ok: bool = False, host_descriptors_ok: bool = False, even_n: bool = True,
+    row_stats: bool = False,
 ) -> LaunchConfig:
     """A launch configuration that divides the mask's blocks and fits in shared memory.
 
-    tma_ok: the tensors allow tensor descriptors (see _tma_compatible); even_n: the key length is
-    a multiple of the BlockMask's key block; row_stats: the call writes the LSE or the row maxima.
+    tma_ok: the tensors allow tensor descriptors (see _tma_compatible); host_descriptors_ok: and
+    descriptors built on the host (see _host_descriptors_ok); even_n: the key length is a multiple
+    of the BlockMask's key block; row_stats: the call writes the row maxima, or an LSE whose rows
+    the warp-specialised loop cannot store (see _plan).
     """
     if interpreter_enabled() or device.type != "cuda":
         # The interpreter runs each program in numpy: fewer, larger tiles are faster.
@@ -138,23 +163,32 @@ def select_config(
             base = LaunchConfig(64, 128, 4, 3) if bucket == 64 else LaunchConfig(64, 64, 4, 3)
         else:
             base = LaunchConfig(128, 128, 4, 3) if bucket == 64 else LaunchConfig(128, 128, 8, 3)
-    if tma_ok and elem == 2 and bucket in _HOPPER_TMA_DEFAULTS and not sparse_rows:
-        # Rows that visit few blocks keep pointer loads: the descriptor set-up does not pay there
-        # (document mask, d=64: 281 vs 246 TFLOP/s).
-        base = _HOPPER_TMA_DEFAULTS[bucket]
-        if (qk_dim == v_dim == 128 and not has_mask_mod and not has_score_mod and even_n and not row_stats
-                and torch.cuda.get_device_capability(device) == (9, 0) and warp_specialization_validated()):
-            base = _HOPPER_WS_CONFIG
+    if tma_ok and elem == 2 and bucket in _HOPPER_TMA_DEFAULTS:
+        # [Note] Descriptor set-up: a descriptor made in the kernel costs each program a write and
+        # a fence before its first load. Rows that visit few blocks cannot hide that (document
+        # mask d=64: 246 TFLOP/s with in-kernel descriptors, 287 with pointers, 310 with host-built
+        # ones). Host-built descriptors are 4-D and at d=128 (256-byte rows) Triton 3.6 loads them
+        # more slowly (causal d=128: 450 vs 505), so long rows of 256 bytes keep in-kernel ones.
+        if sparse_rows:
+            if host_descriptors_ok:
+                base = _HOPPER_SHORT_ROW_DEFAULTS[bucket]
+        else:
+            base = _HOPPER_TMA_DEFAULTS[bucket]
+            if host_descriptors_ok and bucket * elem <= 128:
+                base = replace(base, HOST_DESCRIPTORS=True)  # sliding window d=64: 337 -> 373
+            if (qk_dim == v_dim == 128 and not has_mask_mod and not has_score_mod and even_n and not row_stats
+                    and torch.cuda.get_device_capability(device) == (9, 0) and warp_specialization_validated()):
+                base = _HOPPER_WS_CONFIG
     cfg = _fit_to_mask(base, sparse_q, sparse_kv)
     limit = max_shared_memory(device)
     qk_p2, v_p2 = _next_pow2(qk_dim), _next_pow2(v_dim)
     while shared_memory_bytes(cfg, elem, qk_p2, v_p2) > limit:
         if cfg.num_stages > 2:
-            cfg = LaunchConfig(cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps, cfg.num_stages - 1, cfg.USE_TMA)
+            cfg = replace(cfg, num_stages=cfg.num_stages - 1)
         elif cfg.BLOCK_N > 16:
-            cfg = LaunchConfig(cfg.BLOCK_M, cfg.BLOCK_N // 2, cfg.num_warps, cfg.num_stages, cfg.USE_TMA)
+            cfg = replace(cfg, BLOCK_N=cfg.BLOCK_N // 2)
         elif cfg.BLOCK_M > 16:
-            cfg = LaunchConfig(cfg.BLOCK_M // 2, cfg.BLOCK_N, cfg.num_warps, cfg.num_stages, cfg.USE_TMA)
+            cfg = replace(cfg, BLOCK_M=cfg.BLOCK_M // 2)
         else:
             break
     return cfg
@@ -166,7 +200,8 @@ def _candidate_configs(base: LaunchConfig, sparse_q: int, sparse_kv: int) -> lis
     for bm, bn in shapes:
         for warps in (4, 8):
             for stages in (2, 3, 4):
-                out.add(_fit_to_mask(LaunchConfig(bm, bn, warps, stages, base.USE_TMA), sparse_q, sparse_kv))
+                cfg = LaunchConfig(bm, bn, warps, stages, base.USE_TMA, HOST_DESCRIPTORS=base.HOST_DESCRIPTORS)
+                out.add(_fit_to_mask(cfg, sparse_q, sparse_kv))
     return sorted(out, key=lambda c: (c != base, -c.BLOCK_M, -c.BLOCK_N, c.num_warps, c.num_stages))
 
 
@@ -213,7 +248,7 @@ def _pinned_config(options: dict, default: LaunchConfig, sparse_q: int, sparse_k
     # A pinned shape keeps the default's load path; warp specialisation only when asked for.
     cfg = LaunchConfig(
         **{k: int(options.get(k, getattr(default, k))) for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")},
-        USE_TMA=default.USE_TMA,
+        USE_TMA=default.USE_TMA, HOST_DESCRIPTORS=default.HOST_DESCRIPTORS,
     )
     for name, value, sparse, what in (("BLOCK_M", cfg.BLOCK_M, sparse_q, "query"), ("BLOCK_N", cfg.BLOCK_N, sparse_kv, "key")):
         if value < 16 or value & (value - 1) or sparse % value:
@@ -283,7 +318,7 @@ class ForwardKernel:
         grid, constexprs = plan
         if constexprs["USE_TMA"] and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
             # Same shapes and strides as the plan's first call, but an unaligned view this time.
-            constexprs = {**constexprs, "USE_TMA": False, "WARP_SPECIALIZE": False}
+            constexprs = {**constexprs, "USE_TMA": False, "HOST_DESCRIPTORS": False, "WARP_SPECIALIZE": False}
         self.last_constexprs = constexprs  # what the latest launch used (tests and debugging read it)
 
         out = _empty((B, Hq, L, Ev), q.dtype, q.device)
@@ -303,8 +338,11 @@ class ForwardKernel:
             for t in mask_captured:
                 extra.append(t if t.device == q.device else self._on_device(t, q.device))
                 extra.extend(t.stride())
+        q_arg, k_arg, v_arg, out_arg = q, k, v, out
+        if constexprs["HOST_DESCRIPTORS"]:
+            q_arg, k_arg, v_arg, out_arg = _host_descriptors(q, k, v, out, constexprs)
         self.jit_fn[grid](
-            q, k, v, out, lse, mx, nb, idx, fnb, fidx,
+            q_arg, k_arg, v_arg, out_arg, lse, mx, nb, idx, fnb, fidx,
             *q.stride(), *k_strides, *v_strides, *out.stride(),
             nb.shape[2], idx.shape[3], fidx.shape[3],
             L, k.shape[2], scale, *extra, **constexprs,
@@ -325,13 +363,20 @@ class ForwardKernel:
         B, Hq, L, E = q.shape
         Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
         sparse_q, sparse_kv = block_mask.BLOCK_SIZE
+        stats = block_mask_row_stats(block_mask)
         cfg = self._config(q, k, v, block_mask, scale, score_captured, mask_captured, options, sparse_q, sparse_kv,
                            need_lse, need_max)
         use_tma = bool(options.get("USE_TMA", cfg.USE_TMA)) and _tma_layout_ok(q, k, v)
-        # Never with row statistics or mods, even when asked for: Triton 3.6 gets those wrong
-        # (see _HOPPER_WS_CONFIG), and a fast wrong answer is not an option.
+        # Never with mods or row maxima, even when asked for: Triton 3.6 gets those wrong (see
+        # _HOPPER_WS_CONFIG), and a fast wrong answer is not an option. The LSE is stored through
+        # a descriptor under warp specialisation, which needs 16-byte aligned rows of it.
         warp_specialize = (use_tma and bool(options.get("WARP_SPECIALIZE", cfg.WARP_SPECIALIZE))
-                           and not (need_lse or need_max or self.has_score_mod or self.mask_lowered is not None))
+                           and not (need_max or self.has_score_mod or self.mask_lowered is not None)
+                           and not (need_lse and L % 4))
+        # Triton's warp specialisation rejects 4-D descriptors (3.9: "descriptor block and tensor
+        # must have the same number of elements"); its loops are long, so in-kernel ones cost little.
+        host_descriptors = (use_tma and not warp_specialize and _host_descriptors_ok(q, k, v)
+                            and bool(options.get("HOST_DESCRIPTORS", cfg.HOST_DESCRIPTORS)))
         if use_tma:
             _install_tma_allocator()
         constexprs = dict(
@@ -346,10 +391,13 @@ class ForwardKernel:
             # The mods see the scaled score; the scale folds into the exp2 only when it is positive.
             SCALE_FIRST=self.has_score_mod or scale <= 0,
             HAS_PARTIAL_BLOCKS=self.mask_lowered is not None, HAS_FULL_BLOCKS=has_full,
+            # See [Note] Consecutive blocks in the forward template.
+            CONSECUTIVE_PARTIAL=stats.consecutive_partial, CONSECUTIVE_FULL=stats.consecutive_full,
             OUTPUT_LSE=need_lse, OUTPUT_MAX=need_max,
             INPUT_PRECISION=_input_precision(q.dtype), NUM_STAGES=cfg.num_stages,
             UPCAST_DOTS=q.dtype == torch.bfloat16 and interpreter_enabled(),
             USE_TMA=use_tma,
+            HOST_DESCRIPTORS=host_descriptors,
             WARP_SPECIALIZE=warp_specialize,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
@@ -359,14 +407,20 @@ class ForwardKernel:
     def _config(self, q, k, v, block_mask, scale, score_captured, mask_captured, options, sparse_q, sparse_kv,
                 need_lse, need_max):
         E, Ev = q.shape[-1], v.shape[-1]
+        stats = block_mask_row_stats(block_mask)
+        # Scores the kernel computes: what sets its GPU time.
+        scores = q.shape[0] * q.shape[1] * block_mask.kv_num_blocks.shape[2] * stats.mean_blocks * sparse_q * sparse_kv
         default = select_config(
             q.device, q.dtype, E, Ev, sparse_q, sparse_kv,
             has_mask_mod=self.mask_lowered is not None,
-            blocks_per_row=mean_blocks_per_row(block_mask) if self.mask_lowered is not None and q.is_cuda else float("inf"),
+            blocks_per_row=stats.mean_blocks if self.mask_lowered is not None else float("inf"),
             # Descriptors cost host time per launch (scratch for them, a longer launch); on problems
-            # below about a million scores the launch, not the kernel, sets the pace.
+            # below about a million scores the launch, not the kernel, sets the pace. Host-built
+            # ones cost more again (57 -> 83 us a call, H200), so only kernels of 2^28 scores and
+            # up (over 100 us of GPU time, which hides them) get them.
             has_score_mod=self.has_score_mod, tma_ok=_tma_layout_ok(q, k, v) and q.shape[2] * k.shape[2] >= 1 << 20,
-            even_n=k.shape[2] % sparse_kv == 0, row_stats=need_lse or need_max,
+            host_descriptors_ok=_host_descriptors_ok(q, k, v) and scores >= 1 << 28,
+            even_n=k.shape[2] % sparse_kv == 0, row_stats=need_max or (need_lse and q.shape[2] % 4 != 0),
         )
         if _OPTION_KEYS & options.keys():
             return _pinned_config(options, default, sparse_q, sparse_kv)
@@ -400,7 +454,8 @@ class ForwardKernel:
             if shared_memory_bytes(cfg, q.dtype.itemsize, qk_p2, v_p2) > limit:
                 continue
             pinned = {"BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "num_warps": cfg.num_warps,
-                      "num_stages": cfg.num_stages, "USE_TMA": cfg.USE_TMA, "WARP_SPECIALIZE": cfg.WARP_SPECIALIZE}
+                      "num_stages": cfg.num_stages, "USE_TMA": cfg.USE_TMA, "WARP_SPECIALIZE": cfg.WARP_SPECIALIZE,
+                      "HOST_DESCRIPTORS": cfg.HOST_DESCRIPTORS}
 
             def run():
                 self(q, k, v, block_mask, scale, score_captured, mask_captured,
@@ -435,6 +490,31 @@ def _tma_compatible(*tensors: torch.Tensor) -> bool:
         if any((s * elem) % 16 for s in t.stride()[:2] if s):
             return False
     return True
+
+
+def _host_descriptors_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    # See [Note] Host descriptors in the forward template. The launcher encodes 4-D descriptors,
+    # which need every stride non-zero (an expanded batch or head has stride 0) and 16-byte aligned.
+    if not _tma_layout_ok(q, k, v):
+        return False
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return all(s > 0 for t in (q, k, v) for s in t.stride())
+
+
+def _host_descriptors(q, k, v, out, constexprs):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm, bn = constexprs["BLOCK_M"], constexprs["BLOCK_N"]
+    dq, dv = constexprs["QK_HEAD_DIM_P2"], constexprs["V_HEAD_DIM_P2"]
+    return (
+        TensorDescriptor(q, list(q.shape), list(q.stride()), [1, 1, bm, dq]),
+        TensorDescriptor(k, list(k.shape), list(k.stride()), [1, 1, bn, dq]),
+        TensorDescriptor(v, list(v.shape), list(v.stride()), [1, 1, bn, dv]),
+        TensorDescriptor(out, list(out.shape), list(out.stride()), [1, 1, bm, dv]),
+    )
 
 
 _tma_allocator_installed = False

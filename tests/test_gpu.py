@@ -79,17 +79,59 @@ def test_backward_through_triton_forward():
         assert rel_err(g, r) < 1e-4
 
 
+@pytest.mark.parametrize("host", [False, True])
 @pytest.mark.parametrize("head_dim,length", [(64, 4096), (80, 1000), (128, 1531), (64, 1000)])
-def test_tma_loads_match(head_dim, length):
+def test_tma_loads_match(head_dim, length, host):
     # Q, K, V and O through descriptors; odd lengths end in partial tiles the copy engine clips.
     q, k, v = (torch.randn(2, 4, length, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     bm = create_block_mask(causal_mask, None, None, length, length, device="cuda")
     alibi = generate_alibi_bias(4, "cuda")
     plain = flex_attention(q, k, v, score_mod=alibi, block_mask=bm, kernel_options={"USE_TMA": False})
-    tma = flex_attention(q, k, v, score_mod=alibi, block_mask=bm, kernel_options={"USE_TMA": True})
+    tma = flex_attention(q, k, v, score_mod=alibi, block_mask=bm, kernel_options={"USE_TMA": True, "HOST_DESCRIPTORS": host})
     ref, _, _ = reference_attention(q.double(), k.double(), v.double(), score_mod=alibi, mask_mod=causal_mask)
     assert rel_err(tma, ref) < 2e-2
     assert rel_err(tma, plain) < 1e-2
+    if _hopper():
+        assert _constexprs_of(alibi, causal_mask)["HOST_DESCRIPTORS"] == host
+
+
+def _constexprs_of(score_mod, mask_mod):
+    # What the latest launch of the bf16/fp16 kernel for these mods used (forward_kernel's key).
+    import flexattn.runtime as rt
+    from flexattn.trace import trace_mod
+
+    score = trace_mod(score_mod, "score_mod")[0] if score_mod else None
+    return rt._kernels[(score, trace_mod(mask_mod, "mask_mod")[0], True)].last_constexprs
+
+
+@pytest.mark.parametrize("layout", ["gqa", "sequence_major", "kv_batch_broadcast", "kv_expanded", "odd_length"])
+def test_host_descriptors_layouts(layout):
+    # See [Note] Host descriptors: 4-D descriptors index (batch, head, row); GQA maps query heads
+    # to key heads; a key/value batch of 1 is broadcast by the kernel, while an expanded one has
+    # stride 0, which descriptors cannot encode, so it goes through in-kernel descriptors.
+    B, H, L, D = 2, 4, 2048 if layout != "odd_length" else 1990, 64
+    hkv = 2 if layout == "gqa" else H
+    if layout == "sequence_major":
+        q, k, v = (torch.randn(B, L, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
+    else:
+        q = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16)
+        kv_b = 1 if layout in ("kv_batch_broadcast", "kv_expanded") else B
+        k, v = (torch.randn(kv_b, hkv, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        if layout == "kv_expanded":
+            k, v = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)
+    doc = CATALOGUE["document_mask"].build(B, H, L, L, "cuda")[1]
+    for mask_mod in (causal_mask, doc):
+        bm = create_block_mask(mask_mod, None, None, L, L, device="cuda")
+        out, aux = flex_attention(q, k, v, block_mask=bm, enable_gqa=layout == "gqa", return_aux=AuxRequest(lse=True),
+                                  kernel_options={"USE_TMA": True, "HOST_DESCRIPTORS": True})
+        k_ref, v_ref = (t.expand(B, -1, -1, -1) for t in (k, v))
+        ref, ref_lse, _ = reference_attention(q.double(), k_ref.double(), v_ref.double(), mask_mod=mask_mod,
+                                              enable_gqa=layout == "gqa")
+        assert rel_err(out, ref) < 2e-2
+        assert rel_err(aux.lse, ref_lse) < 1e-3
+        if _hopper():
+            used = _constexprs_of(None, mask_mod)["HOST_DESCRIPTORS"]
+            assert used == (layout != "kv_expanded")
 
 
 def _hopper():
@@ -123,14 +165,20 @@ def test_warp_specialized_loop(dtype, layout):
     assert _last_plan_constexprs()["WARP_SPECIALIZE"]
     out = flex_attention(q, k, v, enable_gqa=gqa)
     assert _last_plan_constexprs()["WARP_SPECIALIZE"] == (_hopper() and warp_specialization_validated())
-    # Triton 3.6's warp specialisation loses the LSE stores of half the rows: a call that needs
-    # the LSE never gets it, even when asked for.
+    # Under Triton 3.6's warp specialisation a pointer store of the LSE loses half the rows; the
+    # kernel stores it through a descriptor, which needs Q_LEN % 4 == 0.
     with_lse, aux = flex_attention(q, k, v, enable_gqa=gqa, return_aux=AuxRequest(lse=True),
                                    kernel_options={"WARP_SPECIALIZE": True})
-    assert not _last_plan_constexprs()["WARP_SPECIALIZE"]
+    assert _last_plan_constexprs()["WARP_SPECIALIZE"]
     for result in (forced, out, with_lse):
         assert rel_err(result, ref) < TOLERANCE[dtype]
     assert rel_err(aux.lse, ref_lse) < 1e-3
+    q_odd = q[:, :, : L - 2]
+    odd, odd_aux = flex_attention(q_odd, k, v, enable_gqa=gqa, return_aux=AuxRequest(lse=True),
+                                  kernel_options={"WARP_SPECIALIZE": True})
+    assert not _last_plan_constexprs()["WARP_SPECIALIZE"]
+    assert rel_err(odd, ref[:, :, : L - 2]) < TOLERANCE[dtype]
+    assert rel_err(odd_aux.lse, ref_lse[:, :, : L - 2]) < 1e-3
 
 
 def test_load_path_defaults():
@@ -141,13 +189,22 @@ def test_load_path_defaults():
     noop128 = select_config(dev, bf16, 128, 128, 128, 128, tma_ok=True)
     masked128 = select_config(dev, bf16, 128, 128, 128, 128, has_mask_mod=True, blocks_per_row=64, tma_ok=True)
     sparse64 = select_config(dev, bf16, 64, 64, 128, 128, has_mask_mod=True, blocks_per_row=2, tma_ok=True)
+    sparse128_host = select_config(dev, bf16, 128, 128, 128, 128, has_mask_mod=True, blocks_per_row=2, tma_ok=True,
+                                   host_descriptors_ok=True)
+    long64_host = select_config(dev, bf16, 64, 64, 128, 128, has_mask_mod=True, blocks_per_row=64, tma_ok=True,
+                                host_descriptors_ok=True)
+    long128_host = select_config(dev, bf16, 128, 128, 128, 128, has_mask_mod=True, blocks_per_row=64, tma_ok=True,
+                                 host_descriptors_ok=True)
     odd128 = select_config(dev, bf16, 128, 128, 128, 128, tma_ok=True, even_n=False)
     lse128 = select_config(dev, bf16, 128, 128, 128, 128, tma_ok=True, row_stats=True)
     assert not sparse64.USE_TMA and not masked128.WARP_SPECIALIZE
     assert not odd128.WARP_SPECIALIZE and not lse128.WARP_SPECIALIZE
     assert not select_config(dev, bf16, 128, 128, 128, 128, tma_ok=False).USE_TMA
+    assert not long128_host.HOST_DESCRIPTORS  # Triton loads 4-D descriptors of 256-byte rows slowly
     if _hopper():
         assert noop128.USE_TMA and masked128.USE_TMA
+        assert sparse128_host.USE_TMA and sparse128_host.HOST_DESCRIPTORS
+        assert long64_host.USE_TMA and long64_host.HOST_DESCRIPTORS
         assert noop128.WARP_SPECIALIZE == warp_specialization_validated()
 
 

@@ -13,7 +13,7 @@ from numerics import rel_err
 import flexattn
 from flexattn import AuxRequest, create_block_mask, flex_attention
 from flexattn.reference import reference_attention
-from gym.catalogue import CATALOGUE, causal_mask, generate_alibi_bias
+from gym.catalogue import CATALOGUE, causal_mask, generate_alibi_bias, generate_sliding_window
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON = {"BACKEND": "TRITON"}
@@ -31,12 +31,12 @@ def qkv(B, Hq, Hkv, L, S, E, Ev, dtype, kv_batch=None):
     return q, k, v
 
 
-def check_against_reference(q, k, v, score_mod, mask_mod, *, block_size=128, gqa=False, dtype=None):
+def check_against_reference(q, k, v, score_mod, mask_mod, *, block_size=128, gqa=False, options=None):
     B, Hq, L, _ = q.shape
     S = k.shape[2]
     bm = create_block_mask(mask_mod, B, Hq, L, S, device=q.device, BLOCK_SIZE=block_size) if mask_mod else None
     out, aux = flex_attention(
-        q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa, kernel_options=TRITON,
+        q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa, kernel_options={**TRITON, **(options or {})},
         return_aux=AuxRequest(lse=True, max_scores=True),
     )
     ref_out, ref_lse, ref_max = reference_attention(
@@ -82,6 +82,29 @@ def test_block_sizes(block_size):
     q, k, v = qkv(1, 2, 2, 256, 320, 32, 32, torch.float32)
     sliding = CATALOGUE["sliding_window"].build(1, 2, 256, 320, DEVICE)[1]
     check_against_reference(q, k, v, None, sliding, block_size=block_size)
+
+
+def test_block_table_row_stats():
+    # What the launcher reads from a BlockMask (see [Note] Consecutive blocks in the template).
+    from flexattn.runtime import block_mask_row_stats
+
+    causal = block_mask_row_stats(create_block_mask(causal_mask, 1, 1, 512, 512, device=DEVICE, BLOCK_SIZE=64))
+    assert causal.consecutive_partial and causal.consecutive_full
+    assert causal.mean_blocks == sum(range(1, 9)) / 8
+    # A window of 128 keys: each row's partial blocks are the diagonal and the far edge, apart.
+    window = block_mask_row_stats(create_block_mask(generate_sliding_window(128), 1, 1, 512, 512, device=DEVICE,
+                                                    BLOCK_SIZE=64))
+    assert not window.consecutive_partial and window.consecutive_full
+
+
+@pytest.mark.parametrize("variant", ["noop", "causal", "sliding_window", "document_mask"])
+def test_several_tiles_per_block(variant):
+    # BLOCK_N = 32 inside 128-key blocks: each block is walked as 4 tiles, from the block table or,
+    # for consecutive blocks, from the row's first block. KV_LEN = 300 ends inside a block.
+    L = 300
+    q, k, v = qkv(1, 2, 2, L, L, 32, 32, torch.float32)
+    score_mod, mask_mod = CATALOGUE[variant].build(1, 2, L, L, DEVICE)
+    check_against_reference(q, k, v, score_mod, mask_mod, options={"BLOCK_M": 64, "BLOCK_N": 32})
 
 
 def test_any_strides_and_kv_batch_broadcast():
