@@ -46,8 +46,9 @@ class FlexKernelOptions(TypedDict, total=False):
     HOST_DESCRIPTORS: bool
     """With ``USE_TMA``: build the tensor descriptors on the host, once per call, instead of in
     every program. Default: on for head dims up to 64 and for masks whose rows visit few blocks,
-    where each program's own descriptor set-up costs up to 10%; off for long rows at head dim 128,
-    where Triton loads the host-built (4-D) descriptors more slowly."""
+    where each program's own descriptor set-up costs up to 10%, in kernels of 2^28 scores or more
+    (building them adds about 25 us of host time a call); off for long rows at head dim 128, where
+    Triton loads the host-built (4-D) descriptors more slowly."""
 
     WARP_SPECIALIZE: bool
     """Hand the key loop to Triton's warp specialisation (loader and compute warp groups). Default:
