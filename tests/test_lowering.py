@@ -11,9 +11,11 @@ GPU); elsewhere they skip, and the GPU test at the end compiles the same kernels
 import os
 
 import ast
+import atexit
 import hashlib
 import importlib.util
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -61,6 +63,7 @@ def mod_kernel(
 
 _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined)
 _DIR = pathlib.Path(tempfile.mkdtemp(prefix="flexattn_test_lowering_"))
+atexit.register(shutil.rmtree, _DIR, ignore_errors=True)  # the harness modules live only for the run
 _MODULES: dict = {}
 
 
