@@ -7,11 +7,12 @@ recorded as an aten op and any use of a tensor's *value* in Python (``if score >
 ``int(q_idx)``) fails at trace time instead of silently baking one branch into the kernel.
 docs/tracing.md says why we chose this over ``torch.fx.symbolic_trace``, ``make_fx`` and Dynamo.
 
-Tensors the mod closes over (closure cells, globals, bound modules, nested helper functions) are
-*lifted*: each becomes a graph placeholder after the mod's own arguments, so the same graph serves
-every call whatever the current values, and gradients reach captured tensors that require grad.
-Graphs are cached by a signature of the callable (code objects, plain captured values, captured
-tensor metadata), so a second call with the same mod costs a walk over its closure and no re-trace.
+Every tensor the mod can read (through closure cells, defaults, globals, helper functions, objects,
+modules and nn.Modules) is found by walking the callable and *lifted*: it becomes a graph
+placeholder after the mod's own arguments, read afresh on each call, so the same graph serves every
+call whatever the current values, and gradients reach captured tensors that require grad. Graphs
+are cached by the content of everything the mod can read (see [Note] Cache keys); a warm call with
+the same callable object re-reads the locations its last walk read instead of walking again.
 """
 
 from __future__ import annotations
@@ -208,6 +209,8 @@ _DESCRIPTOR_TYPES = (types.MethodDescriptorType, types.WrapperDescriptorType, ty
                      types.GetSetDescriptorType, types.MemberDescriptorType)
 # Looked up on the class of every object the walk enters: Python calls them implicitly.
 _IMPLICIT_METHODS = ("__call__", "__getattr__", "__getattribute__", "__getitem__")
+# Looked up on every instance the walk enters: what a decorator (functools.lru_cache) wraps.
+_OBJECT_NAMES = frozenset({"__wrapped__"})
 # Looked up on every nn.Module the walk enters: calling one runs its hooks and forward.
 _MODULE_NAMES = frozenset({"forward", "_forward_hooks", "_forward_pre_hooks"})
 _MODULE_STORES = ("_parameters", "_buffers", "_modules")
@@ -268,6 +271,8 @@ class _Walker:
 
     def __init__(self, names: frozenset[str]):
         self.names = sorted(names)
+        self.object_names = sorted(names | _OBJECT_NAMES)
+        self.module_names = sorted(names | _OBJECT_NAMES | _MODULE_NAMES)
         self.code_names: set[str] = set()
         self.entered_objects = False
         self.signature: list = []
@@ -398,9 +403,12 @@ class _Walker:
             return
         self.entered_objects = True
         self.signature.append(("object", obj if is_class else cls))
-        names = self.names
         if isinstance(obj, torch.nn.Module):
-            names = sorted(_MODULE_NAMES.union(names))
+            names = self.module_names
+        elif is_class or isinstance(obj, types.ModuleType):
+            names = self.names
+        else:
+            names = self.object_names
         for attr in names:
             self.attribute(obj, attr, instance_dict, is_class)
         if not is_class and not isinstance(obj, types.ModuleType):

@@ -319,6 +319,59 @@ def test_module_parameters_and_buffers_are_read_fresh():
     assert holds(captured, module.table)
 
 
+class Slotted:
+    __slots__ = ("table",)
+
+    def __init__(self, table):
+        self.table = table
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return score + self.table[kv_idx]
+
+
+class WithProperty:
+    def __init__(self, table):
+        self._table = table
+
+    @property
+    def table(self):
+        return self._table
+
+    def score_mod(self, score, b, h, q_idx, kv_idx):
+        return score + self.table[kv_idx]
+
+
+class Outer(torch.nn.Module):
+    def __init__(self, table):
+        super().__init__()
+        self.inner = BiasModule(table)
+
+    def forward(self, score, b, h, q_idx, kv_idx):
+        return self.inner(score, b, h, q_idx, kv_idx) * 2
+
+
+@pytest.mark.parametrize(
+    "make, replace",
+    [
+        (Slotted, lambda mod, t: setattr(mod, "table", t)),
+        (lambda t: WithProperty(t).score_mod, lambda mod, t: setattr(mod.__self__, "_table", t)),
+        (Outer, lambda mod, t: setattr(mod.inner, "table", t)),
+    ],
+    ids=["slots", "property", "submodule"],
+)
+def test_more_object_routes(make, replace):
+    table = torch.randn(128)
+    mod = make(table)
+    _, captured = assert_graph_matches_mod(mod, "score_mod")
+    assert holds(captured, table)
+    table.add_(1)
+    assert_graph_matches_mod(mod, "score_mod")
+    new = torch.randn(128)
+    replace(mod, new)
+    _, captured = assert_graph_matches_mod(mod, "score_mod")
+    assert holds(captured, new)
+
+
 # --------------------------------------------------------------------------- the warm-call path
 
 
@@ -397,40 +450,41 @@ def _value_of(mod):
     return traced.graph_module(torch.tensor(1.0), *idx(0, 0, 0, 0), *captured)
 
 
+CHANGES = ["tensor_of_another_shape", "plain_number", "resized_in_place", "requires_grad_in_place"]
+
+
 @pytest.mark.parametrize("where", LOCATIONS)
-@pytest.mark.parametrize(
-    "change",
-    ["tensor_of_another_shape", "plain_number", "resized_in_place", "requires_grad_in_place"],
-)
-def test_warm_path_re_reads_what_the_walk_read(where, change):
-    first = torch.tensor(2.0)
-    location = Location(where, first)
-    mod = location.mod
-    assert torch.equal(_value_of(mod), torch.tensor(2.0))
-    count = trace.trace_count
-    assert torch.equal(_value_of(mod), torch.tensor(2.0))
-    assert trace.trace_count == count  # a warm call traces nothing
-    if change == "tensor_of_another_shape":
-        location.set(torch.tensor([3.0]))
-        expected, shape = 3.0, (1,)
-    elif change == "plain_number":
-        location.set(5)
-        expected, shape = 5.0, None  # a Python number is a constant of the graph
-    elif change == "resized_in_place":
-        with torch.no_grad():
-            first.set_(torch.tensor([7.0]))
-        expected, shape = 7.0, (1,)
-    else:
-        first.requires_grad_()
-        expected, shape = 2.0, ()
-    assert _value_of(mod).item() == expected
-    traced, captured = trace_mod(mod, "score_mod")
-    if shape is None:
-        assert traced.captured == () or traced.captured[0].walk_index is None
-    else:
-        assert traced.captured[0].shape == shape
-    if change == "requires_grad_in_place":
-        assert traced.captured[0].requires_grad and holds(captured, first)
+def test_warm_path_re_reads_what_the_walk_read(where):
+    for change in CHANGES:
+        first = torch.tensor(2.0)
+        location = Location(where, first)
+        mod = location.mod
+        assert _value_of(mod).item() == 2.0
+        traces, walks = trace.trace_count, trace.walk_count
+        assert _value_of(mod).item() == 2.0
+        # A warm call neither traces nor walks (lists and dicts used to force a walk per call).
+        assert (trace.trace_count, trace.walk_count) == (traces, walks)
+        if change == "tensor_of_another_shape":
+            location.set(torch.tensor([3.0]))
+            expected, shape = 3.0, (1,)
+        elif change == "plain_number":
+            location.set(5)
+            expected, shape = 5.0, None  # a Python number is a constant of the graph
+        elif change == "resized_in_place":
+            with torch.no_grad():
+                first.set_(torch.tensor([7.0]))
+            expected, shape = 7.0, (1,)
+        else:
+            first.requires_grad_()
+            expected, shape = 2.0, ()
+        assert _value_of(mod).item() == expected, change
+        traced, captured = trace_mod(mod, "score_mod")
+        if shape is None:
+            assert traced.captured == () or traced.captured[0].walk_index is None, change
+        else:
+            assert traced.captured[0].shape == shape, change
+        if change == "requires_grad_in_place":
+            assert traced.captured[0].requires_grad and holds(captured, first)
 
 
 def test_warm_path_sees_a_gather_table_of_another_shape():
@@ -481,24 +535,27 @@ def test_same_tensor_twice_does_not_share_a_graph_input_with_two_tensors():
     assert len(captured) == 2
 
 
-def test_warm_calls_add_no_trace_and_stay_cached():
+def test_warm_calls_neither_trace_nor_walk():
     slopes = torch.rand(4)
 
     def alibi(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx)
 
     module = BiasModule(torch.randn(128))
-    mods = [alibi, module, module.score_mod, torch_flex.or_masks(prefix(16), causal), default_mod, namespace_mod]
-    for mod in mods:
-        kind = "mask_mod" if "or_mask" in getattr(mod, "__qualname__", "") else "score_mod"
+    holder = Holder(torch.randn(128))
+    score_mods = [alibi, module, module.score_mod, holder.score_mod, default_mod, namespace_mod]
+    mods = [(mod, "score_mod") for mod in score_mods] + [(torch_flex.or_masks(prefix(16), causal), "mask_mod")]
+    for mod, kind in mods:
         trace_mod(mod, kind)
-        count = trace.trace_count
+        traces, walks = trace.trace_count, trace.walk_count
         for _ in range(3):
             trace_mod(mod, kind)
-        # A bound method is a new object on every attribute access: it is found by its object.
-        if mod is module.score_mod:
-            trace_mod(module.score_mod, kind)
-        assert trace.trace_count == count, mod
+        assert (trace.trace_count, trace.walk_count) == (traces, walks), mod
+    # A bound method is a new object at every attribute access: its entry hangs on its object.
+    walks = trace.walk_count
+    trace_mod(module.score_mod, "score_mod")
+    trace_mod(holder.score_mod, "score_mod")
+    assert trace.walk_count == walks
 
 
 def test_warm_path_table_is_bounded():
@@ -546,15 +603,15 @@ def test_tensor_in_an_object_without_visible_contents_is_never_stale():
     def mod(score, b, h, q_idx, kv_idx):
         return score + queue[0][kv_idx]
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with pytest.warns(UserWarning, match="deque object.*traced again on every call"):
         _, captured = assert_graph_matches_mod(mod, "score_mod")
-    assert any("traced again on every call" in str(w.message) for w in caught)
     assert holds(captured, queue[0])
-    queue[0].mul_(-2)
-    _, captured = assert_graph_matches_mod(mod, "score_mod")
-    queue[0] = torch.randn(128)
-    _, captured = assert_graph_matches_mod(mod, "score_mod")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        queue[0].mul_(-2)
+        _, captured = assert_graph_matches_mod(mod, "score_mod")
+        queue[0] = torch.randn(128)
+        _, captured = assert_graph_matches_mod(mod, "score_mod")
     assert holds(captured, queue[0])
 
 
@@ -563,15 +620,28 @@ def test_tensor_reached_by_an_unwalked_path_is_a_live_input():
         return score + mod.table[kv_idx]  # a function attribute: not among the walked reads
 
     mod.table = torch.randn(128)
+    with pytest.warns(UserWarning, match="path the walk does not follow"):
+        _, captured = assert_graph_matches_mod(mod, "score_mod")
+    assert holds(captured, mod.table)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, captured = assert_graph_matches_mod(mod, "score_mod")
-        assert holds(captured, mod.table)
         mod.table.add_(5)
         assert_graph_matches_mod(mod, "score_mod")
         mod.table = torch.randn(128)
         _, captured = assert_graph_matches_mod(mod, "score_mod")
     assert holds(captured, mod.table)
+
+
+def test_untracked_tensor_gets_gradients(one_thread):
+    table = torch.randn(128, dtype=torch.float64, requires_grad=True)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + mod.table[kv_idx]
+
+    mod.table = table
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert attention_in_float64(score_mod=mod, grad=(table,)) < 1e-10
 
 
 def test_retraced_mods_share_one_traced_graph():
