@@ -185,7 +185,7 @@ def _read(kind: int, container: Any, key: Any) -> Any:
         return container[key]
     if kind == _LEN:
         return len(container)
-    return frozenset(container)
+    return frozenset(_content_key(item) for item in container)  # _SET
 
 
 def _tensor_meta(t: torch.Tensor) -> tuple:
@@ -214,6 +214,8 @@ _OBJECT_NAMES = frozenset({"__wrapped__"})
 # Looked up on every nn.Module the walk enters: calling one runs its hooks and forward.
 _MODULE_NAMES = frozenset({"forward", "_forward_hooks", "_forward_pre_hooks"})
 _MODULE_STORES = ("_parameters", "_buffers", "_modules")
+_MODULE_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList, torch.nn.ParameterDict,
+                      torch.nn.Sequential)
 
 
 def _plain_key(obj: Any) -> tuple:
@@ -397,13 +399,20 @@ class _Walker:
         can name, found where Python would find it (instance, class, nn.Module's stores)."""
         cls = type(obj)
         is_class = isinstance(obj, type)
-        instance_dict = None if is_class else getattr(obj, "__dict__", None)
+        instance_dict = None
+        if not is_class:
+            try:  # not getattr: a user __getattr__ would run for objects without a __dict__
+                instance_dict = object.__getattribute__(obj, "__dict__")
+            except AttributeError:
+                pass
         if not is_class and not isinstance(instance_dict, dict) and not _has_slots(cls):
             self.cannot_see(obj)
             return
         self.entered_objects = True
         self.signature.append(("object", obj if is_class else cls))
-        if isinstance(obj, torch.nn.Module):
+        if isinstance(obj, _MODULE_CONTAINERS):  # indexed by position or key: everything they hold
+            names = sorted(_MODULE_STORES + tuple(self.module_names))
+        elif isinstance(obj, torch.nn.Module):
             names = self.module_names
         elif is_class or isinstance(obj, types.ModuleType):
             names = self.names
@@ -467,6 +476,14 @@ class _Walker:
         self.signature.append(("opaque", cls))
 
 
+def _code_of(fn: Callable) -> Optional[types.CodeType]:
+    """The code object of a function, bound method or partial; None for other callables."""
+    while isinstance(fn, (types.MethodType, functools.partial)):
+        fn = fn.__func__ if isinstance(fn, types.MethodType) else fn.func
+    code = getattr(fn, "__code__", None) if isinstance(fn, types.FunctionType) else None
+    return code
+
+
 walk_count = 0  # how many full walks ran in this process (warm calls with the same callable skip it)
 
 
@@ -475,9 +492,8 @@ def _walk(fn: Callable) -> _Walker:
     an object can reach more code, whose names can reach more of the objects)."""
     global walk_count
     walk_count += 1
-    root = getattr(fn, "__func__", None) or getattr(fn, "func", None) or fn
-    code = getattr(root, "__code__", None)
-    names = _attribute_names(code) if isinstance(code, types.CodeType) else frozenset()
+    code = _code_of(fn)
+    names = _attribute_names(code) if code is not None else frozenset()
     while True:
         walker = _Walker(names)
         walker.value(fn, getattr(fn, "__name__", "mod"))
@@ -884,7 +900,10 @@ def _one_per_graph(traced: TracedMod) -> TracedMod:
         for c in traced.captured
     )
     spec = tuple((c.name, c.shape, c.dtype, c.requires_grad, c.walk_index) for c in traced.captured)
-    key = (traced.kind, traced.name, traced.signature_text(), spec, fixed)
+    # Where the mod is defined too: errors from later stages name its lines (source_line_of).
+    code = _code_of(traced.fn)
+    where = (code.co_filename, code.co_firstlineno) if code is not None else type(traced.fn)
+    key = (traced.kind, traced.name, where, traced.signature_text(), spec, fixed)
     try:
         existing = _GRAPHS.get(key)
     except TypeError:  # an unhashable constant: keep this one

@@ -350,14 +350,24 @@ class Outer(torch.nn.Module):
         return self.inner(score, b, h, q_idx, kv_idx) * 2
 
 
+class Blocks(torch.nn.Module):
+    def __init__(self, table):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([BiasModule(torch.randn(128)), BiasModule(table)])
+
+    def forward(self, score, b, h, q_idx, kv_idx):
+        return self.blocks[1](score, b, h, q_idx, kv_idx)
+
+
 @pytest.mark.parametrize(
     "make, replace",
     [
         (Slotted, lambda mod, t: setattr(mod, "table", t)),
         (lambda t: WithProperty(t).score_mod, lambda mod, t: setattr(mod.__self__, "_table", t)),
         (Outer, lambda mod, t: setattr(mod.inner, "table", t)),
+        (Blocks, lambda mod, t: setattr(mod.blocks[1], "table", t)),
     ],
-    ids=["slots", "property", "submodule"],
+    ids=["slots", "property", "submodule", "module_list"],
 )
 def test_more_object_routes(make, replace):
     table = torch.randn(128)
