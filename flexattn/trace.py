@@ -24,6 +24,7 @@ import inspect
 import operator
 import os
 import sys
+import sysconfig
 import traceback
 import types
 import warnings
@@ -74,7 +75,7 @@ class CapturedInput:
     fixed_value: Optional[torch.Tensor] = None  # a tensor the mod builds itself, frozen at trace time
 
 
-@dataclass(frozen=True, eq=False)  # compared and hashed by identity: the trace cache keeps one per mod
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: the trace caches keep one per graph
 class TracedMod:
     """One traced mod: an fx graph with placeholders ``arg_names + captured``, all 0-d but gathers."""
 
@@ -116,20 +117,37 @@ class TracedMod:
 #   2. No key holds the id() of an object that can die: a freed object's id comes back for another
 #      one. Keys hold content, or objects themselves (code objects, user classes), which keeps them
 #      alive. The warm-call table holds its objects weakly and drops an entry when its object dies.
+#      (Maps that live for one walk or one trace may key by id(): they keep what they key alive.)
 #   3. Derived data is keyed by content (_CACHE by the walk's key, _GRAPHS by the graph's text), or
 #      re-validated before each use (a _FAST entry re-reads every location its walk read). What the
 #      walk cannot look into (objects with neither __dict__ nor __slots__, such as C objects) and
 #      tensors the mod reaches by paths the walk does not follow are never cached: the mod is traced
 #      again on each call, with a warning, rather than risk a stale graph or a stale tensor.
 
-# Top-level packages whose modules, classes and closure-free functions are keyed by name.
-_LIBRARY_PACKAGES = frozenset({"torch", "triton", "numpy", "sympy", "flexattn", "functorch", "jinja2"}) | frozenset(
-    sys.stdlib_module_names
-)
+# Top-level packages whose modules, classes and closure-free functions are keyed by name, with
+# the standard library's (see _is_library_package).
+_LIBRARY_PACKAGES = frozenset({"torch", "triton", "numpy", "sympy", "flexattn", "functorch", "jinja2"})
+_STDLIB_DIRS = tuple({os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib")})
+
+
+@functools.lru_cache(maxsize=None)  # keyed by package names
+def _is_library_package(top: str) -> bool:
+    if top in _LIBRARY_PACKAGES:
+        return True
+    if top not in sys.stdlib_module_names:
+        return False
+    # A user package can share a standard module's name ("test", "config"): trust where it lives.
+    if top in sys.builtin_module_names:
+        return True
+    path = getattr(sys.modules.get(top), "__file__", None)
+    if path is None:  # not imported yet (or a namespace package): walking it is the safe side
+        return False
+    path = os.path.realpath(path)
+    return path.startswith(_STDLIB_DIRS) and not any(d in path for d in ("site-packages", "dist-packages"))
 
 
 def _is_library(module_name: Any) -> bool:
-    return isinstance(module_name, str) and module_name.partition(".")[0] in _LIBRARY_PACKAGES
+    return isinstance(module_name, str) and _is_library_package(module_name.partition(".")[0])
 
 
 # Opcodes that look a name up in a function's globals (LOAD_NAME and friends only in class bodies).
@@ -673,7 +691,6 @@ class _GraphRecorder(TorchDispatchMode):
         self.captured: list[CapturedInput] = []
         self._walked, self._walked_names, self._on_meta = walked, walked_names, on_meta
         self._node_of: dict[int, torch.fx.Node] = {}
-        self._run_value: dict[int, torch.Tensor] = {}  # node name -> the tensor the ops run on
         self._captured_by_key: dict = {}
         self.untracked: list[torch.Tensor] = []  # tensors found while tracing, not by the walk
         self._alive: list[torch.Tensor] = []  # keeps every traced tensor alive, so ids stay unique
@@ -720,7 +737,6 @@ class _GraphRecorder(TorchDispatchMode):
             if self._on_meta:
                 value = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
             node.meta["val"] = value
-            self._alive.append(tensor)
             self._last_placeholder = node
             self._captured_by_key[key] = node
             self.captured.append(
@@ -734,6 +750,7 @@ class _GraphRecorder(TorchDispatchMode):
                 )
             )
         self._node_of[id(tensor)] = node
+        self._alive.append(tensor)  # its id keys _node_of: it must not be freed during the trace
         return node
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
