@@ -1011,12 +1011,17 @@ def _fast_lookup(fn: Callable, kind: str):
         if container is _ANCHOR:
             container = anchor
         # _read, inlined: this loop is most of a warm call's cost.
-        if read_kind == _ATTR:
+        if read_kind == _CELL:
+            try:
+                now = container.cell_contents
+            except ValueError:
+                now = _MISSING
+        elif read_kind == _ATTR:
             now = getattr(container, key, _MISSING)
         elif read_kind == _ITEM:
             now = container.get(key, _MISSING)
-        elif read_kind == _CELL or read_kind == _INDEX:
-            now = _read(read_kind, container, key)
+        elif read_kind == _INDEX:
+            now = container[key]
         else:  # _LEN, _SET: compared by value
             if _read(read_kind, container, key) != expected:
                 return None
