@@ -199,7 +199,7 @@ def test_error_block_mask_wrong_type():
 
 def test_error_score_mod_arity():
     q, k, v = qkv()
-    with pytest.raises(InvalidInputError, match=r"score_mod 'two_args' must take 5 positional arguments"):
+    with pytest.raises(InvalidInputError, match=r"score_mod two_args\(score, b\), which takes 2 required positional arguments; a score_mod takes exactly 5"):
         def two_args(score, b):
             return score
         flex_attention(q, k, v, score_mod=two_args)
