@@ -178,11 +178,13 @@ def _trace(fn, kind: str, where: str) -> tuple[TracedMod, list]:
         raise
 
 
+# Read once, at import (os.environ.get costs most of a microsecond on every call).
+_CHECK_INDICES_ENV = os.environ.get("FLEXATTN_CHECK_INDICES", "0") not in ("", "0")
+
+
 def _check_indices_requested(options: dict) -> bool:
-    choice = options.get("CHECK_INDICES")
-    if choice is not None:
-        return bool(choice)
-    return os.environ.get("FLEXATTN_CHECK_INDICES", "0") not in ("", "0")
+    choice = options.get("CHECK_INDICES") if options else None
+    return _CHECK_INDICES_ENV if choice is None else bool(choice)
 
 
 # ------------------------------------------------------------------------------------ dispatch

@@ -69,7 +69,8 @@ class FlexKernelOptions(TypedDict, total=False):
     ``InvalidInputError`` naming the mod, the tensor, the index and one position where a gather
     reads outside a captured tensor (torch would raise an IndexError there; the kernels read 0).
     Slow: for finding a bug, not for training. The environment variable
-    ``FLEXATTN_CHECK_INDICES=1`` turns it on for every call."""
+    ``FLEXATTN_CHECK_INDICES=1``, read when flexattn is imported, turns it on for every call
+    that does not set this option."""
 
     # -- torch's keys (torch.nn.attention.flex_attention.FlexKernelOptions). ``fwd_``-prefixed keys
     # (``fwd_BLOCK_M``, ``fwd_num_warps``, ...) set the forward's key of that name and win over the

@@ -29,6 +29,7 @@ launch tables and row statistics (on the BlockMask, BlockMask.derived), ``codege
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import threading
@@ -742,8 +743,6 @@ _KERNELS_KEPT = 256
 
 
 def _import_triton() -> ModuleType:
-    import importlib
-
     try:
         return importlib.import_module("triton")
     except ImportError as err:
