@@ -146,8 +146,8 @@ def check_indices(traced: TracedMod, captured: list, B: int, H: int, L: int, S: 
     valid = f"[{-size}, {size})" if size is not None else "its range"
     raise InvalidInputError(
         f"CHECK_INDICES: {traced.kind} '{traced.name}' reads {tensor} at index {value} in dim {site.position} "
-        f"(size {size}), outside {valid}, at b={b}, h={h}, q_idx={q_idx}, kv_idx={kv_idx} "
-        f"{source_line_of(traced, site.node)}. torch raises an IndexError there, and flexattn's kernels read 0 "
+        f"(size {size}), outside {valid}, at b={b}, h={h}, q_idx={q_idx}, kv_idx={kv_idx} (the read is "
+        f"{source_line_of(traced, site.node)}). torch raises an IndexError there, and flexattn's kernels read 0 "
         f"instead. Fix the mod so the index stays in range for every position of the call (B={B}, H={H}, "
         f"Q_LEN={L}, KV_LEN={S}): make {tensor} large enough, or clamp the index, e.g. "
         f"{tensor}[i.clamp(0, {size - 1 if size else 'n - 1'})]"
