@@ -24,6 +24,7 @@ from .index_bounds import index_bounds, index_dtype
 from .index_check import check_indices
 from .options import (
     KNOWN_OPTIONS, AuxOutput, AuxRequest, FlexKernelOptions, normalize_kernel_options, resolve_backend_name,
+    why_ignored,
 )
 from .runtime import forward_kernel, interpreter_enabled
 from .trace import TracedMod, trace_mod
@@ -147,11 +148,8 @@ def _validate_options(kernel_options: Optional[dict]) -> dict:
     if new:
         _reported_ignored.update(new)
         warnings.warn(
-            f"kernel_options {new} are torch's and accepted for compatibility, but flexattn ignores them (said once "
-            "per process): the Triton backward does not exist yet (bwd_*, BLOCK_M1..BLOCK_N2, WRITE_DQ), the "
-            "launcher reads the BlockMask itself (BLOCKS_ARE_CONTIGUOUS, ROWS_GUARANTEED_SAFE), the scale is "
-            "already folded into the exponent (PRESCALE_QK), and there is one kernel for all lengths and no ROCm "
-            "tuning (FORCE_USE_FLEX_ATTENTION, kpack, matrix_instr_nonkdim, waves_per_eu). See flexattn.FlexKernelOptions",
+            "kernel_options accepted for compatibility with torch and ignored by flexattn (said once per process): "
+            + ", ".join(f"{key} ({why_ignored(key)})" for key in new) + "; see flexattn.FlexKernelOptions",
             UserWarning, stacklevel=3,
         )
     return options

@@ -151,11 +151,26 @@ FORWARD_OPTIONS = frozenset(
     {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "AUTOTUNE", "USE_TMA", "HOST_DESCRIPTORS", "WARP_SPECIALIZE",
      "TANH_APPROX"}
 )
-IGNORED_OPTIONS = frozenset(
-    {"PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2",
-     "WRITE_DQ", "FORCE_USE_FLEX_ATTENTION", "kpack", "matrix_instr_nonkdim", "waves_per_eu"}
-)
 KNOWN_OPTIONS = frozenset(FlexKernelOptions.__annotations__)
+_BACKWARD = "no Triton backward yet"
+_ROCM = "no ROCm tuning"
+IGNORED_BECAUSE = {
+    "PRESCALE_QK": "the scale is already folded into the exponent",
+    "ROWS_GUARANTEED_SAFE": "fully masked rows are always guarded",
+    "BLOCKS_ARE_CONTIGUOUS": "read from the BlockMask itself",
+    "BLOCK_M1": _BACKWARD, "BLOCK_N1": _BACKWARD, "BLOCK_M2": _BACKWARD, "BLOCK_N2": _BACKWARD, "WRITE_DQ": _BACKWARD,
+    "FORCE_USE_FLEX_ATTENTION": "one kernel for every length",
+    "kpack": _ROCM, "matrix_instr_nonkdim": _ROCM, "waves_per_eu": _ROCM,
+}
+
+
+def why_ignored(key: str) -> str:
+    if key.startswith("bwd_"):
+        return _BACKWARD
+    if key.startswith("fwd_"):
+        return IGNORED_BECAUSE.get(key[4:], "not a forward option")
+    return IGNORED_BECAUSE[key]
+IGNORED_OPTIONS = frozenset(IGNORED_BECAUSE)
 _USED_AS_GIVEN = KNOWN_OPTIONS - IGNORED_OPTIONS
 
 
