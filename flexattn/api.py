@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from . import blockwise
-from .block_mask import BlockMask, _torch_class, arity_mistake, as_block_mask
+from .block_mask import BlockMask, arity_mistake, as_block_mask, torch_counterpart
 from .errors import BackendUnavailableError, InvalidInputError
 from .index_bounds import index_bounds, index_dtype
 from .index_check import check_indices
@@ -158,7 +158,7 @@ def _validate_options(kernel_options: Optional[dict]) -> dict:
 def _as_aux_request(return_aux) -> AuxRequest:
     if isinstance(return_aux, AuxRequest):
         return return_aux
-    torch_request = _torch_class("AuxRequest")
+    torch_request = torch_counterpart("AuxRequest")
     if torch_request is not None and isinstance(return_aux, torch_request):
         return AuxRequest(lse=bool(return_aux.lse), max_scores=bool(return_aux.max_scores))
     raise InvalidInputError(

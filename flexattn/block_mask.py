@@ -268,8 +268,8 @@ class BlockMask:
         from, their version counters, BLOCK_SIZE and seq_lengths. A table replaced by assignment
         or changed in place (``bm.kv_indices[0, 0, 1] = 3`` bumps ``_version``) fails the stamp and
         the data is computed again. Never keyed by ``id(mask)``: a freed mask's id is handed to
-        the next object, which would inherit its data (issue 8, item 2). The check costs about a
-        microsecond per call.
+        the next object, which would inherit its data (issue 8, item 2). The check costs about half
+        a microsecond per call.
         """
         cache = self.__dict__.get("_derived")
         if cache is None:
@@ -277,7 +277,7 @@ class BlockMask:
         entry = cache.get(name)
         if entry is not None:
             nb, idx, fnb, fidx, versions, block_size, seq_lengths, value = entry
-            # Spelled out: this runs on every warm call (about 0.5 us).
+            # Spelled out: this runs on every warm call.
             if (nb is self.kv_num_blocks and idx is self.kv_indices and fnb is self.full_kv_num_blocks
                     and fidx is self.full_kv_indices and nb._version == versions[0] and idx._version == versions[1]
                     and (fnb is None or (fnb._version == versions[2] and fidx._version == versions[3]))
@@ -291,21 +291,26 @@ class BlockMask:
     # ---------------------------------------------------------------------------- torch interop
 
     def as_tuple(self, flatten: bool = True) -> tuple:
-        """The fields in the order of torch's ``BlockMask.as_tuple`` (torch 2.13).
+        """The fields in the order of torch's ``BlockMask.as_tuple``.
 
-        ``(q_len, kv_len, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-        q_num_blocks, q_indices, full_q_num_blocks, full_q_indices, dq_write_order,
-        dq_write_order_full, dq_kv_order, dq_kv_order_spt, Q_BLOCK, KV_BLOCK, mask_mod)``; the
-        dq_* fields are always None here. ``flatten=False`` keeps ``seq_lengths`` and
+        torch 2.13: ``(q_len, kv_len, kv_num_blocks, kv_indices, full_kv_num_blocks,
+        full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks, full_q_indices,
+        dq_write_order, dq_write_order_full, dq_kv_order, dq_kv_order_spt, Q_BLOCK, KV_BLOCK,
+        mask_mod)``; the dq_* fields are always None here, and left out where the installed
+        torch's BlockMask has none (older releases). ``flatten=False`` keeps ``seq_lengths`` and
         ``BLOCK_SIZE`` as pairs.
         """
         lengths = tuple(self.seq_lengths) if flatten else (tuple(self.seq_lengths),)
         block = tuple(self.BLOCK_SIZE) if flatten else (tuple(self.BLOCK_SIZE),)
+        theirs = torch_counterpart("BlockMask")
+        dq = (self.dq_write_order, self.dq_write_order_full, self.dq_kv_order, self.dq_kv_order_spt)
+        if theirs is not None and "dq_write_order" not in getattr(theirs, "__annotations__", {}):
+            dq = ()
         return (
             *lengths,
             self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices,
             self.q_num_blocks, self.q_indices, self.full_q_num_blocks, self.full_q_indices,
-            self.dq_write_order, self.dq_write_order_full, self.dq_kv_order, self.dq_kv_order_spt,
+            *dq,
             *block,
             self.mask_mod,
         )
@@ -666,7 +671,7 @@ pytree.register_pytree_node(
 )
 
 
-def _torch_class(name: str):
+def torch_counterpart(name: str):
     """torch's class of this name from torch.nn.attention.flex_attention, if that module is loaded.
 
     An object of such a class can only exist once torch's module is imported, so flexattn never
@@ -686,7 +691,7 @@ def as_block_mask(mask) -> BlockMask:
     """
     if isinstance(mask, BlockMask):
         return mask
-    torch_block_mask = _torch_class("BlockMask")
+    torch_block_mask = torch_counterpart("BlockMask")
     if torch_block_mask is None or not isinstance(mask, torch_block_mask):
         raise InvalidInputError(
             f"block_mask must be a flexattn.BlockMask (from flexattn.create_block_mask) or torch's "

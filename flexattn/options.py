@@ -12,6 +12,12 @@ __all__ = ["FlexKernelOptions", "AuxRequest", "AuxOutput", "resolve_backend_name
 class FlexKernelOptions(TypedDict, total=False):
     """Options for ``flex_attention(..., kernel_options=...)``. Every key is optional.
 
+    torch's keys are accepted too, so code written for ``torch.nn.attention.flex_attention`` runs
+    unchanged: a ``fwd_`` prefix (``fwd_BLOCK_M``, ``fwd_num_warps``, ...) sets the forward's key of
+    that name and wins over the plain one; ``bwd_`` keys, and torch's keys that mean nothing here
+    (listed last below, each with why), are ignored, and the first call that passes one warns
+    once per process with the list. Any other key is an error.
+
     Like torch's, these options carry no backward-compatibility promise yet.
     """
 
@@ -72,12 +78,7 @@ class FlexKernelOptions(TypedDict, total=False):
     ``FLEXATTN_CHECK_INDICES=1``, read when flexattn is imported, turns it on for every call
     that does not set this option."""
 
-    # -- torch's keys (torch.nn.attention.flex_attention.FlexKernelOptions). ``fwd_``-prefixed keys
-    # (``fwd_BLOCK_M``, ``fwd_num_warps``, ...) set the forward's key of that name and win over the
-    # plain one; ``bwd_``-prefixed keys are accepted and ignored (the backward is the blockwise PyTorch
-    # one until the Triton backward lands). The keys below are accepted so that code written for
-    # torch runs unchanged, and ignored; the first call that passes one warns, once per process, with
-    # the list of ignored keys.
+    # -- torch's keys that flexattn accepts and ignores (see the class docstring).
 
     PRESCALE_QK: bool
     """Ignored. The kernel already keeps the softmax scale in float32 and folds it into the

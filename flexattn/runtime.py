@@ -217,7 +217,9 @@ def _compute_launch_tables(block_mask: BlockMask) -> LaunchTables:
     values = torch.stack([total, *consecutive, *checks]).tolist()
     total, partial, full, checks = values[0], bool(values[1]), bool(values[2]), values[3:]
     tables = {"kv": [nb, idx], "full_kv": [fnb, fidx]}
-    for (name, num, ind), (bad_count, bad_used, unordered) in zip(pairs, zip(*[iter(checks)] * 3)):
+    reordered = False
+    for i, (name, num, ind) in enumerate(pairs):
+        bad_count, bad_used, unordered = checks[3 * i: 3 * i + 3]
         if bad_count or bad_used:
             raise InvalidInputError(
                 f"block_mask.{name}_num_blocks / {name}_indices list a key block outside [0, {cols}) (the "
@@ -228,15 +230,16 @@ def _compute_launch_tables(block_mask: BlockMask) -> LaunchTables:
             # The kernel bounds-checks only a row's last block ([Note] Boundary block): keep rows
             # ascending (BlockMask's constructor does; a table changed in place may not be).
             tables[name][1] = _ascending(num, ind)
+            reordered = True
+    if reordered:
+        _check_no_repeats(pairs, tables)
     nb, idx = (t.contiguous() for t in tables["kv"])
     fnb, fidx = (t.contiguous() for t in tables["full_kv"]) if has_full else (nb, idx)
-    if any(unordered for unordered in checks[2::3]):
-        _check_no_repeats(pairs, tables, cols)
     stats = RowStats(total / max(1, nb.numel()), partial, full)
     return LaunchTables(nb, idx, fnb, fidx, has_full, stats, (tuple(nb.shape), has_full, stats))
 
 
-def _check_no_repeats(pairs, tables, cols: int) -> None:
+def _check_no_repeats(pairs, tables) -> None:
     for name, num, _ in pairs:
         ind = tables[name][1]
         used = torch.arange(ind.shape[-1], device=ind.device) < num.unsqueeze(-1)
