@@ -97,9 +97,10 @@ def _tiles(B: int, H: int, L: int, S: int):
     q_step = min(L, max(1, TILE_ELEMENTS // kv_step))
     h_step = min(H, max(1, TILE_ELEMENTS // (kv_step * q_step)))
     b_step = min(B, max(1, TILE_ELEMENTS // (kv_step * q_step * h_step)))
-    for b0, h0, q0, k0 in itertools.product(range(0, B, b_step), range(0, H, h_step), range(0, L, q_step),
-                                            range(0, S, kv_step)):
-        yield (b0, min(B, b0 + b_step)), (h0, min(H, h0 + h_step)), (q0, min(L, q0 + q_step)), (k0, min(S, k0 + kv_step))
+    starts = itertools.product(range(0, B, b_step), range(0, H, h_step), range(0, L, q_step), range(0, S, kv_step))
+    for b0, h0, q0, k0 in starts:
+        yield ((b0, min(B, b0 + b_step)), (h0, min(H, h0 + h_step)), (q0, min(L, q0 + q_step)),
+               (k0, min(S, k0 + kv_step)))
 
 
 def _first_problem(traced: TracedMod, captured: list, B: int, H: int, L: int, S: int, device) -> Optional[tuple]:

@@ -36,7 +36,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, replace
 from types import ModuleType
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -214,7 +214,7 @@ def _compute_launch_tables(block_mask: BlockMask) -> LaunchTables:
     total = nb.sum(dtype=torch.int64) + (fnb.sum(dtype=torch.int64) if has_full else 0)
     consecutive = [_consecutive(nb, idx), _consecutive(fnb, fidx) if has_full else _consecutive(nb, idx)]
     checks = [c for _, num, ind in pairs for c in _table_checks(num, ind, cols)]
-    values = torch.stack([total, *consecutive, *checks]).tolist()
+    values = torch.stack([total, *(flag.to(torch.int64) for flag in consecutive + checks)]).tolist()
     total, partial, full, checks = values[0], bool(values[1]), bool(values[2]), values[3:]
     tables = {"kv": [nb, idx], "full_kv": [fnb, fidx]}
     reordered = False

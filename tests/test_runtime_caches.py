@@ -11,7 +11,6 @@ import pytest
 import torch
 from numerics import rel_err
 
-import flexattn
 import flexattn.runtime as rt
 from flexattn import BlockMask, create_block_mask, flex_attention
 from flexattn.errors import InvalidInputError

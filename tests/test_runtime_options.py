@@ -153,7 +153,8 @@ def test_failed_triton_import_names_the_missing_module(monkeypatch):
 
     monkeypatch.setattr(importlib, "import_module", import_module)
     monkeypatch.setattr(rt, "_kernels", type(rt._kernels)())
-    with pytest.raises(BackendUnavailableError, match=r"triton is installed but importing it failed.*'numpy'.*pip install numpy"):
+    failed = r"triton is installed but importing it failed.*'numpy'.*pip install numpy"
+    with pytest.raises(BackendUnavailableError, match=failed):
         rt.forward_kernel(None, None)
 
     def no_triton(name, *args):
