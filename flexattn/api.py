@@ -10,21 +10,27 @@ LSE) for both backends until the Triton backward kernel lands.
 from __future__ import annotations
 
 import math
+import os
 import warnings
-from typing import Optional, Union
+from collections import OrderedDict
+from typing import NamedTuple, Optional, Union
 
 import torch
 
 from . import blockwise
-from .block_mask import BlockMask
+from .block_mask import BlockMask, arity_mistake, as_block_mask, torch_counterpart
 from .errors import BackendUnavailableError, InvalidInputError
-from .options import AuxOutput, AuxRequest, FlexKernelOptions, resolve_backend_name
+from .index_bounds import index_bounds, index_dtype
+from .index_check import check_indices
+from .options import (
+    KNOWN_OPTIONS, AuxOutput, AuxRequest, FlexKernelOptions, normalize_kernel_options, resolve_backend_name,
+    why_ignored,
+)
 from .runtime import forward_kernel, interpreter_enabled
 from .trace import TracedMod, trace_mod
 
 __all__ = ["flex_attention"]
 
-_KNOWN_OPTIONS = set(FlexKernelOptions.__annotations__)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -81,15 +87,18 @@ def _validate_tensors(query, key, value, enable_gqa: bool) -> None:
         )
 
 
-def _validate_block_mask(block_mask, query, key) -> None:
-    if not isinstance(block_mask, BlockMask):
-        raise InvalidInputError(
-            f"block_mask must be a flexattn.BlockMask (from flexattn.create_block_mask), got {type(block_mask).__name__}"
-        )
+def _validate_block_mask(block_mask: BlockMask, query, key) -> None:
     B, Hq, L, _ = query.shape
     S = key.shape[2]
     mask_q, mask_kv = block_mask.seq_lengths
     if (mask_q, mask_kv) != (L, S):
+        if (query.shape[1], key.shape[1]) == (mask_q, mask_kv):
+            raise InvalidInputError(
+                f"query {_shape(query)} and key {_shape(key)} look like [batch, seq_len, heads, head_dim]: their "
+                f"dim 1 matches the block_mask's Q_LEN={mask_q} and KV_LEN={mask_kv}. flex_attention takes "
+                "[batch, heads, seq_len, head_dim], as torch's does: pass q.transpose(1, 2), k.transpose(1, 2) "
+                "and v.transpose(1, 2), and transpose the output back with out.transpose(1, 2)"
+            )
         fix = (
             "call block_mask.adjust(new_q_len, new_kv_len) to crop it"
             if mask_q >= L and mask_kv >= S
@@ -121,23 +130,66 @@ def _check_captured_devices(traced: TracedMod, values: list, device: torch.devic
             )
 
 
+_reported_ignored: set = set()  # torch's keys already named in a warning by this process
+
+
 def _validate_options(kernel_options: Optional[dict]) -> dict:
     if kernel_options is None:
         return {}
     if not isinstance(kernel_options, dict):
         raise InvalidInputError(f"kernel_options must be a dict (FlexKernelOptions), got {type(kernel_options).__name__}")
-    unknown = set(kernel_options) - _KNOWN_OPTIONS
+    options, ignored, unknown = normalize_kernel_options(kernel_options)
     if unknown:
         raise InvalidInputError(
-            f"unknown kernel_options {sorted(unknown)}; known options: {sorted(_KNOWN_OPTIONS)}"
+            f"unknown kernel_options {sorted(unknown)}; known options: {sorted(KNOWN_OPTIONS)}, each also with a "
+            "fwd_ or bwd_ prefix (see flexattn.FlexKernelOptions)"
         )
-    return kernel_options
+    new = sorted(set(ignored) - _reported_ignored)
+    if new:
+        _reported_ignored.update(new)
+        warnings.warn(
+            "kernel_options accepted for compatibility with torch and ignored by flexattn (said once per process): "
+            + ", ".join(f"{key} ({why_ignored(key)})" for key in new) + "; see flexattn.FlexKernelOptions",
+            UserWarning, stacklevel=3,
+        )
+    return options
+
+
+def _as_aux_request(return_aux) -> AuxRequest:
+    if isinstance(return_aux, AuxRequest):
+        return return_aux
+    torch_request = torch_counterpart("AuxRequest")
+    if torch_request is not None and isinstance(return_aux, torch_request):
+        return AuxRequest(lse=bool(return_aux.lse), max_scores=bool(return_aux.max_scores))
+    raise InvalidInputError(
+        f"return_aux must be a flexattn.AuxRequest (or torch's AuxRequest), got {type(return_aux).__name__}"
+    )
+
+
+def _trace(fn, kind: str, where: str) -> tuple[TracedMod, list]:
+    try:
+        return trace_mod(fn, kind)
+    except Exception as err:
+        mistake = arity_mistake(fn, kind, where) if callable(fn) else None
+        if mistake:  # the root cause, whatever the tracer made of it
+            raise InvalidInputError(mistake) from err
+        raise
+
+
+# Read once, at import (os.environ.get costs most of a microsecond on every call).
+_CHECK_INDICES_ENV = os.environ.get("FLEXATTN_CHECK_INDICES", "0") not in ("", "0")
+
+
+def _check_indices_requested(options: dict) -> bool:
+    choice = options.get("CHECK_INDICES") if options else None
+    return _CHECK_INDICES_ENV if choice is None else bool(choice)
 
 
 # ------------------------------------------------------------------------------------ dispatch
 
 
-_dense_masks: dict = {}
+# Keyed by content (lengths, device), bounded; see [Note] Cache keys in runtime.py.
+_dense_masks: "OrderedDict[tuple, BlockMask]" = OrderedDict()
 
 
 def _dense_block_mask(L: int, S: int, device: torch.device) -> BlockMask:
@@ -154,9 +206,9 @@ def _dense_block_mask(L: int, S: int, device: torch.device) -> BlockMask:
         mask = BlockMask.from_kv_blocks(
             zeros, zero_idx, full_num, full_idx, BLOCK_SIZE=block, seq_lengths=(L, S)
         )
-        if len(_dense_masks) >= 64:  # lengths that keep changing (decoding) must not pile up masks
-            _dense_masks.clear()
         _dense_masks[key] = mask
+        if len(_dense_masks) > 64:  # lengths that keep changing (decoding) must not pile up masks
+            _dense_masks.popitem(last=False)
     return mask
 
 
@@ -195,18 +247,31 @@ def _use_tanh_approx(q: torch.Tensor, options: dict) -> bool:
     return q.is_cuda and torch.version.cuda is not None and q.dtype in (torch.float16, torch.bfloat16)
 
 
-def _run_forward(backend, q, k, v, block_mask, scale, score, score_captured, mask, mask_captured, need_lse, need_max, options):
-    if backend == "TRITON":
-        kernel = forward_kernel(score, mask, tanh_approx=_use_tanh_approx(q, options))
+class _Call(NamedTuple):
+    """What one call runs, besides the tensors autograd tracks."""
+
+    backend: str
+    block_mask: BlockMask
+    scale: float
+    score: Optional[TracedMod]
+    mask: Optional[TracedMod]
+    mask_captured: list
+    options: dict
+    index_dtype: torch.dtype  # of the index tensors the PyTorch backend passes to the mods
+
+
+def _run_forward(call: _Call, q, k, v, score_captured, need_lse, need_max):
+    if call.backend == "TRITON":
+        kernel = forward_kernel(call.score, call.mask, tanh_approx=_use_tanh_approx(q, call.options))
         return kernel(
-            q, k, v, block_mask, scale, score_captured, mask_captured,
-            need_lse=need_lse, need_max=need_max, options=options,
+            q, k, v, call.block_mask, call.scale, score_captured, call.mask_captured,
+            need_lse=need_lse, need_max=need_max, options=call.options,
         )
     return blockwise.blockwise_forward(
-        q, k, v, block_mask, scale,
-        score.graph_module if score else None, score_captured,
-        mask.graph_module if mask else None, mask_captured,
-        need_max=need_max,
+        q, k, v, call.block_mask, call.scale,
+        call.score.graph_module if call.score else None, score_captured,
+        call.mask.graph_module if call.mask else None, call.mask_captured,
+        need_max=need_max, index_dtype=call.index_dtype,
     )
 
 
@@ -214,13 +279,9 @@ class _FlexAttentionFunction(torch.autograd.Function):
     """Forward by the chosen backend; backward by FlashAttention-2 recomputation from the LSE."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, need_max, *score_captured):
-        backend, block_mask, scale, score, mask, mask_captured, options = plan
-        out, lse, mx = _run_forward(
-            backend, q, k, v, block_mask, scale, score, list(score_captured), mask, mask_captured,
-            True, need_max, options,
-        )
-        ctx.plan = plan
+    def forward(ctx, q, k, v, call, need_max, *score_captured):
+        out, lse, mx = _run_forward(call, q, k, v, list(score_captured), True, need_max)
+        ctx.call = call
         ctx.save_for_backward(q, k, v, out, lse, *score_captured)
         if mx is not None:
             ctx.mark_non_differentiable(mx)
@@ -228,12 +289,13 @@ class _FlexAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse, grad_max):
-        backend, block_mask, scale, score, mask, mask_captured, options = ctx.plan
+        call = ctx.call
         q, k, v, out, lse, *score_captured = ctx.saved_tensors
         dq, dk, dv, d_captured = blockwise.blockwise_backward(
-            q, k, v, out, lse, grad_out, grad_lse, block_mask, scale,
-            score.graph_module if score else None, score_captured,
-            mask.graph_module if mask else None, mask_captured,
+            q, k, v, out, lse, grad_out, grad_lse, call.block_mask, call.scale,
+            call.score.graph_module if call.score else None, score_captured,
+            call.mask.graph_module if call.mask else None, call.mask_captured,
+            index_dtype=call.index_dtype,
         )
         return (dq, dk, dv, None, None, *d_captured)
 
@@ -259,13 +321,15 @@ def flex_attention(
         query: [B, Hq, L, E]. key: [B or 1, Hkv, S, E]. value: [B or 1, Hkv, S, Ev].
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to ``scale * q @ k^T``
             before the softmax; ``h`` is the query head. Tensors it closes over are read in the kernel.
-        block_mask: from ``create_block_mask(mask_mod, B, H, L, S)``; None attends to everything. Build it
-            once and reuse it for every layer that shares the mask.
+        block_mask: from ``create_block_mask(mask_mod, B, H, L, S)`` (flexattn's or torch's: a torch
+            BlockMask is converted once and the conversion kept on it); None attends to everything.
+            Build it once and reuse it for every layer that shares the mask.
         scale: defaults to ``1 / sqrt(E)``.
         enable_gqa: allow Hq to be a multiple of Hkv (query head h reads key/value head h // (Hq / Hkv)).
         return_lse: deprecated (as in torch); use ``return_aux=AuxRequest(lse=True)``.
         kernel_options: ``FlexKernelOptions``; ``{"BACKEND": "PYTORCH"}`` forces the blockwise PyTorch path.
-        return_aux: ``AuxRequest(lse=..., max_scores=...)`` returns ``(out, AuxOutput)``.
+        return_aux: ``AuxRequest(lse=..., max_scores=...)`` (flexattn's or torch's) returns
+            ``(out, AuxOutput)``.
 
     Returns:
         ``out`` [B, Hq, L, Ev] in the query's dtype; with ``return_aux``, ``(out, AuxOutput)``; with
@@ -285,30 +349,39 @@ def flex_attention(
         warnings.warn(
             "return_lse is deprecated, as in torch; use return_aux=AuxRequest(lse=True)", FutureWarning, stacklevel=2
         )
-    if return_aux is not None and not isinstance(return_aux, AuxRequest):
-        raise InvalidInputError(f"return_aux must be a flexattn.AuxRequest, got {type(return_aux).__name__}")
+    if return_aux is not None:
+        return_aux = _as_aux_request(return_aux)
     if scale is not None and not isinstance(scale, (int, float)):
         raise InvalidInputError(f"scale must be a Python float or None, got {type(scale).__name__}")
 
-    L, S = query.shape[2], key.shape[2]
+    B, Hq, L, _ = query.shape
+    S = key.shape[2]
     if block_mask is None:
         block_mask = _dense_block_mask(L, S, query.device)
         mask, mask_captured = None, []
     else:
+        block_mask = as_block_mask(block_mask)  # torch's BlockMask too
         _validate_block_mask(block_mask, query, key)
-        mask, mask_captured = trace_mod(block_mask.mask_mod, "mask_mod")
+        mask, mask_captured = _trace(block_mask.mask_mod, "mask_mod", "flex_attention (block_mask.mask_mod)")
         _check_captured_devices(mask, mask_captured, query.device)
         # mask_mods are boolean: their captured tensors take no gradient.
         if any(t.requires_grad for t in mask_captured):
             mask_captured = [t.detach() for t in mask_captured]
     if score_mod is not None:
-        score, score_captured = trace_mod(score_mod, "score_mod")
+        score, score_captured = _trace(score_mod, "score_mod", "flex_attention")
         _check_captured_devices(score, score_captured, query.device)
     else:
         score, score_captured = None, []
+    if _check_indices_requested(options):  # a debug mode (see FlexKernelOptions.CHECK_INDICES)
+        for traced, captured in ((score, score_captured), (mask, mask_captured)):
+            if traced is not None:
+                check_indices(traced, [t.detach() for t in captured], B, Hq, L, S, query.device)
 
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     backend = _pick_backend(query, options)
+    # The PyTorch backend evaluates the mods with vmap: int64 indices where their arithmetic needs it.
+    wide = index_dtype(score, mask, bounds=index_bounds(B, Hq, L, S)) if backend == "PYTORCH" else torch.int32
+    call = _Call(backend, block_mask, scale, score, mask, mask_captured, options, wide)
     need_lse = bool(return_lse or (return_aux is not None and return_aux.lse))
     need_max = bool(return_aux is not None and return_aux.max_scores)
 
@@ -317,13 +390,9 @@ def flex_attention(
         or any(t.requires_grad for t in score_captured)
     )
     if needs_grad:
-        plan = (backend, block_mask, scale, score, mask, mask_captured, options)
-        out, lse, mx = _FlexAttentionFunction.apply(query, key, value, plan, need_max, *score_captured)
+        out, lse, mx = _FlexAttentionFunction.apply(query, key, value, call, need_max, *score_captured)
     else:
-        out, lse, mx = _run_forward(
-            backend, query, key, value, block_mask, scale, score, score_captured, mask, mask_captured,
-            need_lse, need_max, options,
-        )
+        out, lse, mx = _run_forward(call, query, key, value, score_captured, need_lse, need_max)
 
     if return_lse:
         return out, lse

@@ -46,18 +46,23 @@ from __future__ import annotations
 import inspect
 import itertools
 import operator
-from typing import Callable, Optional, Union
+import sys
+from typing import Any, Callable, Optional, Union
 
 import torch
+import torch.utils._pytree as pytree
 
 from .errors import InvalidInputError
+from .index_bounds import mod_index_dtype
 from .mods import MaskMod, noop_mask
 from .trace import GetItemToIndex
 
-__all__ = ["BlockMask", "create_block_mask", "create_mask"]
+__all__ = ["BlockMask", "create_block_mask", "create_mask", "as_block_mask", "arity_mistake"]
 
 DEFAULT_BLOCK_SIZE = 128
-INDEX_DTYPE = torch.int32  # the dtype of the index arguments mods receive, and of every block map
+# The dtype of every block map, and of the index arguments mods receive unless their arithmetic
+# needs int64 at the call's lengths (see flexattn/index_bounds.py).
+INDEX_DTYPE = torch.int32
 
 # How many (b, h, q, kv) pairs create_block_mask evaluates at once. A tile of 2**24 pairs is a
 # 16 MiB bool tensor plus whatever the mask_mod allocates (a few int32/int64 temporaries of the
@@ -204,7 +209,17 @@ class BlockMask:
             mask (``compute_q_blocks=False``).
         BLOCK_SIZE: ``(Q_BLOCK, KV_BLOCK)``.
         mask_mod: the callable evaluated on partial tiles.
+
+    torch code can take it too: ``as_tuple()`` has torch's field order and the class is a pytree
+    node (``torch.utils._pytree``), like torch's BlockMask.
     """
+
+    # torch's BlockMask carries deterministic-dQ metadata for its FLASH backward; flexattn has none.
+    # The names exist so that torch code reading them (its flex_attention, as_tuple users) works.
+    dq_write_order: Optional[torch.Tensor] = None
+    dq_write_order_full: Optional[torch.Tensor] = None
+    dq_kv_order: Optional[torch.Tensor] = None
+    dq_kv_order_spt: Optional[bool] = None
 
     def __init__(
         self,
@@ -242,6 +257,63 @@ class BlockMask:
         self.full_q_indices = full_q_indices
         self.BLOCK_SIZE = _as_block_size(BLOCK_SIZE)
         self.mask_mod = mask_mod
+
+    # ---------------------------------------------------------------------------- derived data
+
+    def derived(self, name: str, compute: Callable[["BlockMask"], Any]) -> Any:
+        """``compute(self)``, kept on this mask until its forward tables change.
+
+        [Note] Derived data: what later stages compute from the tables (row statistics, checked
+        launch tables) lives on the mask itself, stamped with the table objects it was computed
+        from, their version counters, BLOCK_SIZE and seq_lengths. A table replaced by assignment
+        or changed in place (``bm.kv_indices[0, 0, 1] = 3`` bumps ``_version``) fails the stamp and
+        the data is computed again. Never keyed by ``id(mask)``: a freed mask's id is handed to
+        the next object, which would inherit its data (issue 8, item 2). The check costs about half
+        a microsecond per call.
+        """
+        cache = self.__dict__.get("_derived")
+        if cache is None:
+            cache = self.__dict__["_derived"] = {}
+        entry = cache.get(name)
+        if entry is not None:
+            nb, idx, fnb, fidx, versions, block_size, seq_lengths, value = entry
+            # Spelled out: this runs on every warm call.
+            if (nb is self.kv_num_blocks and idx is self.kv_indices and fnb is self.full_kv_num_blocks
+                    and fidx is self.full_kv_indices and nb._version == versions[0] and idx._version == versions[1]
+                    and (fnb is None or (fnb._version == versions[2] and fidx._version == versions[3]))
+                    and block_size == self.BLOCK_SIZE and seq_lengths == self.seq_lengths):
+                return value
+        tables = (self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices)
+        value = compute(self)
+        cache[name] = (*tables, _versions(*tables), self.BLOCK_SIZE, self.seq_lengths, value)
+        return value
+
+    # ---------------------------------------------------------------------------- torch interop
+
+    def as_tuple(self, flatten: bool = True) -> tuple:
+        """The fields in the order of torch's ``BlockMask.as_tuple``.
+
+        torch 2.13: ``(q_len, kv_len, kv_num_blocks, kv_indices, full_kv_num_blocks,
+        full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks, full_q_indices,
+        dq_write_order, dq_write_order_full, dq_kv_order, dq_kv_order_spt, Q_BLOCK, KV_BLOCK,
+        mask_mod)``; the dq_* fields are always None here, and left out where the installed
+        torch's BlockMask has none (older releases). ``flatten=False`` keeps ``seq_lengths`` and
+        ``BLOCK_SIZE`` as pairs.
+        """
+        lengths = tuple(self.seq_lengths) if flatten else (tuple(self.seq_lengths),)
+        block = tuple(self.BLOCK_SIZE) if flatten else (tuple(self.BLOCK_SIZE),)
+        theirs = torch_counterpart("BlockMask")
+        dq = (self.dq_write_order, self.dq_write_order_full, self.dq_kv_order, self.dq_kv_order_spt)
+        if theirs is not None and "dq_write_order" not in getattr(theirs, "__annotations__", {}):
+            dq = ()
+        return (
+            *lengths,
+            self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices,
+            self.q_num_blocks, self.q_indices, self.full_q_num_blocks, self.full_q_indices,
+            *dq,
+            *block,
+            self.mask_mod,
+        )
 
     # ---------------------------------------------------------------------------- construction
 
@@ -290,6 +362,8 @@ class BlockMask:
                 "skipped) or neither; got only "
                 + ("full_kv_num_blocks" if full_kv_indices is None else "full_kv_indices")
             )
+        if mask_mod is not None:
+            _check_mask_mod(mask_mod, "from_kv_blocks")
         q_block, kv_block = _as_block_size(BLOCK_SIZE)
         kv_num_blocks, kv_indices = _checked_table("kv", kv_num_blocks, kv_indices)
         if full_kv_num_blocks is not None:
@@ -562,6 +636,102 @@ class BlockMask:
     _adjust = adjust  # torch's (private) name for the same operation
 
 
+_TABLE_NAMES = (
+    "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+    "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices",
+)
+
+
+def _versions(*tables: Optional[torch.Tensor]) -> tuple[int, ...]:
+    return tuple(-1 if t is None else t._version for t in tables)
+
+
+# A pytree node like torch's BlockMask: the tables are the leaves, the rest is context. Unflatten
+# sets the fields directly (no re-sorting), so tree_map(lambda t: t.to(device), bm) round-trips.
+def _pytree_flatten(bm: BlockMask):
+    return [getattr(bm, name) for name in _TABLE_NAMES], (tuple(bm.seq_lengths), tuple(bm.BLOCK_SIZE), bm.mask_mod)
+
+
+def _pytree_flatten_with_keys(bm: BlockMask):
+    leaves, context = _pytree_flatten(bm)
+    return [(pytree.GetAttrKey(name), leaf) for name, leaf in zip(_TABLE_NAMES, leaves)], context
+
+
+def _pytree_unflatten(leaves, context) -> BlockMask:
+    bm = BlockMask.__new__(BlockMask)
+    for name, leaf in zip(_TABLE_NAMES, leaves):
+        setattr(bm, name, leaf)
+    bm.seq_lengths, bm.BLOCK_SIZE, bm.mask_mod = context
+    return bm
+
+
+pytree.register_pytree_node(
+    BlockMask, _pytree_flatten, _pytree_unflatten,
+    serialized_type_name="flexattn.block_mask.BlockMask", flatten_with_keys_fn=_pytree_flatten_with_keys,
+)
+
+
+def torch_counterpart(name: str):
+    """torch's class of this name from torch.nn.attention.flex_attention, if that module is loaded.
+
+    An object of such a class can only exist once torch's module is imported, so flexattn never
+    imports it itself (it pulls in torch's compiler stack).
+    """
+    module = sys.modules.get("torch.nn.attention.flex_attention")
+    return getattr(module, name, None) if module is not None else None
+
+
+def as_block_mask(mask) -> BlockMask:
+    """A flexattn BlockMask for ``mask``: ours unchanged, torch's converted.
+
+    torch's BlockMask (from torch's create_block_mask, attention-gym helpers, or
+    ``PagedAttention.convert_logical_block_mask``) has the same tables. The conversion is kept on
+    the torch object, stamped like derived data (see [Note] Derived data): replacing or changing a
+    table converts again; its mask_mod is read afresh on every call.
+    """
+    if isinstance(mask, BlockMask):
+        return mask
+    torch_block_mask = torch_counterpart("BlockMask")
+    if torch_block_mask is None or not isinstance(mask, torch_block_mask):
+        raise InvalidInputError(
+            f"block_mask must be a flexattn.BlockMask (from flexattn.create_block_mask) or torch's "
+            f"BlockMask, got {type(mask).__name__}"
+        )
+    tables = tuple(getattr(mask, name) for name in _TABLE_NAMES)
+    stamp = (tables, _versions(*tables), tuple(mask.BLOCK_SIZE), tuple(mask.seq_lengths))
+    cached = mask.__dict__.get("_flexattn_block_mask")
+    if cached is not None and _same_stamp(cached[0], stamp):
+        ours = cached[1]
+    else:
+        ours = _from_torch_tables(mask)
+        try:
+            mask.__dict__["_flexattn_block_mask"] = (stamp, ours)
+        except (AttributeError, TypeError):  # an object without a __dict__: convert every call
+            pass
+    ours.mask_mod = mask.mask_mod if mask.mask_mod is not None else noop_mask
+    return ours
+
+
+def _same_stamp(a: tuple, b: tuple) -> bool:
+    tables_a, versions_a, *plain_a = a
+    tables_b, versions_b, *plain_b = b
+    return all(x is y for x, y in zip(tables_a, tables_b)) and versions_a == versions_b and plain_a == plain_b
+
+
+def _from_torch_tables(mask) -> BlockMask:
+    def table(t: Optional[torch.Tensor], trailing: int) -> Optional[torch.Tensor]:
+        return None if t is None else _as_4d(t, trailing).to(INDEX_DTYPE)
+
+    return BlockMask(
+        tuple(int(n) for n in mask.seq_lengths),
+        table(mask.kv_num_blocks, 1), table(mask.kv_indices, 2),
+        table(mask.full_kv_num_blocks, 1), table(mask.full_kv_indices, 2),
+        table(mask.q_num_blocks, 1), table(mask.q_indices, 2),
+        table(mask.full_q_num_blocks, 1), table(mask.full_q_indices, 2),
+        BLOCK_SIZE=tuple(mask.BLOCK_SIZE), mask_mod=mask.mask_mod if mask.mask_mod is not None else noop_mask,
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Helpers for BlockMask: checking user tables, transposing, selections
 # --------------------------------------------------------------------------------------------
@@ -785,14 +955,15 @@ def _evaluate(vmapped: Callable, mask_mod: Callable, *index_ranges: torch.Tensor
     except Exception as err:
         err.add_note(
             f"(while flexattn evaluated mask_mod '{_mod_name(mask_mod)}' with torch.vmap over b, h, q_idx, "
-            "kv_idx. Each argument is a 0-d int32 tensor: use tensor ops only, torch.where instead of "
+            "kv_idx. Each argument is a 0-d integer tensor: use tensor ops only, torch.where instead of "
             "if/else on tensors, & and | instead of and/or, and no .item().)"
         )
         raise
 
 
 def _block_maps(
-    mask_mod: Callable, B: int, H: int, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device
+    mask_mod: Callable, B: int, H: int, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device,
+    index_dtype: torch.dtype = INDEX_DTYPE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Bool ``[B, H, ROWS, COLS]`` maps: does a tile keep any pair, does it keep all of them.
 
@@ -803,10 +974,10 @@ def _block_maps(
     rows, cols = _cdiv(q_len, q_block), _cdiv(kv_len, kv_block)
     any_kept = torch.zeros(B, H, rows, cols, dtype=torch.bool, device=device)
     all_kept = torch.zeros(B, H, rows, cols, dtype=torch.bool, device=device)
-    b_range = torch.arange(B, dtype=INDEX_DTYPE, device=device)
-    h_range = torch.arange(H, dtype=INDEX_DTYPE, device=device)
-    q_range = torch.arange(q_len, dtype=INDEX_DTYPE, device=device)
-    kv_range = torch.arange(kv_len, dtype=INDEX_DTYPE, device=device)
+    b_range = torch.arange(B, dtype=index_dtype, device=device)
+    h_range = torch.arange(H, dtype=index_dtype, device=device)
+    q_range = torch.arange(q_len, dtype=index_dtype, device=device)
+    kv_range = torch.arange(kv_len, dtype=index_dtype, device=device)
     vmapped = _vmap_over_bhqkv(mask_mod)
     b_step, h_step, r_step, c_step = _tile_plan(B, H, rows, cols, q_block * kv_block)
 
@@ -828,11 +999,65 @@ def _block_maps(
     return any_kept, all_kept
 
 
-def _check_mask_mod(mask_mod) -> None:
+def _check_mask_mod(mask_mod, where: str = "create_block_mask") -> None:
     if not callable(mask_mod):
         raise TypeError(
             f"mask_mod must be a callable mask_mod(b, h, q_idx, kv_idx) -> bool tensor, got {type(mask_mod).__name__}"
         )
+    mistake = arity_mistake(mask_mod, "mask_mod", where)
+    if mistake:
+        raise InvalidInputError(mistake)
+
+
+_MOD_ARGS = {"mask_mod": ("b", "h", "q_idx", "kv_idx"), "score_mod": ("score", "b", "h", "q_idx", "kv_idx")}
+
+
+def _positional_arity(fn: Callable) -> Optional[tuple[int, int, bool, list[str]]]:
+    """(required, accepted, takes *args, parameter names) of fn's positional parameters; None if unknown."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # builtins and some C callables: nothing to check
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    variadic = any(p.kind == p.VAR_POSITIONAL for p in params)
+    return len(required), len(positional), variadic, [p.name for p in positional]
+
+
+def arity_mistake(fn: Callable, kind: str, where: str) -> Optional[str]:
+    """What is wrong when ``fn``, passed as a ``kind`` ("mask_mod" or "score_mod"), cannot take that
+    kind's arguments; None when it can (or its signature cannot be read)."""
+    arity = _positional_arity(fn)
+    if arity is None:
+        return None
+    required, accepted, variadic, names = arity
+    expected = len(_MOD_ARGS[kind])
+    if required <= expected and (accepted >= expected or variadic):
+        return None
+    name = _mod_name(fn)
+    took = f"{name}({', '.join(names)})"
+    other = "score_mod" if kind == "mask_mod" else "mask_mod"
+    if required == len(_MOD_ARGS[other]):  # the other kind of mod, passed in the wrong place
+        if kind == "mask_mod":
+            return (
+                f"{where} got {took}, which takes 5 arguments: that is a score_mod (score, b, h, q_idx, "
+                "kv_idx), and a mask_mod takes 4 (b, h, q_idx, kv_idx) and returns a bool tensor. Pass a "
+                f"score_mod to flex_attention(q, k, v, score_mod={name}); to skip positions, write a "
+                "mask_mod that returns True where a query may attend, e.g. "
+                "`def causal(b, h, q_idx, kv_idx): return q_idx >= kv_idx`, and build the BlockMask from it"
+            )
+        return (
+            f"{where} got score_mod={took}, which takes 4 arguments: that is a mask_mod (b, h, q_idx, "
+            "kv_idx), and a score_mod takes 5 (score, b, h, q_idx, kv_idx) and returns the new score. Pass "
+            f"a mask_mod as a BlockMask: flex_attention(q, k, v, block_mask=create_block_mask({name}, B, H, "
+            "Q_LEN, KV_LEN))"
+        )
+    signature = ", ".join(_MOD_ARGS[kind])
+    return (
+        f"{where} got {kind} {took}, which takes {required} required positional argument"
+        f"{'s' if required != 1 else ''}; a {kind} takes exactly {expected}: ({signature}). Fix: "
+        f"def {name}({signature}): ... (extra parameters need default values)"
+    )
 
 
 def create_block_mask(
@@ -850,7 +1075,10 @@ def create_block_mask(
 
     Args:
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor``, True where the query may attend
-            to the key. It is called on 0-d int32 tensors (vmapped), so it must use tensor ops only.
+            to the key. It is called on 0-d integer tensors (vmapped), so it must use tensor ops
+            only. They are int32, or int64 where the mod's arithmetic would leave int32 at these
+            lengths (``q_idx * KV_LEN + kv_idx`` at 128k tokens): integer arithmetic on the indices
+            is exact, like Python integers.
         B, H: batch size and number of query heads; None means 1 (the mask broadcasts over that dim,
             and the mask_mod is evaluated with index 0 only).
         Q_LEN, KV_LEN: sequence lengths.
@@ -882,7 +1110,8 @@ def create_block_mask(
     q_block, kv_block = _as_block_size(BLOCK_SIZE)
     device = _default_device() if device is None else torch.device(device)
 
-    any_kept, all_kept = _block_maps(mask_mod, B, H, Q_LEN, KV_LEN, q_block, kv_block, device)
+    index_dtype = mod_index_dtype(mask_mod, "mask_mod", B, H, Q_LEN, KV_LEN)
+    any_kept, all_kept = _block_maps(mask_mod, B, H, Q_LEN, KV_LEN, q_block, kv_block, device, index_dtype)
     if separate_full_blocks:
         partial_map, full_map = any_kept & ~all_kept, all_kept
     else:
@@ -914,14 +1143,17 @@ def create_mask(
     from the argument name.) Memory is ``B * H * Q_LEN * KV_LEN`` bytes: use
     :func:`create_block_mask` for real sequence lengths.
     """
-    _check_mask_mod(mod_fn)
+    if not callable(mod_fn):
+        raise TypeError(f"create_mask: mod_fn must be a mask_mod or score_mod callable, got {type(mod_fn).__name__}")
     B = 1 if B is None else _positive_int("B", B)
     H = 1 if H is None else _positive_int("H", H)
     Q_LEN = _positive_int("Q_LEN", Q_LEN)
     KV_LEN = _positive_int("KV_LEN", KV_LEN)
     device = _default_device() if device is None else torch.device(device)
-    indices = [torch.arange(n, dtype=INDEX_DTYPE, device=device) for n in (B, H, Q_LEN, KV_LEN)]
     arity = _required_positional_count(mod_fn)
+    kind = "score_mod" if arity == 5 else "mask_mod"
+    index_dtype = mod_index_dtype(mod_fn, kind, B, H, Q_LEN, KV_LEN) if arity in (4, 5) else INDEX_DTYPE
+    indices = [torch.arange(n, dtype=index_dtype, device=device) for n in (B, H, Q_LEN, KV_LEN)]
     with torch.no_grad(), GetItemToIndex():
         if arity == 4:
             kept = _evaluate(_vmap_over_bhqkv(mod_fn), mod_fn, *indices)

@@ -30,8 +30,9 @@ of the gathered keys are scatter-added into place, so GQA groups and a broadcast
 
 Mods are the traced graph modules (``gm(score, b, h, q_idx, kv_idx, *captured)`` and
 ``gm(b, h, q_idx, kv_idx, *captured)``) or any callable with that signature. Each mod is applied
-once per chunk, with ``torch.vmap`` over every tile dimension (int32 index tensors, as in the
-kernels).
+once per chunk, with ``torch.vmap`` over every tile dimension. Index tensors are int32, or int64
+when the caller says the mods' integer arithmetic needs it at these lengths (``index_dtype``, from
+flexattn/index_bounds.py): arithmetic on the indices is exact, as in the kernels.
 
 Nothing here is an autograd.Function: ``blockwise_forward`` and ``blockwise_backward`` are plain
 functions that the API layer wraps.
@@ -52,7 +53,7 @@ __all__ = ["blockwise_forward", "blockwise_backward", "TILE_ELEMENTS", "Q_TILE_M
 TILE_ELEMENTS = 1 << 22  # scores per chunk (16 MiB in float32); a chunk holds a handful of tiles this big
 Q_TILE_MAX = 256  # queries per sub-row: taller BlockMask rows (e.g. one block for everything) are split
 DENSE_BLOCK = 128  # block size used when no BlockMask is given
-INDEX_DTYPE = torch.int32  # dtype of b, h, q_idx, kv_idx as the mods see them
+INDEX_DTYPE = torch.int32  # dtype of b, h, q_idx, kv_idx as the mods see them, unless index_dtype says int64
 
 
 def _working_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -101,8 +102,9 @@ class _Layout:
     kv_head: torch.Tensor  # [1, Hkv, 1, 1] long
     mask_batch: torch.Tensor  # [Bg, 1, 1] long: BlockMask batch of gathered batch i
     mask_head: torch.Tensor  # [1, Hkv, Gg] long: BlockMask head of (kv head, group head)
-    b_arg: torch.Tensor  # [B, 1, 1, 1, 1] int32, the mods' b
-    h_arg: torch.Tensor  # [1, Hkv, G, 1, 1] int32, the mods' h (the query head)
+    index_dtype: torch.dtype  # of the mods' index arguments: int32, or int64 where they need it
+    b_arg: torch.Tensor  # [B, 1, 1, 1, 1] index_dtype, the mods' b
+    h_arg: torch.Tensor  # [1, Hkv, G, 1, 1] index_dtype, the mods' h (the query head)
     partial: Optional[_BlockLists]
     full: Optional[_BlockLists]
 
@@ -121,7 +123,7 @@ def _dense_block_lists(L: int, S: int, device) -> tuple[_BlockLists, int, int]:
     return _block_lists(num, indices), DENSE_BLOCK, DENSE_BLOCK
 
 
-def _make_layout(q, k, v, block_mask, scale) -> _Layout:
+def _make_layout(q, k, v, block_mask, scale, index_dtype: torch.dtype = INDEX_DTYPE) -> _Layout:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k and v must be 4-D: [B, Hq, L, E], [Bkv, Hkv, S, E], [Bkv, Hkv, S, Ev]")
     B, Hq, L, E = q.shape
@@ -165,8 +167,9 @@ def _make_layout(q, k, v, block_mask, scale) -> _Layout:
         kv_head=torch.arange(Hkv, **long).view(1, Hkv, 1, 1),
         mask_batch=(torch.arange(Bg, **long) % Bm).view(Bg, 1, 1),
         mask_head=(query_heads % Hm).view(1, Hkv, Gg),
-        b_arg=torch.arange(B, dtype=INDEX_DTYPE, device=device).view(B, 1, 1, 1, 1),
-        h_arg=torch.arange(Hq, dtype=INDEX_DTYPE, device=device).view(1, Hkv, G, 1, 1),
+        index_dtype=index_dtype,
+        b_arg=torch.arange(B, dtype=index_dtype, device=device).view(B, 1, 1, 1, 1),
+        h_arg=torch.arange(Hq, dtype=index_dtype, device=device).view(1, Hkv, G, 1, 1),
         partial=partial,
         full=full,
     )
@@ -287,9 +290,9 @@ def _vmap_over_tile(fn: Callable, tile_args: Sequence[torch.Tensor], captured: S
 
 
 def _index_args(lay: _Layout, start: int, stop: int, tokens: torch.Tensor) -> tuple:
-    """b, h, q_idx, kv_idx of a [B, Hkv, G, Mq, T] tile, each broadcastable to it (int32)."""
-    q_idx = torch.arange(start, stop, dtype=INDEX_DTYPE, device=tokens.device).view(1, 1, 1, -1, 1)
-    kv_idx = tokens.to(INDEX_DTYPE).unsqueeze(-2)
+    """b, h, q_idx, kv_idx of a [B, Hkv, G, Mq, T] tile, each broadcastable to it (lay.index_dtype)."""
+    q_idx = torch.arange(start, stop, dtype=lay.index_dtype, device=tokens.device).view(1, 1, 1, -1, 1)
+    kv_idx = tokens.to(lay.index_dtype).unsqueeze(-2)
     return lay.b_arg, lay.h_arg, q_idx, kv_idx
 
 
@@ -328,14 +331,16 @@ def blockwise_forward(
     mask_captured: Sequence[torch.Tensor],
     *,
     need_max: bool = False,
+    index_dtype: torch.dtype = INDEX_DTYPE,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Attention output [B, Hq, L, Ev] (q's dtype), lse [B, Hq, L] and, with ``need_max``, max_scores.
 
     lse and max_scores are natural-log float32 (float64 for float64 q); both are -inf on fully masked
     rows, where the output is 0. ``block_mask`` None means dense attention; otherwise only the blocks
-    it lists are visited and ``mask_mod`` is applied on its partial blocks only.
+    it lists are visited and ``mask_mod`` is applied on its partial blocks only. ``index_dtype``:
+    the dtype of the mods' index arguments (int64 where their arithmetic would leave int32).
     """
-    lay = _make_layout(q, k, v, block_mask, scale)
+    lay = _make_layout(q, k, v, block_mask, scale, index_dtype)
     B, Hq, L = lay.B, lay.Hq, lay.L
     out = torch.empty(B, Hq, L, lay.Ev, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, L, dtype=lay.dtype, device=q.device)
@@ -404,14 +409,17 @@ def blockwise_backward(
     score_captured: Sequence[torch.Tensor],
     mask_mod: Optional[Callable],
     mask_captured: Sequence[torch.Tensor],
+    *,
+    index_dtype: torch.dtype = INDEX_DTYPE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[Optional[torch.Tensor]]]:
     """Gradients ``(dq, dk, dv, grads of score_captured)`` of the attention computed by blockwise_forward.
 
     ``out`` and ``lse`` are blockwise_forward's outputs; ``grad_lse`` may be None. dk and dv have the
     shapes of k and v (summed over GQA groups and a broadcast K/V batch). The list has one entry per
-    captured tensor of the score_mod: its gradient if it requires grad, else None.
+    captured tensor of the score_mod: its gradient if it requires grad, else None. ``index_dtype`` as
+    in blockwise_forward.
     """
-    lay = _make_layout(q, k, v, block_mask, scale)
+    lay = _make_layout(q, k, v, block_mask, scale, index_dtype)
     B, Hq, Hkv, G = lay.B, lay.Hq, lay.Hkv, lay.G
     dtype = lay.dtype
     mask_captured = list(mask_captured)

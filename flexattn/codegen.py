@@ -14,6 +14,7 @@ import importlib.util
 import os
 import re
 import sys
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -89,7 +90,10 @@ def _write_if_different(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-_loaded: dict[str, ModuleType] = {}
+# Content-keyed (the source's digest), bounded: an evicted module keeps working for whoever holds
+# it, and comes back from its file if needed again. See [Note] Cache keys in runtime.py.
+_loaded: "OrderedDict[str, ModuleType]" = OrderedDict()
+_LOADED_KEPT = 256
 
 
 def load_kernel_module(source: str, readable_name: str) -> ModuleType:
@@ -110,4 +114,7 @@ def load_kernel_module(source: str, readable_name: str) -> ModuleType:
     sys.modules[module_name] = module
     spec.loader.exec_module(module)
     _loaded[stem] = module
+    if len(_loaded) > _LOADED_KEPT:
+        evicted, _ = _loaded.popitem(last=False)
+        sys.modules.pop(f"flexattn_generated_{evicted}", None)
     return module

@@ -6,11 +6,17 @@ from typing import Literal, NamedTuple, Optional, TypedDict
 
 import torch
 
-__all__ = ["FlexKernelOptions", "AuxRequest", "AuxOutput", "resolve_backend_name"]
+__all__ = ["FlexKernelOptions", "AuxRequest", "AuxOutput", "resolve_backend_name", "normalize_kernel_options"]
 
 
 class FlexKernelOptions(TypedDict, total=False):
     """Options for ``flex_attention(..., kernel_options=...)``. Every key is optional.
+
+    torch's keys are accepted too, so code written for ``torch.nn.attention.flex_attention`` runs
+    unchanged: a ``fwd_`` prefix (``fwd_BLOCK_M``, ``fwd_num_warps``, ...) sets the forward's key of
+    that name and wins over the plain one; ``bwd_`` keys, and torch's keys that mean nothing here
+    (listed last below, each with why), are ignored, and the first call that passes one warns
+    once per process with the list. Any other key is an error.
 
     Like torch's, these options carry no backward-compatibility promise yet.
     """
@@ -63,9 +69,56 @@ class FlexKernelOptions(TypedDict, total=False):
     GPUs (relative error about 2^-11). Default: on for float16/bfloat16 inputs on NVIDIA GPUs, where
     that error is below the inputs' own rounding; off (an exact tanh) for float32 and elsewhere."""
 
+    CHECK_INDICES: bool
+    """Debug mode: before running, evaluate the score_mod and mask_mod with torch over every
+    ``(b, h, q_idx, kv_idx)`` of the call (tile by tile, on the query's device) and raise an
+    ``InvalidInputError`` naming the mod, the tensor, the index and one position where a gather
+    reads outside a captured tensor (torch would raise an IndexError there; the kernels read 0).
+    Slow: for finding a bug, not for training. The environment variable
+    ``FLEXATTN_CHECK_INDICES=1``, read when flexattn is imported, turns it on for every call
+    that does not set this option."""
+
+    # -- torch's keys that flexattn accepts and ignores (see the class docstring).
+
+    PRESCALE_QK: bool
+    """Ignored. The kernel already keeps the softmax scale in float32 and folds it into the
+    exponent wherever no score_mod needs the scaled score, which is what pre-scaling buys in torch,
+    without rounding a pre-scaled 16-bit query a second time."""
+
     ROWS_GUARANTEED_SAFE: bool
-    """Accepted for compatibility with torch and ignored: flexattn always guards fully masked rows,
-    at no measurable cost, so a wrong promise cannot produce NaN."""
+    """Ignored: flexattn always guards fully masked rows, at no measurable cost, so a wrong promise
+    cannot produce NaN."""
+
+    BLOCKS_ARE_CONTIGUOUS: bool
+    """Ignored: the launcher reads from the BlockMask itself whether each row's blocks are
+    consecutive, so a wrong promise cannot skip or repeat blocks."""
+
+    BLOCK_M1: int
+    """Ignored (a backward block size; the backward has no Triton kernel yet)."""
+
+    BLOCK_N1: int
+    """Ignored (a backward block size)."""
+
+    BLOCK_M2: int
+    """Ignored (a backward block size)."""
+
+    BLOCK_N2: int
+    """Ignored (a backward block size)."""
+
+    WRITE_DQ: bool
+    """Ignored (a choice inside torch's backward kernel)."""
+
+    FORCE_USE_FLEX_ATTENTION: bool
+    """Ignored: flexattn has no separate decoding kernel to choose against."""
+
+    kpack: int
+    """Ignored (ROCm)."""
+
+    matrix_instr_nonkdim: int
+    """Ignored (ROCm)."""
+
+    waves_per_eu: int
+    """Ignored (ROCm)."""
 
 
 class AuxRequest(NamedTuple):
@@ -91,3 +144,54 @@ def resolve_backend_name(kernel_options: Optional[dict]) -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"kernel_options['BACKEND'] must be one of {_BACKENDS}, got {backend!r}")
     return backend
+
+
+# Keys that set the forward kernel (a ``fwd_`` prefix may name them), and torch's keys that mean
+# nothing here: accepted, reported once, dropped before they reach a cache key.
+FORWARD_OPTIONS = frozenset(
+    {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "AUTOTUNE", "USE_TMA", "HOST_DESCRIPTORS", "WARP_SPECIALIZE",
+     "TANH_APPROX"}
+)
+KNOWN_OPTIONS = frozenset(FlexKernelOptions.__annotations__)
+_BACKWARD = "no Triton backward yet"
+_ROCM = "no ROCm tuning"
+IGNORED_BECAUSE = {
+    "PRESCALE_QK": "the scale is already folded into the exponent",
+    "ROWS_GUARANTEED_SAFE": "fully masked rows are always guarded",
+    "BLOCKS_ARE_CONTIGUOUS": "read from the BlockMask itself",
+    "BLOCK_M1": _BACKWARD, "BLOCK_N1": _BACKWARD, "BLOCK_M2": _BACKWARD, "BLOCK_N2": _BACKWARD, "WRITE_DQ": _BACKWARD,
+    "FORCE_USE_FLEX_ATTENTION": "one kernel for every length",
+    "kpack": _ROCM, "matrix_instr_nonkdim": _ROCM, "waves_per_eu": _ROCM,
+}
+
+
+def why_ignored(key: str) -> str:
+    if key.startswith("bwd_"):
+        return _BACKWARD
+    if key.startswith("fwd_"):
+        return IGNORED_BECAUSE.get(key[4:], "not a forward option")
+    return IGNORED_BECAUSE[key]
+IGNORED_OPTIONS = frozenset(IGNORED_BECAUSE)
+_USED_AS_GIVEN = KNOWN_OPTIONS - IGNORED_OPTIONS
+
+
+def normalize_kernel_options(options: dict) -> tuple[dict, list[str], list[str]]:
+    """``(options flexattn uses, ignored keys, unknown keys)``: ``fwd_X`` becomes ``X`` (and wins
+    over a plain ``X``); torch's keys that mean nothing here, and every ``bwd_`` key of a known
+    name, are ignored."""
+    if options.keys() <= _USED_AS_GIVEN:
+        return options, [], []  # the common case, checked in one set operation
+    used, prefixed, ignored, unknown = {}, {}, [], []
+    for key, value in options.items():
+        if key in _USED_AS_GIVEN:
+            used[key] = value
+        elif key in IGNORED_OPTIONS:
+            ignored.append(key)
+        elif key.startswith("fwd_") and key[4:] in FORWARD_OPTIONS:
+            prefixed[key[4:]] = value
+        elif key.startswith(("fwd_", "bwd_")) and key[4:] in KNOWN_OPTIONS:
+            ignored.append(key)  # bwd_ of anything, or fwd_ of a key that is not the forward's
+        else:
+            unknown.append(key)
+    used.update(prefixed)
+    return used, ignored, unknown

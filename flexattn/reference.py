@@ -11,7 +11,9 @@ Semantics, which the other paths must reproduce:
 * ``scores = scale * q @ k^T`` (``scale`` defaults to ``1/sqrt(E)``), then
   ``post = where(mask_mod(b, h, q_idx, kv_idx), score_mod(scores, b, h, q_idx, kv_idx), -inf)``.
   ``h`` is the *query* head; with GQA query head ``h`` reads kv head ``h // (Hq // Hkv)``.
-  The index arguments are int32, as in the kernels.
+  The index arguments are int64, so integer arithmetic on them is exact, like Python integers
+  (``q_idx * KV_LEN + kv_idx`` at 128k tokens does not wrap). The kernels and the other paths
+  promise the same: int32 where that is exact at the call's lengths, int64 where it is not.
 * The working precision is float64 for float64 inputs and float32 otherwise (half inputs are
   upcast; the output is cast back to the input dtype).
 * Fully masked rows: output 0, lse -inf, max_scores -inf, and no NaN in the backward either
@@ -34,7 +36,7 @@ from .trace import GetItemToIndex
 
 __all__ = ["reference_attention", "working_dtype"]
 
-INDEX_DTYPE = torch.int32
+INDEX_DTYPE = torch.int64  # the oracle: Python-integer semantics for index arithmetic
 
 
 def working_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -1,28 +1,57 @@
 """Runtime: compile-once kernels, launch configurations, autotuning and launches.
 
 Stage 4 of the pipeline (trace -> lowering -> codegen -> runtime). A ``ForwardKernel`` is built
-once per (score_mod graph, mask_mod graph, lowering flags) and kept; each call only gathers
-pointers, strides and constexprs and launches. Triton compiles each constexpr specialisation once
-and caches it on disk.
+once per (score_mod graph, mask_mod graph, tanh flag) and kept; its launch plans (grid, constexprs
+and which lowering variant of the mods to run) are made once per problem shape and BlockMask
+content, so each warm call only gathers pointers and strides and launches. Triton compiles each
+constexpr specialisation once and caches it on disk.
+
+[Note] Cache keys. Every cache in this module, api.py, index_bounds.py and codegen.py follows
+three rules, because a cache hit with a stale entry is a wrong number with no error:
+1. A key covers everything that can change the generated code or the launch (shapes, strides,
+   dtypes, device, flags, the BlockMask's row statistics, the lowering variant, options).
+2. No ``id()`` of an object that can die: CPython hands a freed object's id to the next one (a
+   training loop that rebuilds its BlockMask each step got the previous mask's plan, issue 8).
+   Objects in a key are held by the key itself (TracedMod, compared by identity, stays alive
+   while it is a key), or the key is built from content.
+3. Data derived from a mutable object lives on that object, stamped with what it came from
+   (BlockMask.derived: table identities and version counters), or is keyed by content.
+Every cache is bounded (least recently used entries go first).
+
+The caches: ``_kernels`` (TracedMod pair, tanh flag), ``ForwardKernel._compiled`` (lowering
+variants), ``ForwardKernel._plans`` (shapes, strides, dtype, device, BlockMask content, flags,
+options), ``ForwardKernel._device_copies`` (the constant tensor itself, held by the entry),
+launch tables and row statistics (on the BlockMask, BlockMask.derived), ``codegen._loaded``
+(source digest), the autotune table (source digest, device, shape class, Triton version),
+``api._dense_masks`` (lengths, device), ``index_bounds._WIDE`` (TracedMods, bounds).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import threading
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, replace
+from types import ModuleType
 from typing import NamedTuple, Optional
 
 import torch
 
+from . import lowering
+from .block_mask import BlockMask, _ascending
 from .codegen import ForwardSpec, cache_dir, load_kernel_module, render_forward
 from .errors import BackendUnavailableError, InvalidInputError
-from .lowering import LoweredMod, lower
+from .index_bounds import index_bounds, lowering_variant
+from .lowering import LoweredMod
 from .trace import TracedMod
 
-__all__ = ["LaunchConfig", "ForwardKernel", "forward_kernel", "interpreter_enabled", "select_config"]
+__all__ = [
+    "LaunchConfig", "ForwardKernel", "CompiledForward", "forward_kernel", "interpreter_enabled", "select_config",
+    "block_mask_row_stats", "launch_tables",
+]
 
 
 def interpreter_enabled() -> bool:
@@ -96,13 +125,29 @@ def warp_specialization_validated() -> bool:
     return triton.__version__.startswith("3.6.")
 
 
+MIN_TILE = 16  # tl.dot needs at least 16 rows and columns
+
+
+def _tile(limit: int, block: int, name: str) -> int:
+    """The largest power of two <= limit, at least MIN_TILE, that divides the BlockMask's block."""
+    tile = 1 << (max(1, min(limit, block)).bit_length() - 1)
+    while tile >= MIN_TILE and block % tile:
+        tile //= 2
+    if tile < MIN_TILE:
+        what = "query" if name == "BLOCK_M" else "key"
+        raise InvalidInputError(
+            f"the BlockMask's {what} block size (BLOCK_SIZE) is {block}: the Triton backend walks each block "
+            f"in tiles of a power of two of at least {MIN_TILE} that divides it, and {block} has none "
+            "(48, 80 and 96 work: tiles of 16 or 32). Build the BlockMask with such a BLOCK_SIZE (a multiple "
+            "of 16; 128 is the default), or use kernel_options={'BACKEND': 'PYTORCH'}, which takes any block size"
+        )
+    return tile
+
+
 def _fit_to_mask(cfg: LaunchConfig, sparse_q: int, sparse_kv: int) -> LaunchConfig:
-    block_m = min(cfg.BLOCK_M, sparse_q)
-    block_n = min(cfg.BLOCK_N, sparse_kv)
-    while sparse_q % block_m:
-        block_m //= 2
-    while sparse_kv % block_n:
-        block_n //= 2
+    """cfg with power-of-two tiles that divide the BlockMask's blocks (48 -> 16, 96 -> 32)."""
+    block_m = _tile(cfg.BLOCK_M, sparse_q, "BLOCK_M")
+    block_n = _tile(cfg.BLOCK_N, sparse_kv, "BLOCK_N")
     if (block_m, block_n) == (cfg.BLOCK_M, cfg.BLOCK_N):
         return cfg
     return replace(cfg, BLOCK_M=block_m, BLOCK_N=block_n)
@@ -114,24 +159,104 @@ class RowStats(NamedTuple):
     consecutive_full: bool  # the same for the full blocks
 
 
+class LaunchTables(NamedTuple):
+    """A BlockMask's forward tables as the kernel reads them, and what launch choices need from them.
+
+    Kept on the mask (BlockMask.derived), so a rebuilt mask never inherits another's and a table
+    changed in place or replaced is checked again.
+    """
+
+    kv_num_blocks: torch.Tensor
+    kv_indices: torch.Tensor
+    full_kv_num_blocks: torch.Tensor  # kv_num_blocks when the mask has no full blocks
+    full_kv_indices: torch.Tensor
+    has_full: bool
+    stats: RowStats
+    plan_key: tuple  # everything in here a launch plan depends on
+
+
 def _consecutive(num: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     steps = torch.arange(idx.shape[-1], device=idx.device, dtype=idx.dtype)
     used = steps < num.unsqueeze(-1)
     return ((idx == idx[..., :1] + steps) | ~used).all()
 
 
-def block_mask_row_stats(block_mask) -> RowStats:
-    """What launch choices need from a BlockMask's tables: one host sync per BlockMask, then cached."""
-    cached = getattr(block_mask, "_row_stats", None)
-    if cached is None:
-        nb, fnb = block_mask.kv_num_blocks, block_mask.full_kv_num_blocks
-        total = nb.sum(dtype=torch.int64) + (fnb.sum(dtype=torch.int64) if fnb is not None else 0)
-        flags = [_consecutive(nb, block_mask.kv_indices)]
-        flags.append(_consecutive(fnb, block_mask.full_kv_indices) if fnb is not None else flags[0])
-        total, partial, full = torch.stack([total, *(f.to(torch.int64) for f in flags)]).tolist()
-        cached = RowStats(total / max(1, nb.numel()), bool(partial), bool(full))
-        block_mask._row_stats = cached
-    return cached
+def _table_checks(num: torch.Tensor, idx: torch.Tensor, cols: int) -> list[torch.Tensor]:
+    """[counts out of range, a used entry out of range, used entries not strictly ascending] (0-d)."""
+    used = torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1)
+    bad_count = ((num < 0) | (num > idx.shape[-1])).any()
+    bad_used = (used & ((idx < 0) | (idx >= cols))).any()
+    unordered = (used[..., 1:] & (idx[..., 1:] <= idx[..., :-1])).any()
+    return [bad_count, bad_used, unordered]
+
+
+def _compute_launch_tables(block_mask: BlockMask) -> LaunchTables:
+    """One host sync per mask: row statistics and the checks the kernel relies on."""
+    nb, idx = block_mask.kv_num_blocks, block_mask.kv_indices
+    fnb, fidx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
+    has_full = fnb is not None
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    q_len, kv_len = block_mask.seq_lengths
+    cols = -(-kv_len // kv_block)
+    pairs = [("kv", nb, idx)] + ([("full_kv", fnb, fidx)] if has_full else [])
+    for name, num, ind in pairs:
+        if (num.dim() != 3 or ind.dim() != 4 or ind.shape[:3] != num.shape or num.device != nb.device
+                or ind.device != nb.device or num.dtype.is_floating_point or ind.dtype.is_floating_point):
+            raise InvalidInputError(
+                f"block_mask.{name}_num_blocks {tuple(num.shape)} and block_mask.{name}_indices {tuple(ind.shape)} "
+                "must be integer tensors [B, H, ROWS] and [B, H, ROWS, W] on one device"
+            )
+    if nb.shape[2] * q_block < q_len:
+        raise InvalidInputError(
+            f"block_mask.kv_num_blocks has {nb.shape[2]} rows of {q_block} queries, fewer than its Q_LEN "
+            f"{q_len}; rebuild it with create_block_mask or BlockMask.from_kv_blocks"
+        )
+    total = nb.sum(dtype=torch.int64) + (fnb.sum(dtype=torch.int64) if has_full else 0)
+    consecutive = [_consecutive(nb, idx), _consecutive(fnb, fidx) if has_full else _consecutive(nb, idx)]
+    checks = [c for _, num, ind in pairs for c in _table_checks(num, ind, cols)]
+    values = torch.stack([total, *(flag.to(torch.int64) for flag in consecutive + checks)]).tolist()
+    total, partial, full, checks = values[0], bool(values[1]), bool(values[2]), values[3:]
+    tables = {"kv": [nb, idx], "full_kv": [fnb, fidx]}
+    reordered = False
+    for i, (name, num, ind) in enumerate(pairs):
+        bad_count, bad_used, unordered = checks[3 * i: 3 * i + 3]
+        if bad_count or bad_used:
+            raise InvalidInputError(
+                f"block_mask.{name}_num_blocks / {name}_indices list a key block outside [0, {cols}) (the "
+                f"mask's KV_LEN {kv_len} in blocks of {kv_block}) or more blocks than the table holds; the "
+                "kernel would read outside the keys. Rebuild the mask (create_block_mask or from_kv_blocks check this)"
+            )
+        if unordered:
+            # The kernel bounds-checks only a row's last block ([Note] Boundary block): keep rows
+            # ascending (BlockMask's constructor does; a table changed in place may not be).
+            tables[name][1] = _ascending(num, ind)
+            reordered = True
+    if reordered:
+        _check_no_repeats(pairs, tables)
+    nb, idx = (t.contiguous() for t in tables["kv"])
+    fnb, fidx = (t.contiguous() for t in tables["full_kv"]) if has_full else (nb, idx)
+    stats = RowStats(total / max(1, nb.numel()), partial, full)
+    return LaunchTables(nb, idx, fnb, fidx, has_full, stats, (tuple(nb.shape), has_full, stats))
+
+
+def _check_no_repeats(pairs, tables) -> None:
+    for name, num, _ in pairs:
+        ind = tables[name][1]
+        used = torch.arange(ind.shape[-1], device=ind.device) < num.unsqueeze(-1)
+        if bool((used[..., 1:] & (ind[..., 1:] == ind[..., :-1])).any()):
+            raise InvalidInputError(
+                f"block_mask.{name}_indices lists a key block twice in one row; the kernel would count it twice"
+            )
+
+
+def launch_tables(block_mask: BlockMask) -> LaunchTables:
+    """The checked tables and row statistics of ``block_mask``, computed once per table content."""
+    return block_mask.derived("launch_tables", _compute_launch_tables)
+
+
+def block_mask_row_stats(block_mask: BlockMask) -> RowStats:
+    """What launch choices need from a BlockMask's tables (see LaunchTables)."""
+    return launch_tables(block_mask).stats
 
 
 def select_config(
@@ -270,26 +395,69 @@ def _input_precision(dtype: torch.dtype) -> str:
     return "tf32" if torch.get_float32_matmul_precision() != "highest" else "ieee"
 
 
+@dataclass(frozen=True)
+class CompiledForward:
+    """One rendered and imported forward kernel: the mods lowered for one lowering variant."""
+
+    spec: ForwardSpec
+    source: str
+    source_digest: str
+    module: ModuleType
+    variants: tuple  # (score variant, mask variant) it was lowered for; None: any lengths
+
+    @property
+    def jit_fn(self):
+        return self.module.flex_attention_forward
+
+
+class _Plan(NamedTuple):
+    grid: tuple[int, int, int]
+    constexprs: dict
+    compiled: CompiledForward
+
+
+_PLANS_PER_KERNEL = 256
+
+
 class ForwardKernel:
-    """One rendered and imported forward kernel, for one pair of traced mods."""
+    """The forward kernels of one pair of traced mods: one compiled source per lowering variant,
+    and one launch plan per problem (see [Note] Cache keys)."""
 
     def __init__(self, score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool):
-        self.score_lowered: Optional[LoweredMod] = lower(score, prefix="sm_", tanh_approx=tanh_approx) if score else None
-        self.mask_lowered: Optional[LoweredMod] = lower(mask, prefix="mm_", tanh_approx=tanh_approx) if mask else None
-        self.spec = ForwardSpec(
-            score_mod=self.score_lowered,
-            mask_mod=self.mask_lowered,
-            score_name=score.name if score else "identity",
-            mask_name=mask.name if mask else "none",
-        )
-        self.source = render_forward(self.spec)
-        self.source_digest = hashlib.sha256(self.source.encode()).hexdigest()[:16]
-        self.module = load_kernel_module(self.source, self.spec.readable_name())
-        self.jit_fn = self.module.flex_attention_forward
+        self.score, self.mask, self.tanh_approx = score, mask, tanh_approx
         self.has_score_mod = score is not None
-        self._plans: dict[tuple, tuple] = {}
-        self.last_constexprs: Optional[dict] = None
-        self._device_copies: dict[tuple, torch.Tensor] = {}
+        self.has_mask_mod = mask is not None
+        self._compiled: dict[tuple, CompiledForward] = {}
+        self._plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
+        self._device_copies: dict[tuple, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self.last_constexprs: Optional[dict] = None  # what the latest launch used (tests and debugging read it)
+        self.last_compiled: Optional[CompiledForward] = None
+
+    def compiled(self, bounds=None) -> CompiledForward:
+        """The kernel for calls within ``bounds`` (an IndexBounds); None: correct at any lengths."""
+        variants = (
+            lowering_variant(self.score, bounds) if self.score is not None and bounds is not None else None,
+            lowering_variant(self.mask, bounds) if self.mask is not None and bounds is not None else None,
+        )
+        compiled = self._compiled.get(variants)
+        if compiled is None:
+            compiled = self._compiled[variants] = self._compile(variants)
+        return compiled
+
+    def _compile(self, variants: tuple) -> CompiledForward:
+        score_lowered = _lower(self.score, "sm_", self.tanh_approx, variants[0])
+        mask_lowered = _lower(self.mask, "mm_", self.tanh_approx, variants[1])
+        spec = ForwardSpec(
+            score_mod=score_lowered,
+            mask_mod=mask_lowered,
+            score_name=self.score.name if self.score else "identity",
+            mask_name=self.mask.name if self.mask else "none",
+        )
+        source = render_forward(spec)
+        return CompiledForward(
+            spec=spec, source=source, source_digest=hashlib.sha256(source.encode()).hexdigest()[:16],
+            module=load_kernel_module(source, spec.readable_name()), variants=variants,
+        )
 
     # ---------------------------------------------------------------- launch
     def __call__(
@@ -298,28 +466,26 @@ class ForwardKernel:
     ):
         B, Hq, L, _ = q.shape
         Ev = v.shape[3]
-        nb, idx = block_mask.kv_num_blocks, block_mask.kv_indices
-        has_full = block_mask.full_kv_num_blocks is not None
-        fnb = block_mask.full_kv_num_blocks if has_full else nb
-        fidx = block_mask.full_kv_indices if has_full else idx
+        tables = launch_tables(block_mask)
         plan_key = (
             q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
-            block_mask.BLOCK_SIZE, nb.shape, has_full,
-            id(block_mask) if self.mask_lowered is not None else None,  # configs depend on its density
+            block_mask.BLOCK_SIZE, tables.plan_key,  # content, never id(block_mask): see [Note] Cache keys
             need_lse, need_max, scale > 0, tuple(sorted(options.items())) if options else (),
             torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None,
         )
         plan = self._plans.get(plan_key)
         if plan is None:
-            plan = self._plan(q, k, v, block_mask, scale, score_captured, mask_captured, need_lse, need_max, has_full, options)
-            if len(self._plans) > 512:  # masks rebuilt every step would otherwise pile up here
-                self._plans.clear()
+            plan = self._plan(q, k, v, block_mask, tables, scale, score_captured, mask_captured, need_lse,
+                              need_max, options)
             self._plans[plan_key] = plan
-        grid, constexprs = plan
+            if len(self._plans) > _PLANS_PER_KERNEL:  # masks rebuilt with new content must not pile up
+                self._plans.popitem(last=False)
+        grid, constexprs, compiled = plan
         if constexprs["USE_TMA"] and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
             # Same shapes and strides as the plan's first call, but an unaligned view this time.
             constexprs = {**constexprs, "USE_TMA": False, "HOST_DESCRIPTORS": False, "WARP_SPECIALIZE": False}
-        self.last_constexprs = constexprs  # what the latest launch used (tests and debugging read it)
+        self.last_constexprs = constexprs
+        self.last_compiled = compiled
 
         out = _empty((B, Hq, L, Ev), q.dtype, q.device)
         lse = _empty((B, Hq, L), torch.float32, q.device) if need_lse else out
@@ -330,18 +496,19 @@ class ForwardKernel:
         if k.shape[0] == 1 and B > 1:
             k_strides, v_strides = (0,) + k_strides[1:], (0,) + v_strides[1:]
         extra = []
-        if self.score_lowered is not None:
+        if self.has_score_mod:
             for t in score_captured:
                 extra.append(t if t.device == q.device else self._on_device(t, q.device))
                 extra.extend(t.stride())
-        if self.mask_lowered is not None:
+        if self.has_mask_mod:
             for t in mask_captured:
                 extra.append(t if t.device == q.device else self._on_device(t, q.device))
                 extra.extend(t.stride())
         q_arg, k_arg, v_arg, out_arg = q, k, v, out
         if constexprs["HOST_DESCRIPTORS"]:
             q_arg, k_arg, v_arg, out_arg = _host_descriptors(q, k, v, out, constexprs)
-        self.jit_fn[grid](
+        nb, idx, fnb, fidx = tables.kv_num_blocks, tables.kv_indices, tables.full_kv_num_blocks, tables.full_kv_indices
+        compiled.jit_fn[grid](
             q_arg, k_arg, v_arg, out_arg, lse, mx, nb, idx, fnb, fidx,
             *q.stride(), *k_strides, *v_strides, *out.stride(),
             nb.shape[2], idx.shape[3], fidx.shape[3],
@@ -351,27 +518,34 @@ class ForwardKernel:
 
     def _on_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
         # Constants a mod creates itself live on the CPU (they are frozen at trace time); keep one
-        # copy per device instead of copying on every call. The API checks user tensors' devices.
+        # copy per device instead of copying on every call. The entry holds t itself, so the id in
+        # the key cannot be reused while the entry exists; the version catches in-place changes.
+        # The API checks user tensors' devices, so only those constants come here.
         key = (id(t), device)
-        copy = self._device_copies.get(key)
-        if copy is None:
-            copy = self._device_copies[key] = t.to(device)
-        return copy
+        entry = self._device_copies.get(key)
+        if entry is None or entry[0] is not t or entry[1] != t._version:
+            if len(self._device_copies) >= 64:
+                self._device_copies.clear()
+            entry = self._device_copies[key] = (t, t._version, t.to(device))
+        return entry[2]
 
-    def _plan(self, q, k, v, block_mask, scale, score_captured, mask_captured, need_lse, need_max, has_full, options):
-        """Grid and constexprs for one problem shape: computed once, reused by every later call."""
+    def _plan(self, q, k, v, block_mask, tables, scale, score_captured, mask_captured, need_lse, need_max, options):
+        """Grid, constexprs and kernel for one problem: computed once, reused by every later call."""
         B, Hq, L, E = q.shape
         Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
         sparse_q, sparse_kv = block_mask.BLOCK_SIZE
-        stats = block_mask_row_stats(block_mask)
-        cfg = self._config(q, k, v, block_mask, scale, score_captured, mask_captured, options, sparse_q, sparse_kv,
-                           need_lse, need_max)
+        stats = tables.stats
+        # The lowering's decisions for these lengths (int64 index arithmetic where it is needed):
+        # made here, once per plan, so warm calls pay nothing for them.
+        compiled = self.compiled(index_bounds(B, Hq, L, S))
+        cfg = self._config(q, k, v, block_mask, stats, compiled, scale, score_captured, mask_captured, options,
+                           sparse_q, sparse_kv, need_lse, need_max)
         use_tma = bool(options.get("USE_TMA", cfg.USE_TMA)) and _tma_layout_ok(q, k, v)
         # Never with mods or row maxima, even when asked for: Triton 3.6 gets those wrong (see
         # _HOPPER_WS_CONFIG), and a fast wrong answer is not an option. The LSE is stored through
         # a descriptor under warp specialisation, which needs 16-byte aligned rows of it.
         warp_specialize = (use_tma and bool(options.get("WARP_SPECIALIZE", cfg.WARP_SPECIALIZE))
-                           and not (need_max or self.has_score_mod or self.mask_lowered is not None)
+                           and not (need_max or self.has_score_mod or self.has_mask_mod)
                            and not (need_lse and L % 4))
         # Triton's warp specialisation rejects 4-D descriptors (3.9: "descriptor block and tensor
         # must have the same number of elements"); its loops are long, so in-kernel ones cost little.
@@ -380,7 +554,7 @@ class ForwardKernel:
         if use_tma:
             _install_tma_allocator()
         constexprs = dict(
-            SPARSE_Z=block_mask.kv_num_blocks.shape[0], SPARSE_HQ=block_mask.kv_num_blocks.shape[1],
+            SPARSE_Z=tables.kv_num_blocks.shape[0], SPARSE_HQ=tables.kv_num_blocks.shape[1],
             GQA_GROUP=Hq // Hkv,
             QK_HEAD_DIM=E, QK_HEAD_DIM_P2=max(16, _next_pow2(E)),
             V_HEAD_DIM=Ev, V_HEAD_DIM_P2=max(16, _next_pow2(Ev)),
@@ -390,7 +564,7 @@ class ForwardKernel:
             HAS_SCORE_MOD=self.has_score_mod,
             # The mods see the scaled score; the scale folds into the exp2 only when it is positive.
             SCALE_FIRST=self.has_score_mod or scale <= 0,
-            HAS_PARTIAL_BLOCKS=self.mask_lowered is not None, HAS_FULL_BLOCKS=has_full,
+            HAS_PARTIAL_BLOCKS=self.has_mask_mod, HAS_FULL_BLOCKS=tables.has_full,
             # See [Note] Consecutive blocks in the forward template.
             CONSECUTIVE_PARTIAL=stats.consecutive_partial, CONSECUTIVE_FULL=stats.consecutive_full,
             OUTPUT_LSE=need_lse, OUTPUT_MAX=need_max,
@@ -401,19 +575,18 @@ class ForwardKernel:
             WARP_SPECIALIZE=warp_specialize,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        return (triton_cdiv(L, cfg.BLOCK_M), Hq, B), constexprs
+        return _Plan((triton_cdiv(L, cfg.BLOCK_M), Hq, B), constexprs, compiled)
 
     # ---------------------------------------------------------------- configs
-    def _config(self, q, k, v, block_mask, scale, score_captured, mask_captured, options, sparse_q, sparse_kv,
-                need_lse, need_max):
+    def _config(self, q, k, v, block_mask, stats, compiled, scale, score_captured, mask_captured, options,
+                sparse_q, sparse_kv, need_lse, need_max):
         E, Ev = q.shape[-1], v.shape[-1]
-        stats = block_mask_row_stats(block_mask)
         # Scores the kernel computes: what sets its GPU time.
         scores = q.shape[0] * q.shape[1] * block_mask.kv_num_blocks.shape[2] * stats.mean_blocks * sparse_q * sparse_kv
         default = select_config(
             q.device, q.dtype, E, Ev, sparse_q, sparse_kv,
-            has_mask_mod=self.mask_lowered is not None,
-            blocks_per_row=stats.mean_blocks if self.mask_lowered is not None else float("inf"),
+            has_mask_mod=self.has_mask_mod,
+            blocks_per_row=stats.mean_blocks if self.has_mask_mod else float("inf"),
             # Descriptors cost host time per launch (scratch for them, a longer launch); on problems
             # below about a million scores the launch, not the kernel, sets the pace. Host-built
             # ones cost more again (57 -> 83 us a call, H200), so only kernels of 2^28 scores and
@@ -426,11 +599,15 @@ class ForwardKernel:
             return _pinned_config(options, default, sparse_q, sparse_kv)
         if not options.get("AUTOTUNE") or interpreter_enabled() or q.device.type != "cuda":
             return default
+        import triton
+
+        # A stored choice only sets the speed: every launch fact that correctness depends on is
+        # re-derived from the call in _plan. So the key is a shape class, not the exact problem.
         key = "|".join(
             str(x) for x in (
-                self.spec.readable_name(), self.source_digest, torch.cuda.get_device_name(q.device),
-                q.dtype, E, Ev, _next_pow2(q.shape[2]), _next_pow2(k.shape[2]), q.shape[1] // k.shape[1],
-                sparse_q, sparse_kv, need_lse or need_max,
+                compiled.spec.readable_name(), compiled.source_digest, torch.cuda.get_device_name(q.device),
+                triton.__version__, q.dtype, _input_precision(q.dtype), E, Ev, _next_pow2(q.shape[2]),
+                _next_pow2(k.shape[2]), q.shape[1] // k.shape[1], sparse_q, sparse_kv, need_lse or need_max,
             )
         )
         cached = tuned_configs.get(key)
@@ -556,21 +733,43 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-_kernels: dict[tuple, ForwardKernel] = {}
+def _lower(traced: Optional[TracedMod], prefix: str, tanh_approx: bool, variant) -> Optional[LoweredMod]:
+    if traced is None:
+        return None
+    if variant is None:  # also the lowering's signature before it took variants
+        return lowering.lower(traced, prefix=prefix, tanh_approx=tanh_approx)
+    return lowering.lower(traced, prefix=prefix, tanh_approx=tanh_approx, variant=variant)
 
 
-def forward_kernel(score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool = False) -> ForwardKernel:
-    """The forward kernel for these traced mods, built on first use and kept for the process."""
-    key = (score, mask, tanh_approx)
-    kernel = _kernels.get(key)
-    if kernel is None:
-        try:
-            import triton  # noqa: F401
-        except ImportError as err:  # pragma: no cover - Linux always has the wheel
+_kernels: "OrderedDict[tuple, ForwardKernel]" = OrderedDict()  # see [Note] Cache keys
+_KERNELS_KEPT = 256
+
+
+def _import_triton() -> ModuleType:
+    try:
+        return importlib.import_module("triton")
+    except ImportError as err:
+        missing = getattr(err, "name", None)
+        if missing is None or missing == "triton" or missing.startswith("triton."):
             raise BackendUnavailableError(
                 "the Triton backend needs the 'triton' package (pip install triton); "
                 "use kernel_options={'BACKEND': 'PYTORCH'} to run without it"
             ) from err
+        needs = " (Triton's interpreter, TRITON_INTERPRET=1, imports it)" if interpreter_enabled() else ""
+        raise BackendUnavailableError(
+            f"triton is installed but importing it failed: {err}. It needs the module '{missing}'{needs}: "
+            f"pip install {missing}; or use kernel_options={{'BACKEND': 'PYTORCH'}} to run without Triton"
+        ) from err
+
+
+def forward_kernel(score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool = False) -> ForwardKernel:
+    """The forward kernel for these traced mods, built on first use and kept (the latest 256)."""
+    key = (score, mask, tanh_approx)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        _import_triton()
         kernel = ForwardKernel(score, mask, tanh_approx=tanh_approx)
         _kernels[key] = kernel
+        if len(_kernels) > _KERNELS_KEPT:
+            _kernels.popitem(last=False)
     return kernel

@@ -199,10 +199,45 @@ def test_error_block_mask_wrong_type():
 
 def test_error_score_mod_arity():
     q, k, v = qkv()
-    with pytest.raises(InvalidInputError, match=r"score_mod 'two_args' must take 5 positional arguments"):
+    with pytest.raises(InvalidInputError, match=r"score_mod two_args\(score, b\), which takes 2 required positional arguments; a score_mod takes exactly 5"):
         def two_args(score, b):
             return score
         flex_attention(q, k, v, score_mod=two_args)
+
+
+def test_error_mask_mod_passed_as_score_mod_and_the_reverse():
+    q, k, v = qkv()
+    with pytest.raises(InvalidInputError, match=r"flex_attention got score_mod=causal_mask\(b, h, q_idx, kv_idx\), "
+                                                r"which takes 4 arguments: that is a mask_mod.*block_mask=create_block_mask"):
+        flex_attention(q, k, v, score_mod=causal_mask)
+    bm = create_block_mask(causal_mask, 1, 1, 64, 64, device="cpu")
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + (kv_idx - q_idx)
+
+    bm.mask_mod = alibi  # a score_mod where the mask_mod belongs
+    with pytest.raises(InvalidInputError, match=r"flex_attention \(block_mask.mask_mod\) got alibi\(score, b, h, "
+                                                r"q_idx, kv_idx\), which takes 5 arguments: that is a score_mod"):
+        flex_attention(q, k, v, block_mask=bm)
+
+    def two(q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    bm.mask_mod = two
+    with pytest.raises(InvalidInputError, match=r"mask_mod two\(q_idx, kv_idx\), which takes 2 required positional "
+                                                r"arguments; a mask_mod takes exactly 4: \(b, h, q_idx, kv_idx\)"):
+        flex_attention(q, k, v, block_mask=bm)
+
+
+def test_error_sequence_major_inputs_say_transpose():
+    # [B, L, H, D] passed where [B, H, L, D] belongs: the mask's lengths are the inputs' dim 1.
+    B, L, H, D = 1, 128, 4, 16
+    q, k, v = (torch.randn(B, L, H, D) for _ in range(3))
+    bm = create_block_mask(causal_mask, None, None, L, L, device="cpu")
+    with pytest.raises(InvalidInputError, match=r"look like \[batch, seq_len, heads, head_dim\].*q.transpose\(1, 2\)"):
+        flex_attention(q, k, v, block_mask=bm)
+    out = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm)
+    assert out.shape == (B, H, L, D)
 
 
 def test_error_score_mod_returns_wrong_shape():

@@ -580,6 +580,92 @@ def test_mask_mod_errors_name_the_mod():
     assert "python_branch" in "".join(getattr(info.value, "__notes__", []))
 
 
+def test_a_score_mod_or_a_mask_mod_of_the_wrong_arity_is_named():
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + (kv_idx - q_idx)
+
+    with pytest.raises(InvalidInputError, match=r"create_block_mask got alibi\(score, b, h, q_idx, kv_idx\), "
+                                                r"which takes 5 arguments: that is a score_mod.*score_mod=alibi"):
+        create_block_mask(alibi, 1, 1, 64, 64, device=CPU)
+
+    def three(b, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    with pytest.raises(InvalidInputError, match=r"create_block_mask got mask_mod three\(b, q_idx, kv_idx\), which "
+                                                r"takes 3 required positional arguments; a mask_mod takes exactly 4"):
+        create_block_mask(three, 1, 1, 64, 64, device=CPU)
+    with pytest.raises(InvalidInputError, match=r"from_kv_blocks got mask_mod three"):
+        BlockMask.from_kv_blocks(torch.ones(1, 1, 1, dtype=torch.int32), torch.zeros(1, 1, 1, 1, dtype=torch.int32),
+                                 mask_mod=three)
+
+    def with_default(b, h, q_idx, kv_idx, window=16):  # extra parameters with defaults are fine
+        return (q_idx - kv_idx).abs() <= window
+
+    create_block_mask(with_default, 1, 1, 64, 64, device=CPU, BLOCK_SIZE=16)
+
+
+def _python_integer_block_maps(keep, q_len: int, kv_len: int, block: int):
+    """(partial, full) block maps of a mask given as a Python predicate on ints (exact arithmetic)."""
+    rows, cols = -(-q_len // block), -(-kv_len // block)
+    partial = torch.zeros(1, 1, rows, cols, dtype=torch.bool)
+    full = torch.zeros(1, 1, rows, cols, dtype=torch.bool)
+    for r in range(rows):
+        for c in range(cols):
+            kept = [keep(qi, ki) for qi in range(r * block, min(q_len, (r + 1) * block))
+                    for ki in range(c * block, min(kv_len, (c + 1) * block))]
+            complete = (r + 1) * block <= q_len and (c + 1) * block <= kv_len
+            full[0, 0, r, c] = all(kept) and complete
+            partial[0, 0, r, c] = any(kept) and not full[0, 0, r, c]
+    return partial, full
+
+
+def test_index_arithmetic_past_int32_is_exact_in_the_builder():
+    # q_idx * 2**28 leaves int32 from q_idx = 8: the builder must evaluate it in int64, as Python would.
+    def linearised(b, h, q_idx, kv_idx):
+        return ((q_idx * 2**28 + kv_idx) % 3 == 0) | (q_idx == kv_idx)
+
+    L, block = 48, 8
+    bm = create_block_mask(linearised, 1, 1, L, L, device=CPU, BLOCK_SIZE=block)
+    partial, full = _python_integer_block_maps(lambda qi, ki: (qi * 2**28 + ki) % 3 == 0 or qi == ki, L, L, block)
+    assert torch.equal(bm._partial_map().bool(), partial)
+    assert torch.equal(bm._full_map().bool(), full)
+    dense = create_mask(linearised, 1, 1, L, L, device=CPU)
+    expected = torch.tensor([[(qi * 2**28 + ki) % 3 == 0 or qi == ki for ki in range(L)] for qi in range(L)])
+    assert torch.equal(dense[0, 0], expected)
+
+    def linearised_score(score, b, h, q_idx, kv_idx):
+        return torch.where(((q_idx * 2**28 + kv_idx) % 3 == 0) | (q_idx == kv_idx), score, -float("inf"))
+
+    assert torch.equal(create_mask(linearised_score, 1, 1, L, L, device=CPU)[0, 0], expected)
+
+
+def test_builder_asks_the_lowering_for_the_index_dtype(monkeypatch):
+    # The contract: needs_wide_indices(traced, IndexBounds) decides; a mod that cannot be traced keeps int32.
+    import flexattn.lowering as lowering
+
+    seen = []
+
+    def needs_wide_indices(traced, bounds):
+        seen.append((traced.name, bounds.B, bounds.H, bounds.Q_LEN, bounds.KV_LEN))
+        return traced.name == "wide_one"
+
+    monkeypatch.setattr(lowering, "needs_wide_indices", needs_wide_indices, raising=False)
+    dtypes = {}
+
+    def wide_one(b, h, q_idx, kv_idx):
+        dtypes["wide_one"] = q_idx.dtype
+        return q_idx >= kv_idx
+
+    def narrow_one(b, h, q_idx, kv_idx):
+        dtypes["narrow_one"] = q_idx.dtype
+        return q_idx >= kv_idx
+
+    create_block_mask(wide_one, 2, 3, 40, 56, device=CPU, BLOCK_SIZE=8)
+    create_block_mask(narrow_one, None, None, 40, 56, device=CPU, BLOCK_SIZE=8)
+    assert ("wide_one", 2, 3, 40, 56) in seen and ("narrow_one", 1, 1, 40, 56) in seen
+    assert dtypes == {"wide_one": torch.int64, "narrow_one": torch.int32}
+
+
 # --------------------------------------------------------------------------------------------
 # Bounded memory at long sequence lengths
 # --------------------------------------------------------------------------------------------

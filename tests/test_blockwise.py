@@ -360,3 +360,50 @@ def test_32k_causal_forward_memory():
     peak_gib = int(fields["peak_kib"]) / 2**20
     # Dense fp32 scores alone would be 4 GiB; the blockwise path holds one row chunk (16 MiB scores).
     assert peak_gib < 2.0, f"peak RSS {peak_gib:.2f} GiB ({result.stdout.strip()})"
+
+
+def test_index_arithmetic_past_int32_is_exact():
+    # q_idx * 2**28 leaves int32 from q_idx = 8: the mods get int64 indices where they need them.
+    from flexattn import flex_attention
+
+    def linearised(b, h, q_idx, kv_idx):
+        return ((q_idx * 2**28 + kv_idx) % 3 == 0) | (q_idx == kv_idx)
+
+    def offset_bias(score, b, h, q_idx, kv_idx):
+        return score + ((q_idx * 2**28 + kv_idx) % 7) * 0.25
+
+    L = 96
+    q, k, v = _inputs(1, 2, 2, L, L, 16, 16, torch.float64)
+    block_mask = create_block_mask(linearised, 1, 1, L, L, device="cpu", BLOCK_SIZE=32)
+    out = flex_attention(q, k, v, score_mod=offset_bias, block_mask=block_mask)
+    ref, _, _ = reference_attention(q, k, v, score_mod=offset_bias, mask_mod=linearised)
+    assert rel_err(out, ref) < TOLERANCE[torch.float64]
+    # The same through the module's own entry point, which takes the dtype from its caller.
+    score, score_captured, mask, mask_captured = _traced(offset_bias, linearised)
+    out, _, _ = blockwise_forward(q, k, v, block_mask, None, score, score_captured, mask, mask_captured,
+                                  index_dtype=torch.int64)
+    assert rel_err(out, ref) < TOLERANCE[torch.float64]
+
+
+def test_api_asks_the_lowering_for_the_index_dtype(monkeypatch):
+    import flexattn.index_bounds as index_bounds
+    import flexattn.lowering as lowering
+    from flexattn import flex_attention
+
+    seen = []
+
+    def needs_wide_indices(traced, bounds):
+        seen.append((traced.kind, bounds.B, bounds.H, bounds.Q_LEN, bounds.KV_LEN))
+        return True
+
+    monkeypatch.setattr(lowering, "needs_wide_indices", needs_wide_indices, raising=False)
+    monkeypatch.setattr(index_bounds, "_WIDE", type(index_bounds._WIDE)())
+
+    def wraps_in_int32(score, b, h, q_idx, kv_idx):
+        return score + ((q_idx * 2**28 + kv_idx) % 7) * 0.25
+
+    q, k, v = _inputs(2, 4, 2, 40, 56, 16, 16, torch.float64)
+    out = flex_attention(q, k, v, score_mod=wraps_in_int32, enable_gqa=True)
+    assert seen == [("score_mod", 2, 4, 40, 56)]  # query batch and heads, query and key lengths
+    ref, _, _ = reference_attention(q, k, v, score_mod=wraps_in_int32, enable_gqa=True)
+    assert rel_err(out, ref) < TOLERANCE[torch.float64]

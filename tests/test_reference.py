@@ -73,7 +73,7 @@ def test_noop_is_plain_softmax_attention():
     assert rel_err(default_out, expected) < FP64_TOL
 
 
-def test_mods_see_query_head_and_int32_indices():
+def test_mods_see_query_head_and_int64_indices():
     seen = {}
 
     def record(score, b, h, q_idx, kv_idx):
@@ -86,7 +86,24 @@ def test_mods_see_query_head_and_int32_indices():
     _, plain_lse, _ = reference_attention(q, k, v, enable_gqa=True)
     shift = torch.arange(4, dtype=torch.float64).view(1, 4, 1) * 100 + torch.arange(2, dtype=torch.float64).view(2, 1, 1) * 1000
     assert rel_err(lse - plain_lse, shift.expand_as(lse)) < FP64_TOL
-    assert seen["dtypes"] == (torch.int32,) * 4
+    assert seen["dtypes"] == (torch.int64,) * 4
+
+
+def test_index_arithmetic_is_exact_like_python_integers():
+    # q_idx * 2**28 leaves int32 at q_idx >= 8: the oracle computes it as Python would.
+    L = 24
+    allowed = torch.tensor([[(qi * 2**28 + ki) % 3 == 0 or qi == ki for ki in range(L)] for qi in range(L)])
+
+    def linearised(b, h, q_idx, kv_idx):
+        return ((q_idx * 2**28 + kv_idx) % 3 == 0) | (q_idx == kv_idx)
+
+    def from_table(b, h, q_idx, kv_idx):
+        return allowed[q_idx, kv_idx]
+
+    q, k, v = (torch.randn(1, 2, L, 8, dtype=torch.float64) for _ in range(3))
+    out, lse, _ = reference_attention(q, k, v, mask_mod=linearised)
+    expected, expected_lse, _ = reference_attention(q, k, v, mask_mod=from_table)
+    assert rel_err(out, expected) < FP64_TOL and rel_err(lse, expected_lse) < FP64_TOL
 
 
 def test_gqa_and_kv_batch_broadcast_match_repeated_kv():

@@ -1,0 +1,199 @@
+"""Runtime caches: what a launch plan is keyed by, data derived from a BlockMask, lowering variants,
+and block sizes the Triton backend can and cannot tile (see [Note] Cache keys in flexattn/runtime.py).
+
+Without a GPU the kernels run in Triton's interpreter (tests/conftest.py), so shapes are small.
+"""
+
+import gc
+import os
+
+import pytest
+import torch
+from numerics import rel_err
+
+import flexattn.runtime as rt
+from flexattn import BlockMask, create_block_mask, flex_attention
+from flexattn.errors import InvalidInputError
+from flexattn.reference import reference_attention
+from gym.catalogue import causal_mask
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="the Triton backend on CPU tensors needs TRITON_INTERPRET=1",
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON = {"BACKEND": "TRITON"}
+L, BLOCK = 256, 32
+
+
+def every_other_block(b, h, q_idx, kv_idx):
+    # Full blocks 0, 2, 4, ... in every row: not consecutive (CONSECUTIVE_FULL is False), unlike causal.
+    return ((kv_idx // BLOCK) % 2 == 0) | (q_idx == kv_idx)
+
+
+def qkv(L=L, D=32, H=2, dtype=torch.float32):
+    return tuple(torch.randn(1, H, L, D, device=DEVICE, dtype=dtype) for _ in range(3))
+
+
+def check(out, q, k, v, mask_mod, score_mod=None, tol=2e-5):
+    ref, _, _ = reference_attention(q.double(), k.double(), v.double(), score_mod=score_mod, mask_mod=mask_mod)
+    assert rel_err(out, ref) < tol
+
+
+def _tables(mask_mod):
+    bm = create_block_mask(mask_mod, 1, 1, L, L, device=DEVICE, BLOCK_SIZE=BLOCK)
+    return bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
+
+
+def mask_from_table(allowed: torch.Tensor):
+    """One mask_mod per table, all sharing one traced graph (and so one kernel and its plans)."""
+
+    def from_table(b, h, q_idx, kv_idx):
+        return allowed[q_idx, kv_idx]
+
+    return from_table
+
+
+def _dense(mask_mod) -> torch.Tensor:
+    positions = torch.arange(L, device=DEVICE)
+    return mask_mod(0, 0, positions[:, None], positions[None, :])
+
+
+def test_masks_rebuilt_every_step_with_recycled_ids_get_their_own_plans(one_thread):
+    # Issue 8, item 2: a loop that frees its BlockMask and builds the next one gets the freed
+    # mask's id back, and with an id-keyed plan the freed mask's CONSECUTIVE_* constexprs.
+    patterns = [mask_from_table(_dense(causal_mask)), mask_from_table(_dense(every_other_block))]
+    tables = [_tables(m) for m in patterns]
+    flags = [rt.block_mask_row_stats(BlockMask.from_kv_blocks(*t, BLOCK_SIZE=BLOCK)) for t in tables]
+    assert flags[0].consecutive_full and not flags[1].consecutive_full  # the patterns differ where it matters
+    q, k, v = qkv()
+    # The first call compiles and traces; let its temporaries come and go before the loop.
+    flex_attention(q, k, v, block_mask=create_block_mask(patterns[0], 1, 1, L, L, device=DEVICE, BLOCK_SIZE=BLOCK),
+                   kernel_options=TRITON)
+    ids, bm = [], BlockMask.__new__(BlockMask)
+    for step in range(6):
+        pattern = step % 2  # the consecutive pattern first, so a stale plan would be the wrong one
+        gc.collect()
+        del bm
+        # A new object allocated right after the old one is freed takes its memory, so its id:
+        # what the issue saw after many steps on a GPU happens here at every step.
+        bm = BlockMask.__new__(BlockMask)
+        bm.__init__((L, L), *tables[pattern], None, None, None, None, BLOCK_SIZE=BLOCK, mask_mod=patterns[pattern])
+        ids.append(id(bm))
+        out = flex_attention(q, k, v, block_mask=bm, kernel_options=TRITON)
+        check(out, q, k, v, patterns[pattern])
+    crossed = [(i, j) for i in range(len(ids)) for j in range(i) if ids[i] == ids[j] and (i - j) % 2]
+    assert crossed, f"no id was handed from one pattern to the other ({ids}): the test did not exercise the bug"
+
+
+def test_tables_changed_in_place_or_replaced_are_seen(one_thread):
+    q, k, v = qkv()
+    causal, other = mask_from_table(_dense(causal_mask)), mask_from_table(_dense(every_other_block))
+    bm = create_block_mask(causal, 1, 1, L, L, device=DEVICE, BLOCK_SIZE=BLOCK)
+    check(flex_attention(q, k, v, block_mask=bm, kernel_options=TRITON), q, k, v, causal)
+    # In place: same tensor objects, new contents (their version counters move).
+    nb, idx, fnb, fidx = _tables(other)
+    bm.kv_num_blocks.copy_(nb)
+    bm.kv_indices.copy_(idx)
+    bm.full_kv_num_blocks.copy_(fnb)
+    bm.full_kv_indices.copy_(fidx)
+    bm.mask_mod = other
+    check(flex_attention(q, k, v, block_mask=bm, kernel_options=TRITON), q, k, v, other)
+    # Replaced: new tensor objects.
+    bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices = _tables(causal)
+    bm.mask_mod = causal
+    check(flex_attention(q, k, v, block_mask=bm, kernel_options=TRITON), q, k, v, causal)
+
+
+def test_tables_edited_out_of_order_or_out_of_range(one_thread):
+    q, k, v = qkv()
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() <= 40
+
+    bm = create_block_mask(window, 1, 1, L, L, device=DEVICE, BLOCK_SIZE=BLOCK, separate_full_blocks=False)
+    flex_attention(q, k, v, block_mask=bm, kernel_options=TRITON)
+    # Reverse every row's used entries in place: the kernel needs them ascending (boundary block).
+    rows = bm.kv_indices[0, 0]
+    for r in range(rows.shape[0]):
+        n = int(bm.kv_num_blocks[0, 0, r])
+        rows[r, :n] = rows[r, :n].flip(0)
+    check(flex_attention(q, k, v, block_mask=bm, kernel_options=TRITON), q, k, v, window)
+    bm.kv_indices[0, 0, 0, 0] = L // BLOCK  # one past the last key block
+    with pytest.raises(InvalidInputError, match=r"key block outside \[0, 8\)"):
+        flex_attention(q, k, v, block_mask=bm, kernel_options=TRITON)
+
+
+def test_kernels_are_chosen_per_lowering_variant(monkeypatch, one_thread):
+    # Contract with the lowering: lowering_variant(traced, IndexBounds) is asked once per plan, and
+    # lower(..., variant=) once per distinct variant; warm calls ask nothing.
+    import flexattn.lowering as lowering
+
+    asked, lowered = [], []
+    real_lower = lowering.lower
+
+    def lowering_variant(traced, bounds):
+        asked.append((traced.name, bounds.Q_LEN, bounds.KV_LEN))
+        return ("wide", bounds.Q_LEN * bounds.KV_LEN >= 1 << 15)
+
+    def lower(traced, inputs=lowering.ModInputs(), prefix="sm_", *, tanh_approx=False, variant=None):
+        lowered.append((traced.name, variant))
+        return real_lower(traced, inputs, prefix, tanh_approx=tanh_approx)
+
+    monkeypatch.setattr(lowering, "lowering_variant", lowering_variant, raising=False)
+    monkeypatch.setattr(lowering, "lower", lower)
+    monkeypatch.setattr(rt, "_kernels", type(rt._kernels)())
+
+    def shifted_causal(b, h, q_idx, kv_idx):  # a mod of its own: no kernel of it exists yet
+        return q_idx + 1 > kv_idx
+
+    for length in (128, 256, 256, 128):
+        q, k, v = qkv(L=length)
+        bm = create_block_mask(shifted_causal, 1, 1, length, length, device=DEVICE, BLOCK_SIZE=BLOCK)
+        check(flex_attention(q, k, v, block_mask=bm, kernel_options=TRITON), q, k, v, shifted_causal)
+    assert asked == [("shifted_causal", 128, 128), ("shifted_causal", 256, 256)]  # one plan per shape
+    assert lowered == [("shifted_causal", ("wide", False)), ("shifted_causal", ("wide", True))]
+    (kernel,) = rt._kernels.values()
+    assert kernel.last_compiled.variants == (None, ("wide", False))
+
+
+@pytest.mark.parametrize("block_size", [48, 80, 96, (48, 96), (96, 48)])
+def test_block_sizes_that_are_not_powers_of_two(block_size, one_thread):
+    # Tiles of 16 or 32 walk each block (48 = 3 x 16, 80 = 5 x 16, 96 = 3 x 32).
+    q, k, v = qkv(L=200)
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() <= 70
+
+    bm = create_block_mask(window, 1, 1, 200, 200, device=DEVICE, BLOCK_SIZE=block_size)
+    check(flex_attention(q, k, v, block_mask=bm, kernel_options=TRITON), q, k, v, window)
+    pinned = flex_attention(q, k, v, block_mask=bm, kernel_options={**TRITON, "BLOCK_M": 16, "BLOCK_N": 16})
+    check(pinned, q, k, v, window)
+
+
+@pytest.mark.parametrize("block_size", [100, 24, 8, (128, 40)])
+def test_block_sizes_without_a_power_of_two_tile_are_refused_before_launch(block_size, one_thread):
+    q, k, v = qkv(L=200)
+    bm = create_block_mask(causal_mask, 1, 1, 200, 200, device=DEVICE, BLOCK_SIZE=block_size)
+    with pytest.raises(InvalidInputError, match=r"block size \(BLOCK_SIZE\) is \d+: the Triton backend walks each"):
+        flex_attention(q, k, v, block_mask=bm, kernel_options=TRITON)
+    # The PyTorch backend takes any block size.
+    check(flex_attention(q, k, v, block_mask=bm, kernel_options={"BACKEND": "PYTORCH"}), q, k, v, causal_mask)
+
+
+def test_pinned_tile_must_divide_a_block_that_is_not_a_power_of_two(one_thread):
+    q, k, v = qkv(L=96)
+    bm = create_block_mask(causal_mask, 1, 1, 96, 96, device=DEVICE, BLOCK_SIZE=48)
+    with pytest.raises(InvalidInputError, match=r"kernel_options\['BLOCK_N'\] must be a power of two >= 16"):
+        flex_attention(q, k, v, block_mask=bm, kernel_options={**TRITON, "BLOCK_N": 32})
+
+
+def test_default_mask_cache_is_bounded_and_keeps_recent_lengths():
+    from flexattn import api
+
+    for length in range(1, 80):
+        q = torch.randn(1, 1, length, 8)
+        flex_attention(q, q, q, kernel_options={"BACKEND": "PYTORCH"})
+    assert len(api._dense_masks) <= 64
+    assert (79, 79, q.device) in api._dense_masks
