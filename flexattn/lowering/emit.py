@@ -39,6 +39,7 @@ import torch.fx
 from ..errors import UnsupportedOpError
 from ..trace import CapturedInput, TracedMod, source_line_of
 from .index import ADD, ATOM, BAND, BOR, BXOR, CMP, print_index
+from .ranges import LoweringVariant
 from .ops import (
     BOOL,
     COMMON,
@@ -641,7 +642,12 @@ class _Emitter:
 
 
 def lower(
-    traced: TracedMod, inputs: ModInputs = ModInputs(), prefix: str = "sm_", *, tanh_approx: bool = False
+    traced: TracedMod,
+    inputs: ModInputs = ModInputs(),
+    prefix: str = "sm_",
+    *,
+    tanh_approx: bool = False,
+    variant: Optional[LoweringVariant] = None,
 ) -> LoweredMod:
     """Triton source for a traced score_mod or mask_mod.
 
