@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from flexattn.errors import UnsupportedOpError
-from flexattn.lowering import LOWERINGS, ModInputs, lower, register_lowering
+from flexattn.lowering import LOWERINGS, IndexBounds, ModInputs, lower, lowering_variant, register_lowering
 from flexattn.trace import GetItemToIndex, trace_mod
 from gym.catalogue import CATALOGUE, causal_mask, generate_alibi_bias
 
@@ -133,8 +133,15 @@ def check(fn, kind="score_mod", *, b=1, h=2, q_start=0, kv_start=5, M=16, N=16, 
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True)
 
 
-def lowered_of(fn, kind="score_mod", **options):
-    return lower(trace_mod(fn, kind)[0], **options)
+# Lengths the golden sources are written for: every gather below is in range there (the source for
+# unknown lengths, with int64 sums and checked gathers, is in test_lowering_types.py).
+GOLDEN_BOUNDS = IndexBounds(B=2, H=4, Q_LEN=32, KV_LEN=32)
+
+
+def lowered_of(fn, kind="score_mod", bounds=GOLDEN_BOUNDS, **options):
+    traced = trace_mod(fn, kind)[0]
+    variant = lowering_variant(traced, bounds) if bounds is not None else None
+    return lower(traced, variant=variant, **options)
 
 
 # -- captured tensors used below -------------------------------------------------------------------
@@ -195,10 +202,18 @@ def test_golden_gather_strides():
 
 def test_golden_gather_of_gather_names_the_shared_load():
     lowered = lowered_of(interval_mask, "mask_mod", prefix="mm_")
-    assert lowered.lines == ("mm_t0 = tl.load(mm_DOC_ptr + q_idx * mm_DOC_stride0)",)
+    # DOC's values are data, so the row they pick is not provably in range: it is wrapped (torch reads
+    # intervals[-1] as the last row) and checked once, and both reads of that row share the check.
+    assert lowered.lines == (
+        "mm_t0 = tl.load(mm_DOC_ptr + q_idx * mm_DOC_stride0)",
+        "mm_t1 = tl.where(mm_t0 < 0, mm_t0 + 4, mm_t0)",
+        "mm_t2 = (mm_t1 >= 0) & (mm_t1 < 4)",
+        "mm_t3 = tl.where(mm_t2, mm_t1, 0)",
+    )
     assert lowered.result == (
-        "(kv_idx.to(tl.int64) >= tl.load(mm_INTERVALS_ptr + mm_t0 * mm_INTERVALS_stride0)) & "
-        "(kv_idx.to(tl.int64) < tl.load(mm_INTERVALS_ptr + (mm_t0 * mm_INTERVALS_stride0 + mm_INTERVALS_stride1)))"
+        "(kv_idx.to(tl.int64) >= tl.where(mm_t2, tl.load(mm_INTERVALS_ptr + mm_t3 * mm_INTERVALS_stride0), 0)) & "
+        "(kv_idx.to(tl.int64) < tl.where(mm_t2, tl.load(mm_INTERVALS_ptr + (mm_t3 * mm_INTERVALS_stride0 + "
+        "mm_INTERVALS_stride1)), 0))"
     )
     # one parameter group per captured input, constants included (their value is written inline)
     names = [c.name for c in lowered.captured]
@@ -236,7 +251,8 @@ def test_golden_tanh_precise_and_approx():
 
 def test_golden_names_follow_inputs_and_prefix():
     inputs = ModInputs(score="s", b="bz", h="hq", q_idx="m", kv_idx="n")
-    lowered = lower(trace_mod(alibi_like, "score_mod")[0], inputs, prefix="x_")
+    traced = trace_mod(alibi_like, "score_mod")[0]
+    lowered = lower(traced, inputs, prefix="x_", variant=lowering_variant(traced, GOLDEN_BOUNDS))
     assert lowered.result == "s + tl.load(x_SLOPES_ptr + hq * x_SLOPES_stride0) * (n - m).to(tl.float32)"
 
 

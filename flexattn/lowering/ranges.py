@@ -5,11 +5,13 @@ forward pass of interval arithmetic over the fx graph gives every integer value 
 two kinds of decisions follow (docs/lowering.md, "Integer dtypes" and "Gathers"):
 
 * **int32 or int64.** Integer values built only from ``b``, ``h``, ``q_idx``, ``kv_idx`` and Python
-  constants ("index-derived") are exact, like Python integers: a node whose value, or any partial sum
-  or product the printer may form while writing it (sympy reorders terms), can leave int32 at these
-  bounds is computed in int64; every other node keeps the dtype torch gives it, so common mods keep
-  their int32 source. Values read from captured tensors have no known range and follow torch's
-  dtype rules (an int32 product of two loaded values wraps as in torch).
+  constants ("index-derived") are exact, like Python integers: a node whose value can leave int32 at
+  these bounds is computed in int64; every other node keeps the dtype torch gives it, so common mods
+  keep their int32 source. Partial sums and products need no check of their own: int32 ``+ - *``
+  wrap modulo 2**32 in any order, so a sum that sympy reorders is right whenever its value fits,
+  and every value that enters a non-ring operation (``//``, ``%``, a comparison, a load) is a
+  node's value. Values read from captured tensors have no known range and follow torch's dtype
+  rules (an int32 product of two loaded values wraps as in torch).
 * **Gather checks.** An index not provably inside ``[0, size)`` is wrapped where it can be negative
   (torch's ``rel[-1]`` is the last element) and masked where it can still fall outside (the load
   reads 0 there instead of memory outside the tensor).
@@ -126,23 +128,14 @@ class LoweringVariant:
 class IntFact:
     """What the analysis knows of one integer (or bool) node.
 
-    lo, hi: inclusive range of the value. exact: index-derived (no value read from a captured
-    tensor), so computed exactly. bound: largest magnitude of any partial result the printer may
-    form when it writes this node's expression inline (sums and products merged by sympy).
-    terms: bound on the sum of the magnitudes of the node's terms (what a merged parent adds up).
-    dtype: the dtype the kernel computes the node in.
+    lo, hi: inclusive range of the value. exact: index-derived (no integer read from a captured
+    tensor), so computed exactly, in int64 where it needs it. dtype: the dtype the kernel holds it in.
     """
 
     lo: int
     hi: int
     exact: bool
-    bound: int
-    terms: int
     dtype: torch.dtype
-
-    @property
-    def magnitude(self) -> int:
-        return max(abs(self.lo), abs(self.hi))
 
 
 def _fits(lo: int, hi: int, dtype: torch.dtype) -> bool:
@@ -337,13 +330,13 @@ class _Analysis:
         position = 0
         for node in self.traced.graph.nodes:
             if node.op == "placeholder":
-                name = self.traced.arg_names[position] if position < n_args else None
-                position += 1
-                if name in limits:
-                    hi = max(limits[name], 1) - 1
-                    self.facts[node] = IntFact(0, hi, True, hi, hi, torch.int32)
+                if position < n_args:
+                    name = self.traced.arg_names[position]
+                    hi = max(limits.get(name, 1), 1) - 1
+                    self.facts[node] = IntFact(0, hi, True, torch.int32) if name in limits else None
                 else:
-                    self.facts[node] = self.captured_constant(node)
+                    self.facts[node] = self.captured_constant(position - n_args)
+                position += 1
             elif node.op == "call_function":
                 try:
                     self.facts[node] = self.visit(node)
@@ -353,22 +346,21 @@ class _Analysis:
 
     # -- operands ------------------------------------------------------------------------------
 
-    def captured_constant(self, node) -> Optional[IntFact]:
+    def captured_constant(self, index: int) -> Optional[IntFact]:
         """A 0-d constant the mod builds itself (torch.tensor(3)) is written into the kernel as a literal."""
-        index = [n for n in self.traced.graph.nodes if n.op == "placeholder"].index(node) - len(self.traced.arg_names)
         c = self.traced.captured[index]
         if c.fixed_value is not None and len(c.shape) == 0 and c.dtype in _DTYPE_RANGE:
             v = int(c.fixed_value.item())
-            return IntFact(v, v, True, abs(v), abs(v), c.dtype)
+            return IntFact(v, v, True, c.dtype)
         return None
 
     def operand(self, arg) -> Optional[IntFact]:
         if isinstance(arg, torch.fx.Node):
             return self.facts.get(arg)
         if isinstance(arg, bool):
-            return IntFact(int(arg), int(arg), True, int(arg), int(arg), torch.bool)
+            return IntFact(int(arg), int(arg), True, torch.bool)
         if isinstance(arg, int):
-            return IntFact(arg, arg, True, abs(arg), abs(arg), torch.int64)  # weak: decides no dtype
+            return IntFact(arg, arg, True, torch.int64)  # weak: decides no dtype
         return None
 
     def unknown(self, node) -> Optional[IntFact]:
@@ -376,7 +368,7 @@ class _Analysis:
         if not isinstance(val, torch.Tensor) or val.dtype not in _DTYPE_RANGE:
             return None
         lo, hi = _DTYPE_RANGE[val.dtype]
-        return IntFact(lo, hi, False, max(-lo, hi), max(-lo, hi), val.dtype)
+        return IntFact(lo, hi, False, val.dtype)
 
     # -- one node ------------------------------------------------------------------------------
 
@@ -402,7 +394,7 @@ class _Analysis:
             value = rule.fn(*node.args, **node.kwargs)
             if isinstance(value, (bool, int)):
                 v = int(value)
-                return IntFact(v, v, True, abs(v), abs(v), out)
+                return IntFact(v, v, True, out)
             return self.unknown(node)
         operands = [self.operand(a) for a in args]
         node_operands = [self.operand(a) for a in args if isinstance(a, torch.fx.Node)]
@@ -410,7 +402,7 @@ class _Analysis:
             exact = all(f is not None and f.exact for f in node_operands if f is None or f.dtype != torch.bool)
             if exact and any(f is not None for f in node_operands):
                 self.mark_wide_constants(node, operands)
-            return IntFact(0, 1, exact, 1, 1, torch.bool)
+            return IntFact(0, 1, exact, torch.bool)
         if any(f is None for f in node_operands):  # an integer made from a float: unknown
             return self.unknown(node)
 
@@ -422,26 +414,21 @@ class _Analysis:
         # every integer it is computed from is.
         exact = all(f.exact for f in node_operands if f.dtype != torch.bool) and out in _EXACT_DTYPES
         interval = self.interval(node, packet)
-        if interval is None:
-            if exact:
-                exact = False  # undefined (a division by zero) or beyond what is tracked
+        if interval is None:  # undefined (a division by zero) or not tracked: torch's rules
+            exact = False
             lo, hi = _DTYPE_RANGE[dtype]
         else:
             lo, hi = interval
-        terms, bound = self.partial_bounds(node, rule, lo, hi, operands, dtype)
         if exact:
-            overflows = bound > INT32_MAX or self.has_wide_constant(operands)
-            if dtype != torch.int64 and overflows:
+            if dtype != torch.int64 and (not _fits(lo, hi, torch.int32) or self.has_wide_constant(operands)):
                 self.wide.add(node.name)
                 dtype = torch.int64
-            if out != torch.int64 and not _fits(lo, hi, torch.int32):
-                self.torch_overflow = True
-            if out != torch.int64 and self.has_wide_constant(operands):
-                self.torch_overflow = True
+            if out != torch.int64 and (not _fits(lo, hi, torch.int32) or self.has_wide_constant(operands)):
+                self.torch_overflow = True  # torch, with int32 indices, would wrap this value
         if not _fits(lo, hi, dtype):  # it wraps in the kernel's dtype (follows torch): any value
             lo, hi = _DTYPE_RANGE[dtype]
             exact = False
-        return IntFact(lo, hi, exact, max(bound, abs(lo), abs(hi)), terms, dtype)
+        return IntFact(lo, hi, exact, dtype)
 
     def interval(self, node, packet) -> Optional[tuple[int, int]]:
         fn = _INTERVALS.get(packet)
@@ -476,26 +463,6 @@ class _Analysis:
                 kwargs[k] = a
         return fn(*args, **kwargs)
 
-    def partial_bounds(self, node, rule, lo, hi, operands, dtype) -> tuple[int, int]:
-        """(terms, bound) of a node the printer writes as one sympy expression with its operands."""
-        magnitude = max(abs(lo), abs(hi))
-        merged = rule is not None and rule.sym is not None and dtype in (torch.int32, torch.int64)
-        present = [f for f in operands if f is not None]
-        if not merged or len(present) != len(operands):
-            return magnitude, magnitude
-        packet = getattr(node.target, "overloadpacket", node.target)
-        alpha = abs(node.kwargs.get("alpha", 1))
-        if packet in (aten.add, aten.sub, aten.rsub):
-            terms = present[0].terms + alpha * present[1].terms
-        elif packet is aten.mul:
-            terms = present[0].terms * present[1].terms
-        elif packet is aten.neg:
-            terms = present[0].terms
-        else:  # // and %: an atom of the expression; its arguments are printed inside it
-            terms = magnitude
-        bound = max([terms, magnitude] + [f.bound for f in present])
-        return max(terms, magnitude), bound
-
     def has_wide_constant(self, operands) -> bool:
         return any(f is not None and f.lo == f.hi and not _fits(f.lo, f.hi, torch.int32) for f in operands)
 
@@ -511,13 +478,12 @@ class _Analysis:
         if f is None:  # from a float: any value of the target dtype
             return self.unknown(node)
         if out == torch.bool:
-            return IntFact(int(f.lo > 0 or f.hi < 0), int(f.lo != 0 or f.hi != 0), f.exact, 1, 1, torch.bool)
+            return IntFact(int(f.lo > 0 or f.hi < 0), int(f.lo != 0 or f.hi != 0), f.exact, torch.bool)
         if out == f.dtype:  # the kernel already holds it in this dtype: the same expression
             return f
         exact = f.exact and out in _EXACT_DTYPES
         lo, hi = (f.lo, f.hi) if _fits(f.lo, f.hi, out) else _DTYPE_RANGE[out]  # a narrowing cast wraps
-        magnitude = max(abs(lo), abs(hi))
-        return IntFact(lo, hi, exact, magnitude, magnitude, out)
+        return IntFact(lo, hi, exact, out)
 
     # -- gathers -------------------------------------------------------------------------------
 
