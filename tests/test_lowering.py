@@ -25,7 +25,15 @@ import pytest
 import torch
 
 from flexattn.errors import UnsupportedOpError
-from flexattn.lowering import LOWERINGS, IndexBounds, ModInputs, lower, lowering_variant, register_lowering
+from flexattn.lowering import (
+    LOWERINGS,
+    IndexBounds,
+    ModInputs,
+    lower,
+    lowering_variant,
+    needs_wide_indices,
+    register_lowering,
+)
 from flexattn.trace import GetItemToIndex, trace_mod
 from gym.catalogue import CATALOGUE, causal_mask, generate_alibi_bias
 
@@ -92,11 +100,13 @@ def compile_kernel(source: str):
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def run_kernel(fn, kind, score, *, b, h, q_start, kv_start, **lower_options):
+def run_kernel(fn, kind, score, *, b, h, q_start, kv_start, bounds=None, **lower_options):
+    """The lowered mod on one tile; ``bounds``: lower for those lengths (None: for any lengths)."""
     if not INTERPRETED:
         pytest.skip("needs a process started with TRITON_INTERPRET=1; test_compiled_on_gpu covers GPUs")
     traced, captured = trace_mod(fn, kind)
-    lowered = lower(traced, prefix="sm_" if kind == "score_mod" else "mm_", **lower_options)
+    variant = lowering_variant(traced, bounds) if bounds is not None else None
+    lowered = lower(traced, prefix="sm_" if kind == "score_mod" else "mm_", variant=variant, **lower_options)
     mask = kind == "mask_mod"
     kernel = compile_kernel(render(lowered, mask))
     M, N = score.shape
@@ -106,11 +116,12 @@ def run_kernel(fn, kind, score, *, b, h, q_start, kv_start, **lower_options):
     return out.bool() if mask else out
 
 
-def run_reference(fn, kind, score, *, b, h, q_start, kv_start):
+def run_reference(fn, kind, score, *, b, h, q_start, kv_start, index_dtype=torch.int32):
+    """The mod itself, vmapped over the tile (int64 indices where the mod needs wide indices)."""
     M, N = score.shape
-    b_, h_ = torch.tensor(b, dtype=torch.int32), torch.tensor(h, dtype=torch.int32)
-    q = torch.arange(q_start, q_start + M, dtype=torch.int32)
-    kv = torch.arange(kv_start, kv_start + N, dtype=torch.int32)
+    b_, h_ = torch.tensor(b, dtype=index_dtype), torch.tensor(h, dtype=index_dtype)
+    q = torch.arange(q_start, q_start + M, dtype=index_dtype)
+    kv = torch.arange(kv_start, kv_start + N, dtype=index_dtype)
 
     def one(s, q_idx, kv_idx):
         return fn(s, b_, h_, q_idx, kv_idx) if kind == "score_mod" else fn(b_, h_, q_idx, kv_idx)
@@ -120,17 +131,27 @@ def run_reference(fn, kind, score, *, b, h, q_start, kv_start):
     return out.expand(M, N) if kind == "mask_mod" else out.float().expand(M, N)
 
 
+def tile_bounds(b, h, q_start, kv_start, M, N) -> IndexBounds:
+    """The smallest lengths that contain one tile: what a kernel for exactly that tile may assume."""
+    return IndexBounds(B=b + 1, H=h + 1, Q_LEN=q_start + M, KV_LEN=kv_start + N)
+
+
 def check(fn, kind="score_mod", *, b=1, h=2, q_start=0, kv_start=5, M=16, N=16, rtol=1e-5, atol=1e-5, score=None):
-    """The lowered mod and the mod itself agree on one tile (q_start < kv_start: negative q - kv)."""
+    """The lowered mod and the mod itself agree on one tile (q_start < kv_start: negative q - kv),
+    lowered for any lengths and for the tile's own lengths."""
     gen = torch.Generator().manual_seed(0)
     score = torch.randn(M, N, generator=gen) * 3 if score is None else score
     where = dict(b=b, h=h, q_start=q_start, kv_start=kv_start)
-    got = run_kernel(fn, kind, score, **where)
-    want = run_reference(fn, kind, score, **where)
-    if kind == "mask_mod":
-        assert torch.equal(got, want), f"{(got != want).sum()} of {got.numel()} mask entries differ"
-    else:
-        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True)
+    bounds = tile_bounds(b, h, q_start, kv_start, M, N)
+    traced = trace_mod(fn, kind)[0]
+    wide = needs_wide_indices(traced, bounds)
+    want = run_reference(fn, kind, score, **where, index_dtype=torch.int64 if wide else torch.int32)
+    for lowered_for in (None, bounds):
+        got = run_kernel(fn, kind, score, **where, bounds=lowered_for)
+        if kind == "mask_mod":
+            assert torch.equal(got, want), f"{(got != want).sum()} of {got.numel()} mask entries differ ({lowered_for})"
+        else:
+            torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"{m} ({lowered_for})")
 
 
 # Lengths the golden sources are written for: every gather below is in range there (the source for
@@ -534,9 +555,11 @@ def run_gpu_checks():
     global run_kernel
     cpu_run_kernel = run_kernel
 
-    def on_gpu(fn, kind, score, **kw):
+    def on_gpu(fn, kind, score, bounds=None, **kw):
         traced, captured = trace_mod(fn, kind)
-        lowered = lower(traced, prefix="sm_" if kind == "score_mod" else "mm_", tanh_approx=kw.pop("tanh_approx", False))
+        variant = lowering_variant(traced, bounds) if bounds is not None else None
+        lowered = lower(traced, prefix="sm_" if kind == "score_mod" else "mm_",
+                        tanh_approx=kw.pop("tanh_approx", False), variant=variant)  # fmt: skip
         mask = kind == "mask_mod"
         kernel = compile_kernel(render(lowered, mask))
         M, N = score.shape

@@ -140,7 +140,9 @@ class _Printer:
 
         def order(term):  # positive terms first, offset terms in the order of their strides
             strides = tuple(sorted(s.name for s in term.free_symbols if s in self.last))
-            return (term.could_extract_minus_sign(), strides, sympy.default_sort_key(term))
+            # wide: products first, so the sum starts int64 there and later plain symbols need no cast
+            lone = self.wide and term.is_Symbol
+            return (term.could_extract_minus_sign(), lone, strides, sympy.default_sort_key(term))
 
         terms = sorted(sympy.Add.make_args(rest), key=order)
         parts: list[str] = []
@@ -154,7 +156,7 @@ class _Printer:
             force = self.wide and (i == 0 or not written.is_Symbol)
             shown = self.print(written, force)
             if not parts:
-                parts.append(shown[0])
+                parts.append(_paren(shown, ADD))  # a shift or a bitwise op binds more loosely than +
             else:
                 parts.append(("- " if negative else "+ ") + _paren(shown, ADD + 1))
         if const != 0:

@@ -500,11 +500,21 @@ LOWERINGS: dict[Any, Lowering] = {
 APPROX_TANH = {aten.tanh: call("tanh_approx")}
 
 
+# Custom ops of libraries that mean an aten op: attention-gym's softcap(approx=True) calls
+# `approx::tanh`, its way of asking for the hardware tanh (which lower(..., tanh_approx=True) gives).
+ALIASES = {"approx::tanh": aten.tanh}
+
+
 def lookup(target: Any, table: dict) -> Optional[Lowering]:
-    """The entry for an fx node's target: its overload's own entry, else its op's."""
+    """The entry for an fx node's target: its overload's own entry, else its op's (or its alias's)."""
     entry = table.get(target)
     if entry is None:
         entry = table.get(getattr(target, "overloadpacket", None))
+    if entry is None:
+        schema = getattr(target, "_schema", None)
+        alias = ALIASES.get(getattr(schema, "name", None))
+        if alias is not None:
+            entry = table.get(alias)
     return entry
 
 
