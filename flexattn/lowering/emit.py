@@ -722,6 +722,8 @@ class _Emitter:
         value = self.env.get(self.canonical.get(src)) if isinstance(src, torch.fx.Node) else None
         if isinstance(value, Vec):
             return self.vec_view(value, node, tuple(node.meta["val"].shape))
+        if isinstance(value, Val):  # x.view(1)[0]: the one element
+            return value
         g = self.gather_of(src, node)
         if not isinstance(position, int) or not isinstance(dim, int):
             raise self.unsupported(node, "select with a symbolic index")
