@@ -566,9 +566,10 @@ class _Emitter:
                 f"{_INDEX_FIRST} (Reading up to {VECTOR_LIMIT} elements, e.g. for torch.dot of two table "
                 "rows, is unrolled; more is not.)",
             )  # fmt: skip
+        base = self.name_inline_symbols(g.offset) if n > 1 else g.offset  # each element's load shares it
         items = []
         for flat in range(n):
-            offset, rest = g.offset, flat
+            offset, rest = base, flat
             for view in reversed(g.dims):
                 offset = offset + (rest % view.size) * view.stride
                 rest //= view.size

@@ -282,6 +282,8 @@ _INTERVALS: dict[Any, Callable] = {
     aten.abs: _abs,
     aten.minimum: lambda a, b: (min(a[0], b[0]), min(a[1], b[1])),
     aten.maximum: lambda a, b: (max(a[0], b[0]), max(a[1], b[1])),
+    aten.min.other: lambda a, b: (min(a[0], b[0]), min(a[1], b[1])),
+    aten.max.other: lambda a, b: (max(a[0], b[0]), max(a[1], b[1])),
     aten.clamp: _clamp,
     aten.clamp_min: lambda x, lo: _clamp(x, lo=lo),
     aten.clamp_max: lambda x, hi: _clamp(x, hi=hi),
@@ -431,7 +433,7 @@ class _Analysis:
         return IntFact(lo, hi, exact, dtype)
 
     def interval(self, node, packet) -> Optional[tuple[int, int]]:
-        fn = _INTERVALS.get(packet)
+        fn = _INTERVALS.get(node.target) or _INTERVALS.get(packet)
         if packet is aten.div:
             mode = node.kwargs.get("rounding_mode", node.args[2] if len(node.args) > 2 else None)
             fn = {"floor": _floordiv, "trunc": _truncdiv}.get(mode)
