@@ -324,3 +324,7 @@ def test_attention_gym_mods_are_lean_at_their_lengths():
     data_indexed = {"doc_mask_causal", "packed_causal_doc", "vision_cross_attention",
                     "shared_prefix", "graphormer_spatial", "graphormer_edge"}  # fmt: skip
     assert checked == data_indexed
+
+
+def test_activation_defaults():
+    check(lambda s, b, h, q, kv: F.hardtanh(s) + F.softplus(s) + F.softplus(s, 1, 3) + F.gelu(s), rtol=2e-5, atol=2e-5)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import difflib
 import keyword
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
 import sympy

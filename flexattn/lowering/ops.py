@@ -331,13 +331,31 @@ def _gelu(x, approximate="none"):
     return f"{'gelu_tanh' if approximate == 'tanh' else 'gelu_erf'}({x.raw})", ATOM
 
 
+def _number(v) -> Any:
+    """The Python number of an argument that arrives as a constant Operand or as a default."""
+    return v.value if isinstance(v, Operand) else v
+
+
 def _softplus(x, beta=1, threshold=20):
     # torch: x where x * beta > threshold, else log1p(exp(x * beta)) / beta
+    beta, threshold = _number(beta), _number(threshold)
+    if beta is None or threshold is None:
+        raise NotImplementedError("softplus with a tensor beta or threshold")
+    t = literal(float(threshold))[0]
     if beta == 1:
-        return f"tl.where({_at(x, CMP + 1)} > {literal(threshold)[0]}, {x.raw}, torch_log1p(tl.exp({x.raw})))", ATOM
+        return f"tl.where({_at(x, CMP + 1)} > {t}, {x.raw}, torch_log1p(tl.exp({x.raw})))", ATOM
     b = literal(float(beta))[0]
-    return (f"tl.where({_at(x, MUL)} * {b} > {literal(threshold)[0]}, {x.raw}, "
-            f"torch_log1p(tl.exp({_at(x, MUL)} * {b})) / {b})"), ATOM  # fmt: skip
+    return f"tl.where({_at(x, MUL)} * {b} > {t}, {x.raw}, torch_log1p(tl.exp({_at(x, MUL)} * {b})) / {b})", ATOM
+
+
+def _hardtanh(x, min_val=-1.0, max_val=1.0):
+    def bound(v):  # a default arrives as a plain float
+        if isinstance(v, Operand):
+            return v
+        text, prec = literal(float(v))
+        return Operand(text, text, prec, torch.float32, float(v))
+
+    return _clamp(x, min=bound(min_val), max=bound(max_val))
 
 
 _FLOAT_FUNCTIONS = {
@@ -412,7 +430,7 @@ LOWERINGS: dict[Any, Lowering] = {
     aten.silu: call("silu"),
     aten.softplus: Lowering(_softplus, reuses=True),
     aten.relu: Lowering(_relu, on_bools="="),
-    aten.hardtanh: Lowering(lambda x, min_val=-1.0, max_val=1.0: _clamp(x, min=min_val, max=max_val)),
+    aten.hardtanh: Lowering(_hardtanh),
     # min / max
     aten.minimum: Lowering(lambda a, b: _minimum(a, b, _is_float(a)), on_bools="&"),
     aten.maximum: Lowering(lambda a, b: _maximum(a, b, _is_float(a)), on_bools="|"),

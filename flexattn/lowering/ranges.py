@@ -302,7 +302,7 @@ _INTERVALS: dict[Any, Callable] = {
     aten.sgn: _sign,
     aten.relu: lambda a: (max(a[0], 0), max(a[1], 0)),
     # integers are already whole
-    aten.round: lambda a, decimals=0: a if decimals >= 0 else None,
+    aten.round: lambda a, **_: a,
     aten.trunc: lambda a: a,
     aten.floor: lambda a: a,
     aten.ceil: lambda a: a,
@@ -387,7 +387,7 @@ class _Analysis:
         if val.numel() != 1:  # a small vector of loaded values
             return self.unknown(node)
         args = list(node.args) + list(node.kwargs.values())
-        if packet in _SAME_VALUE:
+        if packet in _SAME_VALUE and target is not aten.view.dtype:  # (view.dtype reinterprets bits)
             return self.operand(node.args[0]) or self.unknown(node)
         if packet in _CASTS:
             return self.cast(node, out)
