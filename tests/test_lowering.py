@@ -582,6 +582,23 @@ def run_gpu_checks():
                 check(fn, "mask_mod", kv_start=3)
             except Exception as err:
                 failures.append(f"{name}: {str(err)[:300]}")
+        # the ops and dtype rules of test_lowering_ops.py / test_lowering_types.py, compiled
+        import test_lowering_ops as ops_cases
+        import test_lowering_types as type_cases
+
+        extra = {
+            **{f"ops.{k}": (fn, "score_mod") for k, fn in ops_cases.SCORE_MODS.items()},
+            **{f"ops.{k}": (fn, "mask_mod") for k, fn in ops_cases.MASK_MODS.items()},
+            "types.small_overflow": (type_cases.small_overflow_mask, "mask_mod"),
+            "types.relative_bias": (type_cases.relative_bias, "score_mod"),
+            "types.bool_add": (lambda s, b, h, q, kv: s + ((q >= kv) + (kv >= 0)) * 1.0, "score_mod"),
+            "types.int64_constant": (lambda s, b, h, q, kv: s + ((q + 2**33) % 7) + (kv < 2**33), "score_mod"),
+        }
+        for name, (fn, kind) in extra.items():
+            try:
+                check(fn, kind, h=3, kv_start=3, **(dict(rtol=1e-3, atol=1e-3) if kind == "score_mod" else {}))
+            except Exception as err:
+                failures.append(f"{name}: {str(err)[:300]}")
         test_helpers_on_edge_values()
         softcap = CATALOGUE["softcap"].build(1, 1, 16, 16, "cpu")[0]
         score = torch.randn(16, 16) * 30
