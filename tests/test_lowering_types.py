@@ -244,6 +244,14 @@ def test_index_bounds_are_checked():
         IndexBounds(1, 1, 4, 2**40)
     with pytest.raises(TypeError, match="lowering_variant"):
         lower(traced(causal_mask), variant=IndexBounds(1, 1, 4, 4))
+    # a variant is about one graph and its captured shapes: another mod's would leave gathers unguarded
+    def bias_of(rel):
+        return lambda s, b, h, q, kv: s + rel[q]
+
+    long, short = (traced(bias_of(torch.randn(n)), "score_mod") for n in (64, 32))  # same code, other shapes
+    assert long.graph_module.code == short.graph_module.code
+    with pytest.raises(ValueError, match="another mod"):
+        lower(short, variant=lowering_variant(long, IndexBounds(1, 1, 64, 64)))
 
 
 # -- gathers at indices torch wraps or refuses ------------------------------------------------------

@@ -60,7 +60,7 @@ from .ops import (
     supported_op_names,
     with_options,
 )
-from .ranges import CONSERVATIVE_BOUNDS, LoweringVariant, lowering_variant
+from .ranges import CONSERVATIVE_BOUNDS, LoweringVariant, graph_key, lowering_variant
 from .sites import describe_site
 
 __all__ = ["ModInputs", "LoweredMod", "lower", "VECTOR_LIMIT"]
@@ -1026,4 +1026,7 @@ def lower(
         variant = lowering_variant(traced, CONSERVATIVE_BOUNDS)
     elif not isinstance(variant, LoweringVariant):
         raise TypeError(f"variant must come from lowering_variant(traced, bounds), got {type(variant).__name__}")
+    elif variant.graph is not None and variant.graph != graph_key(traced):
+        raise ValueError(f"variant was computed for another mod than {traced.kind} '{traced.name}': "
+                         "pass lowering_variant(traced, bounds) of this traced mod")  # fmt: skip
     return _Emitter(traced, inputs, prefix, with_options(tanh_approx=tanh_approx), variant).run()

@@ -24,7 +24,7 @@ runtime caches kernels by variant, not by shape. The pass is plain Python over t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -42,6 +42,7 @@ __all__ = [
     "lowering_variant",
     "needs_wide_indices",
     "CONSERVATIVE_BOUNDS",
+    "graph_key",
 ]
 
 aten = torch.ops.aten
@@ -113,6 +114,9 @@ class LoweringVariant:
     wide: frozenset = frozenset()
     gathers: tuple = ()
     torch_overflow: bool = False
+    # Which graph (and captured shapes) the decisions are about, so lower() can refuse a variant
+    # computed for another mod; not part of equality (equal decisions give equal source).
+    graph: Optional[int] = field(default=None, compare=False)
 
     def is_wide(self, node_name: str) -> bool:
         return node_name in self.wide
@@ -507,8 +511,13 @@ class _Analysis:
     def variant(self) -> LoweringVariant:
         return LoweringVariant(
             wide=frozenset(self.wide), gathers=tuple(sorted(self.gathers, key=lambda g: (g[0], g[1]))),
-            torch_overflow=self.torch_overflow,
+            torch_overflow=self.torch_overflow, graph=graph_key(self.traced),
         )  # fmt: skip
+
+
+def graph_key(traced: TracedMod) -> int:
+    """Identifies a traced graph with its captured shapes (what the decisions depend on besides bounds)."""
+    return hash((traced.graph_module.code, tuple((c.shape, c.dtype) for c in traced.captured)))
 
 
 def gather_check(lo: int, hi: int, size: int) -> GatherCheck:
