@@ -11,6 +11,12 @@ algebra unsound.
 negative infinity and give the remainder the divisor's sign. Triton's own ``//`` and ``%`` truncate
 like C, so they print as calls to the ``py_floordiv`` / ``py_remainder`` helpers of
 ``templates/mod_helpers.py.jinja``.
+
+An expression is printed in one dtype: int32, or int64 (``wide``) when the bounds analysis says its
+value can leave int32. Every symbol carries its own dtype (a loaded int64 value, an int32 index), and
+a wide expression starts each sum and product from an int64 operand, so nothing is formed in int32
+first. Reordering by sympy is safe in int32 too: ``+ - *`` wrap modulo 2**32 whatever the order, and
+the expression's value is known to fit.
 """
 
 from __future__ import annotations

@@ -11,9 +11,13 @@ needs them (``prec`` and ``left``). Python numbers arrive as ``Operand`` literal
 other arguments (``rounding_mode``, ``alpha``, ``None``) arrive unchanged. ``fn`` returns the
 expression, or ``(expression, prec)`` where one entry writes different shapes of expression.
 
-A few entries are *structural* (``kind`` other than "expr"): gathers, casts, constants and views do
-not become one expression of their operands, and ``emit.py`` builds them. They are listed here all
-the same, so this file is the one place that says what flexattn can lower.
+The operands' dtypes are the kernel's (emit.py): torch's promotion, int64 where the bounds analysis
+widens an index computation. Entries whose result can be a bool say what they mean on bools
+(``on_bools``: torch's ``True + True`` is ``True``).
+
+A few entries are *structural* (``kind`` other than "expr"): gathers, casts, constants, views and
+reductions do not become one expression of their operands, and ``emit.py`` builds them. They are
+listed here all the same, so this file is the one place that says what flexattn can lower.
 
 Users add entries with ``register_lowering`` (exported from ``flexattn.lowering``).
 """
