@@ -285,3 +285,62 @@ def test_out_of_range_gather_reads_zero():
     torch.testing.assert_close(got, want)
     got_any = run_kernel(far, "score_mod", score, b=0, h=0, q_start=10, kv_start=20, bounds=None)
     torch.testing.assert_close(got_any, want)
+
+
+# -- a seeded differential check of integer index arithmetic ------------------------------------------
+
+_FUZZ_REL = torch.randn(50, generator=torch.Generator().manual_seed(1))
+_FUZZ_DOC = torch.randint(-3, 40, (300,), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
+
+
+def _random_int_expr(rng, depth: int) -> str:
+    """Index arithmetic with negative intermediates, // and %, shifts, casts, loaded values, gathers at
+    derived (negative) indices and constants beyond int32."""
+    t = "torch.as_tensor"
+    if depth == 0 or rng.random() < 0.25:
+        return rng.choice(["q", "kv", "h", "b", "DOC[q]", "DOC[kv] * kv", "(q * 2**28)",
+                           str(rng.choice([1, 3, 7, 64, 1000, 2**20, -5, 2**33]))])  # fmt: skip
+    a, b = _random_int_expr(rng, depth - 1), _random_int_expr(rng, depth - 1)
+    op = rng.choice(["+", "-", "*", "//", "%", "&", "^", "abs", "max", "shift", "tshift", "where", "cast", "gather"])
+    if op in ("+", "-", "*"):
+        return f"({a} {op} {b})"
+    if op in ("&", "^"):
+        return f"({t}({a}) {op} {t}({b}))"
+    if op in ("//", "%"):
+        return f"({t}({a}) {op} {rng.choice([3, -4, 64, 2**31 + 5])})"
+    if op == "abs":
+        return f"torch.abs({t}({a}))"
+    if op == "max":
+        return f"torch.maximum({t}({a}), {t}({b}))"
+    if op == "shift":
+        return f"({t}({a}) {rng.choice(['<<', '>>'])} {rng.choice([1, 8, 31, 40])})"
+    if op == "tshift":
+        return f"({t}({a}) {rng.choice(['<<', '>>'])} ({t}({b}) % 37).abs())"
+    if op == "where":
+        return f"torch.where(q > kv, {a}, {b})"
+    if op == "cast":
+        return f"{t}({a}).to({rng.choice(['torch.int64', 'torch.int16'])})"
+    return f"(REL[{t}({a}).to(torch.int64) % 50 - 25] * 4).to(torch.int32)"  # wraps negatives
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_index_arithmetic_matches_torch(seed):
+    import random
+
+    from flexattn.errors import UnsupportedOpError
+
+    rng = random.Random(seed)
+    source = _random_int_expr(rng, 4)
+    namespace = {"torch": torch, "REL": _FUZZ_REL, "DOC": _FUZZ_DOC}
+    fn = eval(f"lambda s, b, h, q, kv: s + (torch.as_tensor({source}) % 1009) * 1.0", namespace)
+    where = dict(b=0, h=1, q_start=rng.choice([0, 5, 100]), kv_start=rng.choice([0, 3, 50]))
+    try:
+        check(fn, **where, rtol=0, atol=0)
+    except ZeroDivisionError:
+        pytest.skip(f"torch divides by zero in {source}")
+    except RuntimeError as err:  # torch refusing the expression (an overflowing constant) is no finding
+        if isinstance(err, UnsupportedOpError) or "nterpreter" in type(err).__name__:
+            raise
+        pytest.skip(f"torch refuses {source}: {str(err)[:60]}")
+    except AssertionError as err:
+        raise AssertionError(f"{source}\n{err}") from None

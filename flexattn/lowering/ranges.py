@@ -58,9 +58,9 @@ _DTYPE_RANGE = {
     torch.int32: (INT32_MIN, INT32_MAX),
     torch.int64: (INT64_MIN, INT64_MAX),
 }
-# Dtypes whose index-derived values are exact (widened where needed). Narrower integers are the
-# user's explicit choice (`x.to(torch.int8)`) and wrap as in torch.
-_EXACT_DTYPES = (torch.bool, torch.int32, torch.int64)
+# Dtypes an index-derived value is widened from when it needs more. Narrower integers are the user's
+# explicit choice (`x.to(torch.int8)`): arithmetic in them wraps as in torch (still data-independent).
+_WIDENED_DTYPES = (torch.int32,)
 
 
 @dataclass(frozen=True)
@@ -104,8 +104,9 @@ IN_RANGE = GatherCheck()
 class LoweringVariant:
     """The bound-dependent decisions of one lowering; equal variants give identical source.
 
-    wide: names of integer nodes computed in int64 although torch types them narrower (their value
-        or a partial result can leave int32 at the bounds, or they compare with a constant outside it).
+    wide: names of integer nodes computed in int64 although torch types them int32: index-derived
+        values that can leave int32 at the bounds (or meet a constant outside it), and, when that makes
+        the vmap paths use int64 indices, the int32 values computed from data and indices together.
     gathers: ``(node name, index position, check)`` for every index that is not provably in range.
     torch_overflow: torch evaluating the mod with int32 index tensors would overflow (wrap) an
         index-derived value: the vmap paths must pass int64 indices (``needs_wide_indices``).
@@ -140,6 +141,9 @@ class IntFact:
     hi: int
     exact: bool
     dtype: torch.dtype
+    # torch types it int32 only because the indices are int32: with int64 index tensors (the vmap
+    # paths' choice when needs_wide_indices) it would be int64.
+    follows_index: bool = False
 
 
 def _fits(lo: int, hi: int, dtype: torch.dtype) -> bool:
@@ -255,15 +259,15 @@ def _bitwise_or_xor(a, b):
 
 
 def _shift_left(a, s):
-    if s[0] != s[1] or not 0 <= s[0] < 64:
-        return None  # tensor or out-of-range shift amounts follow torch's dtype rules
-    return a[0] << s[0], a[1] << s[0]
+    if not 0 <= s[0] <= s[1] < 64:
+        return None  # amounts past the width (or negative) follow torch's dtype rules
+    return _corners(lambda x, k: x << k, a, s)  # monotone in each argument: corners bound it
 
 
 def _shift_right(a, s):
-    if s[0] != s[1] or not 0 <= s[0] < 64:
+    if not 0 <= s[0] <= s[1] < 64:
         return None
-    return a[0] >> s[0], a[1] >> s[0]
+    return _corners(lambda x, k: x >> k, a, s)
 
 
 def _where(c, a, b):
@@ -329,6 +333,9 @@ class _Analysis:
         self.wide: set[str] = set()
         self.gathers: list[tuple[str, int, GatherCheck]] = []
         self.torch_overflow = False
+        # int32 values computed from loaded data and index values (doc[q_idx] * q_idx): int64 when the
+        # vmap paths take int64 indices, so that every backend computes what torch does with them.
+        self.mixed: set[str] = set()
 
     def run(self) -> "_Analysis":
         limits = {"b": self.bounds.B, "h": self.bounds.H, "q_idx": self.bounds.Q_LEN, "kv_idx": self.bounds.KV_LEN}
@@ -339,7 +346,7 @@ class _Analysis:
                 if position < n_args:
                     name = self.traced.arg_names[position]
                     hi = max(limits.get(name, 1), 1) - 1
-                    self.facts[node] = IntFact(0, hi, True, torch.int32) if name in limits else None
+                    self.facts[node] = IntFact(0, hi, True, torch.int32, True) if name in limits else None
                 else:
                     self.facts[node] = self.captured_constant(position - n_args)
                 position += 1
@@ -348,6 +355,8 @@ class _Analysis:
                     self.facts[node] = self.visit(node)
                 except (TypeError, ValueError, IndexError, KeyError):
                     self.facts[node] = self.unknown(node)  # the lowering reports what it cannot write
+        if self.torch_overflow:
+            self.wide |= self.mixed
         return self
 
     # -- operands ------------------------------------------------------------------------------
@@ -418,23 +427,26 @@ class _Analysis:
                 dtype = _promote(dtype, f.dtype)
         # Bools (conditions, comparisons) are 0 or 1 wherever they come from; an integer is exact when
         # every integer it is computed from is.
-        exact = all(f.exact for f in node_operands if f.dtype != torch.bool) and out in _EXACT_DTYPES
+        exact = all(f.exact for f in node_operands if f.dtype != torch.bool)
         interval = self.interval(node, packet)
         if interval is None:  # undefined (a division by zero) or not tracked: torch's rules
             exact = False
             lo, hi = _DTYPE_RANGE[dtype]
         else:
             lo, hi = interval
-        if exact:
-            if dtype != torch.int64 and (not _fits(lo, hi, torch.int32) or self.has_wide_constant(operands)):
-                self.wide.add(node.name)
-                dtype = torch.int64
-            if out != torch.int64 and (not _fits(lo, hi, torch.int32) or self.has_wide_constant(operands)):
-                self.torch_overflow = True  # torch, with int32 indices, would wrap this value
-        if not _fits(lo, hi, dtype):  # it wraps in the kernel's dtype (follows torch): any value
+        if exact and dtype in _WIDENED_DTYPES and (not _fits(lo, hi, torch.int32) or self.has_wide_constant(operands)):
+            self.wide.add(node.name)
+            dtype = torch.int64
+            if out == torch.int32:
+                self.torch_overflow = True  # torch, with int32 indices, would wrap this value (or constant)
+        follows_index = out == torch.int32 and any(f.follows_index for f in node_operands)
+        if not exact and follows_index and dtype == torch.int32:
+            self.mixed.add(node.name)
+        if not _fits(lo, hi, dtype):
+            # It wraps in the kernel's dtype as in torch (an int8 sum, a loaded int32 product): any value.
+            # Still data-independent when exact, so a later int32 computation with it stays exact.
             lo, hi = _DTYPE_RANGE[dtype]
-            exact = False
-        return IntFact(lo, hi, exact, dtype)
+        return IntFact(lo, hi, exact, dtype, follows_index)
 
     def interval(self, node, packet) -> Optional[tuple[int, int]]:
         fn = _INTERVALS.get(node.target) or _INTERVALS.get(packet)
@@ -487,9 +499,8 @@ class _Analysis:
             return IntFact(int(f.lo > 0 or f.hi < 0), int(f.lo != 0 or f.hi != 0), f.exact, torch.bool)
         if out == f.dtype:  # the kernel already holds it in this dtype: the same expression
             return f
-        exact = f.exact and out in _EXACT_DTYPES
         lo, hi = (f.lo, f.hi) if _fits(f.lo, f.hi, out) else _DTYPE_RANGE[out]  # a narrowing cast wraps
-        return IntFact(lo, hi, exact, out)
+        return IntFact(lo, hi, f.exact, out)
 
     # -- gathers -------------------------------------------------------------------------------
 
