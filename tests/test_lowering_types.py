@@ -344,3 +344,4 @@ def test_random_index_arithmetic_matches_torch(seed):
         pytest.skip(f"torch refuses {source}: {str(err)[:60]}")
     except AssertionError as err:
         raise AssertionError(f"{source}\n{err}") from None
+

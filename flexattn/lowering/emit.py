@@ -514,18 +514,21 @@ class _Emitter:
         check = self.variant.gather_check(node.name, position)
         if not (check.wrap or check.masked):
             return self.leaf(v) * view.stride, []
+        if v.dtype not in _INDEX_INTS:  # an int8 index plus the size would wrap in int8
+            v = self.coerce(v, torch.int32)
         v = self.named(v)
         key = (v.text, view.size, check)
+        size = literal(view.size)[0]
         if key not in self.guarded:  # intervals[doc[q], 0] and intervals[doc[q], 1] guard doc[q] once
             inside = None
             if check.wrap:  # torch reads rel[-1] as the last element
-                v = Val(f"tl.where({_paren(v, CMP + 1)} < 0, {_paren(v, ADD)} + {view.size}, {v.text})", v.dtype)
+                v = Val(f"tl.where({_paren(v, CMP + 1)} < 0, {_paren(v, ADD)} + {size}, {v.text})", v.dtype)
                 if check.masked:
                     v = self.temp(v)
             if check.masked:
                 # Read at 0 where the index is outside the dimension, and give 0 there (see load). Not a
                 # masked tl.load: the interpreter mishandles a mask broadcast from a scalar condition.
-                tests = ([f"({v.text} >= 0)"] if check.low else []) + ([f"({v.text} < {view.size})"] if check.high else [])
+                tests = ([f"({v.text} >= 0)"] if check.low else []) + ([f"({v.text} < {size})"] if check.high else [])
                 inside = self.temp(Val(" & ".join(tests), torch.bool, BAND if len(tests) > 1 else ATOM)).text
                 v = self.temp(Val(f"tl.where({inside}, {v.text}, 0)", v.dtype))
             self.guarded[key] = (v, inside)
