@@ -25,7 +25,16 @@ import pytest
 import torch
 
 from flexattn.errors import UnsupportedOpError
-from flexattn.lowering import LOWERINGS, ModInputs, lower, register_lowering
+from flexattn.lowering.ranges import CONSERVATIVE_BOUNDS
+from flexattn.lowering import (
+    LOWERINGS,
+    IndexBounds,
+    ModInputs,
+    lower,
+    lowering_variant,
+    needs_wide_indices,
+    register_lowering,
+)
 from flexattn.trace import GetItemToIndex, trace_mod
 from gym.catalogue import CATALOGUE, causal_mask, generate_alibi_bias
 
@@ -92,11 +101,13 @@ def compile_kernel(source: str):
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def run_kernel(fn, kind, score, *, b, h, q_start, kv_start, **lower_options):
+def run_kernel(fn, kind, score, *, b, h, q_start, kv_start, bounds=None, **lower_options):
+    """The lowered mod on one tile; ``bounds``: lower for those lengths (None: for any lengths)."""
     if not INTERPRETED:
         pytest.skip("needs a process started with TRITON_INTERPRET=1; test_compiled_on_gpu covers GPUs")
     traced, captured = trace_mod(fn, kind)
-    lowered = lower(traced, prefix="sm_" if kind == "score_mod" else "mm_", **lower_options)
+    variant = lowering_variant(traced, bounds) if bounds is not None else None
+    lowered = lower(traced, prefix="sm_" if kind == "score_mod" else "mm_", variant=variant, **lower_options)
     mask = kind == "mask_mod"
     kernel = compile_kernel(render(lowered, mask))
     M, N = score.shape
@@ -106,11 +117,12 @@ def run_kernel(fn, kind, score, *, b, h, q_start, kv_start, **lower_options):
     return out.bool() if mask else out
 
 
-def run_reference(fn, kind, score, *, b, h, q_start, kv_start):
+def run_reference(fn, kind, score, *, b, h, q_start, kv_start, index_dtype=torch.int32):
+    """The mod itself, vmapped over the tile (int64 indices where the mod needs wide indices)."""
     M, N = score.shape
-    b_, h_ = torch.tensor(b, dtype=torch.int32), torch.tensor(h, dtype=torch.int32)
-    q = torch.arange(q_start, q_start + M, dtype=torch.int32)
-    kv = torch.arange(kv_start, kv_start + N, dtype=torch.int32)
+    b_, h_ = torch.tensor(b, dtype=index_dtype), torch.tensor(h, dtype=index_dtype)
+    q = torch.arange(q_start, q_start + M, dtype=index_dtype)
+    kv = torch.arange(kv_start, kv_start + N, dtype=index_dtype)
 
     def one(s, q_idx, kv_idx):
         return fn(s, b_, h_, q_idx, kv_idx) if kind == "score_mod" else fn(b_, h_, q_idx, kv_idx)
@@ -120,21 +132,40 @@ def run_reference(fn, kind, score, *, b, h, q_start, kv_start):
     return out.expand(M, N) if kind == "mask_mod" else out.float().expand(M, N)
 
 
+def tile_bounds(b, h, q_start, kv_start, M, N) -> IndexBounds:
+    """The smallest lengths that contain one tile: what a kernel for exactly that tile may assume."""
+    return IndexBounds(B=b + 1, H=h + 1, Q_LEN=q_start + M, KV_LEN=kv_start + N)
+
+
 def check(fn, kind="score_mod", *, b=1, h=2, q_start=0, kv_start=5, M=16, N=16, rtol=1e-5, atol=1e-5, score=None):
-    """The lowered mod and the mod itself agree on one tile (q_start < kv_start: negative q - kv)."""
+    """The lowered mod and the mod itself agree on one tile (q_start < kv_start: negative q - kv),
+    lowered for any lengths and for the tile's own lengths."""
     gen = torch.Generator().manual_seed(0)
     score = torch.randn(M, N, generator=gen) * 3 if score is None else score
     where = dict(b=b, h=h, q_start=q_start, kv_start=kv_start)
-    got = run_kernel(fn, kind, score, **where)
-    want = run_reference(fn, kind, score, **where)
-    if kind == "mask_mod":
-        assert torch.equal(got, want), f"{(got != want).sum()} of {got.numel()} mask entries differ"
-    else:
-        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True)
+    bounds = tile_bounds(b, h, q_start, kv_start, M, N)
+    traced = trace_mod(fn, kind)[0]
+    for lowered_for in (None, bounds):
+        # The contract: the kernel lowered for some lengths computes what torch computes with the index
+        # dtype the vmap paths use at those lengths (int64 where needs_wide_indices says so).
+        wide = needs_wide_indices(traced, CONSERVATIVE_BOUNDS if lowered_for is None else lowered_for)
+        want = run_reference(fn, kind, score, **where, index_dtype=torch.int64 if wide else torch.int32)
+        got = run_kernel(fn, kind, score, **where, bounds=lowered_for)
+        if kind == "mask_mod":
+            assert torch.equal(got, want), f"{(got != want).sum()} of {got.numel()} mask entries differ ({lowered_for})"
+        else:
+            torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"{m} ({lowered_for})")
 
 
-def lowered_of(fn, kind="score_mod", **options):
-    return lower(trace_mod(fn, kind)[0], **options)
+# Lengths the golden sources are written for: every gather below is in range there (the source for
+# unknown lengths, with int64 sums and checked gathers, is in test_lowering_types.py).
+GOLDEN_BOUNDS = IndexBounds(B=2, H=4, Q_LEN=32, KV_LEN=32)
+
+
+def lowered_of(fn, kind="score_mod", bounds=GOLDEN_BOUNDS, **options):
+    traced = trace_mod(fn, kind)[0]
+    variant = lowering_variant(traced, bounds) if bounds is not None else None
+    return lower(traced, variant=variant, **options)
 
 
 # -- captured tensors used below -------------------------------------------------------------------
@@ -195,10 +226,18 @@ def test_golden_gather_strides():
 
 def test_golden_gather_of_gather_names_the_shared_load():
     lowered = lowered_of(interval_mask, "mask_mod", prefix="mm_")
-    assert lowered.lines == ("mm_t0 = tl.load(mm_DOC_ptr + q_idx * mm_DOC_stride0)",)
+    # DOC's values are data, so the row they pick is not provably in range: it is wrapped (torch reads
+    # intervals[-1] as the last row) and checked once, and both reads of that row share the check.
+    assert lowered.lines == (
+        "mm_t0 = tl.load(mm_DOC_ptr + q_idx * mm_DOC_stride0)",
+        "mm_t1 = tl.where(mm_t0 < 0, mm_t0 + 4, mm_t0)",
+        "mm_t2 = (mm_t1 >= 0) & (mm_t1 < 4)",
+        "mm_t3 = tl.where(mm_t2, mm_t1, 0)",
+    )
     assert lowered.result == (
-        "(kv_idx.to(tl.int64) >= tl.load(mm_INTERVALS_ptr + mm_t0 * mm_INTERVALS_stride0)) & "
-        "(kv_idx.to(tl.int64) < tl.load(mm_INTERVALS_ptr + (mm_t0 * mm_INTERVALS_stride0 + mm_INTERVALS_stride1)))"
+        "(kv_idx.to(tl.int64) >= tl.where(mm_t2, tl.load(mm_INTERVALS_ptr + mm_t3 * mm_INTERVALS_stride0), 0)) & "
+        "(kv_idx.to(tl.int64) < tl.where(mm_t2, tl.load(mm_INTERVALS_ptr + (mm_t3 * mm_INTERVALS_stride0 + "
+        "mm_INTERVALS_stride1)), 0))"
     )
     # one parameter group per captured input, constants included (their value is written inline)
     names = [c.name for c in lowered.captured]
@@ -236,7 +275,8 @@ def test_golden_tanh_precise_and_approx():
 
 def test_golden_names_follow_inputs_and_prefix():
     inputs = ModInputs(score="s", b="bz", h="hq", q_idx="m", kv_idx="n")
-    lowered = lower(trace_mod(alibi_like, "score_mod")[0], inputs, prefix="x_")
+    traced = trace_mod(alibi_like, "score_mod")[0]
+    lowered = lower(traced, inputs, prefix="x_", variant=lowering_variant(traced, GOLDEN_BOUNDS))
     assert lowered.result == "s + tl.load(x_SLOPES_ptr + hq * x_SLOPES_stride0) * (n - m).to(tl.float32)"
 
 
@@ -431,7 +471,9 @@ def test_helpers_template_is_plain_python():
     tree = ast.parse(source)
     names = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
     assert {"py_floordiv", "py_remainder", "py_floordiv_float", "trunc_div", "pow_float", "precise_tanh",
-            "tanh_approx", "round_to_bfloat16", "torch_maximum", "torch_minimum"} <= names  # fmt: skip
+            "tanh_approx", "round_to_bfloat16", "torch_maximum", "torch_minimum", "torch_shift_left",
+            "torch_shift_right", "round_half_even", "trunc_float", "torch_sign", "torch_log1p", "torch_expm1",
+            "gelu_erf", "gelu_tanh", "silu"} <= names  # fmt: skip
 
 
 def test_register_lowering_adds_a_table_entry():
@@ -518,9 +560,11 @@ def run_gpu_checks():
     global run_kernel
     cpu_run_kernel = run_kernel
 
-    def on_gpu(fn, kind, score, **kw):
+    def on_gpu(fn, kind, score, bounds=None, **kw):
         traced, captured = trace_mod(fn, kind)
-        lowered = lower(traced, prefix="sm_" if kind == "score_mod" else "mm_", tanh_approx=kw.pop("tanh_approx", False))
+        variant = lowering_variant(traced, bounds) if bounds is not None else None
+        lowered = lower(traced, prefix="sm_" if kind == "score_mod" else "mm_",
+                        tanh_approx=kw.pop("tanh_approx", False), variant=variant)  # fmt: skip
         mask = kind == "mask_mod"
         kernel = compile_kernel(render(lowered, mask))
         M, N = score.shape
@@ -541,6 +585,23 @@ def run_gpu_checks():
         for name, fn in MASK_MODS.items():
             try:
                 check(fn, "mask_mod", kv_start=3)
+            except Exception as err:
+                failures.append(f"{name}: {str(err)[:300]}")
+        # the ops and dtype rules of test_lowering_ops.py / test_lowering_types.py, compiled
+        import test_lowering_ops as ops_cases
+        import test_lowering_types as type_cases
+
+        extra = {
+            **{f"ops.{k}": (fn, "score_mod") for k, fn in ops_cases.SCORE_MODS.items()},
+            **{f"ops.{k}": (fn, "mask_mod") for k, fn in ops_cases.MASK_MODS.items()},
+            "types.small_overflow": (type_cases.small_overflow_mask, "mask_mod"),
+            "types.relative_bias": (type_cases.relative_bias, "score_mod"),
+            "types.bool_add": (lambda s, b, h, q, kv: s + ((q >= kv) + (kv >= 0)) * 1.0, "score_mod"),
+            "types.int64_constant": (lambda s, b, h, q, kv: s + ((q + 2**33) % 7) + (kv < 2**33), "score_mod"),
+        }
+        for name, (fn, kind) in extra.items():
+            try:
+                check(fn, kind, h=3, kv_start=3, **(dict(rtol=1e-3, atol=1e-3) if kind == "score_mod" else {}))
             except Exception as err:
                 failures.append(f"{name}: {str(err)[:300]}")
         test_helpers_on_edge_values()

@@ -15,5 +15,16 @@ precise_tanh, ...) are in templates/mod_helpers.py.jinja.
 
 from .emit import LoweredMod, ModInputs, lower
 from .ops import LOWERINGS, register_lowering
+from .ranges import IndexBounds, LoweringVariant, lowering_variant, needs_wide_indices
 
-__all__ = ["LoweredMod", "ModInputs", "lower", "register_lowering", "LOWERINGS"]
+__all__ = [
+    "LoweredMod",
+    "ModInputs",
+    "lower",
+    "register_lowering",
+    "LOWERINGS",
+    "IndexBounds",
+    "LoweringVariant",
+    "lowering_variant",
+    "needs_wide_indices",
+]

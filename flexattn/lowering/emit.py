@@ -4,24 +4,29 @@ The walk follows tinygrad's renderer (style.md, section E): one pass over the no
 node's source built by its entry in ``ops.LOWERINGS``; a value used more than once is given a name
 (``sm_t0 = ...``), a value used once is written inline where it is used.
 
-Values in the walk are either
+Values in the walk are
 
-* ``Val``: a Triton expression with the dtype it has in the kernel. Integer values built from
-  ``b``/``h``/``q_idx``/``kv_idx``/constants by ``+ - * // %`` also carry a sympy expression
-  (``sym``), which later integer ops extend and simplify (index.py); or
-* ``Gather``: a captured tensor with some leading dimensions indexed, kept as a sympy offset from
-  its pointer plus the dimensions still open. The load is written only when no dimension is left,
-  so ``intervals[doc_id[kv_idx]][0]`` becomes one ``tl.load`` at ``row * stride0 + 0 * stride1``.
+* ``Val``: a Triton expression with the dtype it has in the kernel. Integer values built by
+  ``+ - * // %`` also carry a sympy expression (``sym``), which later integer ops extend and
+  simplify (index.py);
+* ``Gather``: a captured tensor with some dimensions indexed, kept as a sympy offset from its
+  pointer plus the dimensions still open (each a size and a stride, so slices and transposes of the
+  tensor are offsets and strides too). The load is written when no dimension is left, so
+  ``intervals[doc_id[kv_idx]][0]`` becomes one ``tl.load`` at ``row * stride0``;
+* ``Vec``: a small tensor of values (the row ``qe[q_idx]`` of a captured ``[L, 8]`` table), one
+  ``Val`` per element, for elementwise ops and reductions such as ``torch.dot``, unrolled.
 
-Dtypes. Every float is float32 in the kernel, whatever torch computes it in: loads of float16,
-bfloat16 and float64 tensors are converted to float32, float64 arithmetic runs in float32 (kernels
-are fp32 throughout), and float16/bfloat16 arithmetic runs in float32 without rounding each step
-(as Inductor does). An explicit cast to float16/bfloat16 (``x.half()``) still rounds, through
-``.to(tl.float16).to(tl.float32)`` or ``round_to_bfloat16(x)``. Integers and bools keep torch's
-dtypes: before each op its operands are cast to the dtype torch would compute in
-(``node.meta["val"].dtype``), so an int32 index plus an int64 captured value is an int64 sum, and
-``int / int`` is a float32 division. Comparisons give ``tl.int1``. Integer index arithmetic is
-assumed not to overflow (sympy may reorder it).
+Dtypes (docs/lowering.md has the full rules). Every float is float32 in the kernel, whatever torch
+computes it in: loads of float16, bfloat16 and float64 tensors are converted to float32, float64
+arithmetic runs in float32, and float16/bfloat16 arithmetic runs in float32 without rounding each
+step (as Inductor does). An explicit cast to float16/bfloat16 (``x.half()``) still rounds, through
+``.to(tl.float16).to(tl.float32)`` or ``round_to_bfloat16(x)``. Integers and bools follow torch's
+promotion (``node.meta["val"].dtype``), with one difference: integer values derived from the index
+arguments and Python constants are exact, so a node the bounds analysis (ranges.py) marks wide is
+computed in int64 from its first operation on, and a value keeps the wider dtype of its operands.
+An int32 expression that enters an int64 one is first computed on its own and then widened (a cast
+starts a new value), so values read from captured tensors wrap exactly where torch wraps them.
+Bool ``+``/``*`` are a logical or/and, as in torch.
 """
 
 from __future__ import annotations
@@ -37,12 +42,13 @@ import torch
 import torch.fx
 
 from ..errors import UnsupportedOpError
-from ..trace import CapturedInput, TracedMod, source_line_of
-from .index import ADD, ATOM, BAND, BOR, BXOR, CMP, print_index
+from ..trace import CapturedInput, TracedMod
+from .index import ADD, ATOM, BAND, BOR, BXOR, CMP, MUL, print_index, wrap_int
 from .ops import (
     BOOL,
     COMMON,
     KEEP,
+    LOWERINGS,
     RESULT,
     TL_DTYPES,
     WHERE,
@@ -54,8 +60,15 @@ from .ops import (
     supported_op_names,
     with_options,
 )
+from .ranges import CONSERVATIVE_BOUNDS, LoweringVariant, graph_key, lowering_variant
+from .sites import describe_site
 
-__all__ = ["ModInputs", "LoweredMod", "lower"]
+__all__ = ["ModInputs", "LoweredMod", "lower", "VECTOR_LIMIT"]
+
+aten = torch.ops.aten
+
+# Most elements a small tensor inside a mod may have (each becomes its own load and arithmetic).
+VECTOR_LIMIT = 128
 
 
 @dataclass(frozen=True)
@@ -102,6 +115,7 @@ class Val:
     prec: int = ATOM  # binding strength of text's outer operator (index.py)
     sym: Optional[sympy.Expr] = None  # the same integer as a sympy expression, for index arithmetic
     value: Any = None  # the Python number, when the value is a constant
+    weak: bool = False  # a Python number argument: it does not decide the result dtype (torch's rule)
 
     @property
     def trivial(self) -> bool:
@@ -110,13 +124,31 @@ class Val:
 
 
 @dataclass(frozen=True)
+class View:
+    """One open dimension of a gather: its size and its stride (a sympy multiple of a stride parameter)."""
+
+    size: int
+    stride: sympy.Expr
+
+
+@dataclass(frozen=True)
 class Gather:
     """Captured tensor ``index`` read at ``ptr + offset``, with dimensions ``dims`` not yet indexed."""
 
     index: int
     offset: sympy.Expr
-    dims: tuple[int, ...]
+    dims: tuple[View, ...]
     casts: tuple[torch.dtype, ...] = ()  # casts of the whole tensor (DOC.float()), applied after the load
+    checks: tuple[str, ...] = ()  # names of the in-range tests of indices not proved in range
+    wide: bool = False  # the tensor is too large for int32 offsets
+
+
+@dataclass(frozen=True)
+class Vec:
+    """A small tensor of values: ``items`` in row-major order, ``shape`` as torch has it."""
+
+    items: tuple[Val, ...]
+    shape: tuple[int, ...]
 
 
 # Python orders & ^ | above comparisons, unlike C; mixed chains get parentheses so nobody has to know.
@@ -133,12 +165,26 @@ def _paren(v: Val, need: int) -> str:
     return v.text if v.prec >= need else f"({v.text})"
 
 
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
 def _const(value: Any, dtype: torch.dtype) -> Val:
-    """A constant of torch dtype ``dtype``, rounded as torch would store it."""
+    """A constant of torch dtype ``dtype``, as torch would store it (integers wrap, like torch's weak
+    constants: ``int32_tensor + 2**32`` adds 0)."""
     if dtype in (torch.float32, torch.float64) and isinstance(value, (int, float)) and not isinstance(value, bool):
         value = float(value)  # written as given (0.1, not 0.10000000149011612): Triton rounds it alike
-    else:
+    elif dtype.is_floating_point:
         value = torch.tensor(value, dtype=dtype).item()
+    elif dtype == torch.bool:
+        value = bool(value)
+    elif dtype == torch.uint8:
+        value = int(value) & 0xFF
+    else:
+        value = wrap_int(int(value), dtype)
     text, prec = literal(value)
     return Val(text, kernel_dtype(dtype), prec, value=value)
 
@@ -147,7 +193,7 @@ def _weak(value: Union[bool, int, float]) -> Val:
     """A Python number argument (torch's "wrapped number": it does not decide the result dtype)."""
     dtype = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) else torch.float32
     text, prec = literal(value)
-    return Val(text, dtype, prec, value=value)
+    return Val(text, dtype, prec, value=value, weak=True)
 
 
 def _flat_nodes(args) -> list[torch.fx.Node]:
@@ -213,34 +259,32 @@ _INDEX_FIRST = (
 # Ops users reach for that have no entry, and what to write instead.
 _HINTS = {
     **dict.fromkeys(
-        ["cumsum", "cumprod", "cummax", "cummin", "sort", "argsort", "topk", "sum", "mean", "prod", "amax",
-         "amin", "max", "min", "argmax", "argmin", "any", "all", "unique", "nonzero", "searchsorted"],
-        "A mod sees one (query, key) pair at a time, so reductions, scans and sorts over a tensor "
+        ["cumsum", "cumprod", "cummax", "cummin", "sort", "argsort", "topk", "unique", "nonzero", "searchsorted",
+         "argmax", "argmin"],
+        "A mod sees one (query, key) pair at a time, so scans, sorts and searches over a tensor "
         "cannot run inside it. Compute them once outside the mod and capture the result, e.g. "
         "`offsets = lengths.cumsum(0)` outside and `offsets[doc_id[q_idx]]` inside.",
     ),  # fmt: skip
     "fmax": "torch.maximum (propagates NaN)",
     "fmin": "torch.minimum (propagates NaN)",
-    "round": "torch.floor(x + 0.5)",
-    "trunc": "torch.div(a, b, rounding_mode='trunc') for a quotient",
-    "log1p": "torch.log(1 + x)",
-    "expm1": "torch.exp(x) - 1",
-    "sign": "torch.where(x > 0, 1, 0) - torch.where(x < 0, 1, 0)",
-    "softplus": "torch.log(1 + torch.exp(x))",
-    "relu": "torch.clamp_min(x, 0)",
-    "hardtanh": "torch.clamp(x, lo, hi)",
-    "bitwise_left_shift": "multiplication by a power of two",
 }
+
+# What a reduction combines its elements with.
+_REDUCE_JOIN = {"sum": aten.add, "mean": aten.add, "prod": aten.mul, "any": aten.bitwise_or,
+                "all": aten.bitwise_and, "max": aten.maximum, "min": aten.minimum, "dot": aten.add}  # fmt: skip
 
 
 class _Emitter:
-    def __init__(self, traced: TracedMod, inputs: ModInputs, prefix: str, table: dict):
+    def __init__(self, traced: TracedMod, inputs: ModInputs, prefix: str, table: dict, variant: LoweringVariant):
         self.traced = traced
         self.inputs = inputs
         self.prefix = prefix
         self.table = table
+        self.variant = variant
         self.lines: list[str] = []
-        self.env: dict[torch.fx.Node, Union[Val, Gather]] = {}
+        self.env: dict[torch.fx.Node, Union[Val, Gather, Vec]] = {}
+        self.vecs: dict[torch.fx.Node, Vec] = {}  # gathers with open dimensions, read element by element
+        self.guarded: dict[tuple, tuple[Val, Optional[str]]] = {}  # wrapped / checked indices, by source
         self.names: dict[sympy.Symbol, tuple[str, int]] = {}  # symbols standing for inline source
         self.sym_dtypes: dict[sympy.Symbol, torch.dtype] = {}
         self.strides: set[sympy.Symbol] = set()
@@ -250,7 +294,7 @@ class _Emitter:
 
     def run(self) -> LoweredMod:
         graph = self.traced.graph
-        self.canonical, uses = _common_subexpressions(graph)
+        self.canonical, self.uses = _common_subexpressions(graph)
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         n_args = len(self.traced.arg_names)
         if len(placeholders) != n_args + len(self.traced.captured):
@@ -273,7 +317,7 @@ class _Emitter:
                 continue
             else:
                 raise self.unsupported(node, f"a graph node of kind {node.op!r} ({node.target})")
-            self.env[node] = self.settle(value, uses[node])
+            self.env[node] = self.settle(value, self.uses[node])
         return LoweredMod(
             lines=tuple(self.lines),
             result=result,
@@ -281,7 +325,7 @@ class _Emitter:
             captured=tuple(self.traced.captured),
         )
 
-    def settle(self, value: Union[Val, Gather], uses: int) -> Union[Val, Gather]:
+    def settle(self, value, uses: int):
         """Load a fully indexed gather; name a value that more than one node reads."""
         if isinstance(value, Gather):
             if not value.dims:
@@ -290,13 +334,18 @@ class _Emitter:
                 value = replace(value, offset=self.name_inline_symbols(value.offset))
         if isinstance(value, Val) and uses > 1 and not value.trivial:
             value = self.temp(value)
+        if isinstance(value, Vec) and uses > 1:
+            value = Vec(tuple(v if v.trivial else self.temp(v) for v in value.items), value.shape)
         return value
 
     def result(self, node: torch.fx.Node) -> str:
         (out,) = node.args
         value = self.value_of(out, node)
+        if isinstance(value, Vec):
+            raise self.unsupported(node, f"a result of shape {value.shape}", _INDEX_FIRST)
         if value.value is not None:  # a constant: make it a tensor the kernel can broadcast
-            return f"tl.full([1, 1], {value.text}, {TL_DTYPES[value.dtype]})"
+            shown = str(value.value) if isinstance(value.value, int) and not isinstance(value.value, bool) else value.text
+            return f"tl.full([1, 1], {shown}, {TL_DTYPES[value.dtype]})"
         return value.text
 
     # -- inputs ----------------------------------------------------------------------------------
@@ -318,7 +367,9 @@ class _Emitter:
             # A constant the mod builds itself (torch.tensor(1), or the int of `x[doc, 1]`): its
             # value is fixed by the mod's code, so it is written into the kernel as a literal.
             return _const(c.fixed_value.item(), c.dtype)
-        return Gather(i, sympy.Integer(0), tuple(range(len(c.shape))))
+        dims = tuple(View(int(size), self.stride(i, d)) for d, size in enumerate(c.shape))
+        # Offsets of a tensor with 2**31 elements or more do not fit int32 (with any strides).
+        return Gather(i, sympy.Integer(0), dims, wide=_numel(c.shape) >= 2**31)
 
     def params(self, i: int) -> list[str]:
         c = self.traced.captured[i]
@@ -343,6 +394,10 @@ class _Emitter:
         sym = self.symbol(name, value.dtype) if value.sym is not None else None
         return Val(name, value.dtype, ATOM, sym=sym)
 
+    def named(self, value: Val) -> Val:
+        """``value`` as a name or constant, so it can be written more than once."""
+        return value if value.trivial else self.temp(value)
+
     def name_inline_symbols(self, expr: sympy.Expr) -> sympy.Expr:
         """Replace symbols that stand for inline source (a load) by temporaries."""
         subs = {}
@@ -354,13 +409,14 @@ class _Emitter:
 
     # -- sympy <-> source --------------------------------------------------------------------------
 
-    def to_sym(self, v: Val) -> sympy.Expr:
-        if v.sym is not None:
+    def leaf(self, v: Val) -> sympy.Symbol:
+        """A symbol standing for ``v`` computed on its own, in its own dtype."""
+        if v.sym is not None and v.sym.is_Symbol:
             return v.sym
-        if v.value is not None:
-            return sympy.Integer(int(v.value))
         if v.dtype not in _INDEX_INTS:  # int8 + int8 wraps in int8: widen before sympy reorders it
             v = self.coerce(v, torch.int32)
+            if v.sym is not None and v.sym.is_Symbol:
+                return v.sym
         if v.trivial:
             return self.symbol(v.text, v.dtype)
         s = sympy.Symbol(f"_inline{len(self.names)}", integer=True)
@@ -368,16 +424,23 @@ class _Emitter:
         self.sym_dtypes[s] = v.dtype
         return s
 
+    def to_sym(self, v: Val, dtype: torch.dtype) -> sympy.Expr:
+        """``v`` as a term of an integer expression computed in ``dtype``."""
+        if v.value is not None:
+            return sympy.Integer(wrap_int(int(v.value), dtype))  # torch reduces constants to the dtype
+        if v.sym is not None and v.dtype == dtype:
+            return v.sym
+        # A narrower expression inside a wider one is computed on its own first (then widened), as
+        # torch computes it; merging it would change where it wraps.
+        return self.leaf(v)
+
     def sym_val(self, expr: sympy.Expr, dtype: torch.dtype) -> Val:
         expr = sympy.sympify(expr)
         if expr.is_Integer:
             return _const(int(expr), dtype)
-        text, prec = print_index(expr, self.names, frozenset(self.strides))
-        natural = torch.int32
-        for s in expr.free_symbols:
-            natural = torch.promote_types(natural, self.sym_dtypes.get(s, torch.int32))
-        if natural != dtype:
-            text, prec = f"{text if prec >= ATOM else f'({text})'}.to({TL_DTYPES[dtype]})", ATOM
+        text, prec = print_index(
+            expr, self.names, frozenset(self.strides), dtypes=self.sym_dtypes, wide=dtype == torch.int64
+        )
         return Val(text, dtype, prec, sym=expr)
 
     # -- dtype conversions -----------------------------------------------------------------------
@@ -390,12 +453,15 @@ class _Emitter:
             return v
         if dtype == torch.bool:
             return Val(f"{_paren(v, CMP + 1)} != 0", torch.bool, CMP)
-        if v.sym is not None and dtype in _INDEX_INTS:
-            return self.sym_val(v.sym, dtype)
-        return Val(f"{_paren(v, ATOM)}.to({TL_DTYPES[dtype]})", dtype, ATOM)
+        text = f"{_paren(v, ATOM)}.to({TL_DTYPES[dtype]})"
+        widening = v.dtype in _INTS and dtype in _INDEX_INTS and torch.promote_types(v.dtype, dtype) == dtype
+        if widening and v.sym is not None and v.sym.is_Symbol:
+            return Val(text, dtype, ATOM, sym=v.sym)  # the printer widens the symbol where it needs to
+        return Val(text, dtype, ATOM)
 
     def convert(self, v: Val, dtype: torch.dtype) -> Val:
-        """``v.to(dtype)`` as torch computes it: a cast to float16/bfloat16 rounds."""
+        """``v.to(dtype)`` as torch computes it: a cast to float16/bfloat16 rounds, a narrowing
+        integer cast wraps."""
         if v.value is not None:
             return _const(v.value, dtype)
         if dtype == torch.float16:
@@ -412,9 +478,12 @@ class _Emitter:
         if g.offset == 0:
             address = ptr
         else:
-            text, prec = print_index(g.offset, self.names, frozenset(self.strides))
+            wide = g.wide or any(self.sym_dtypes.get(s) == torch.int64 for s in g.offset.free_symbols)
+            text, prec = print_index(g.offset, self.names, frozenset(self.strides), dtypes=self.sym_dtypes, wide=wide)
             address = f"{ptr} + {text if prec > ADD else f'({text})'}"
         text = f"tl.load({address})"
+        if g.checks:  # an index the bounds analysis could not prove in range reads 0, never outside the tensor
+            text = f"tl.where({' & '.join(g.checks)}, {text}, 0)"
         if c.dtype == torch.bool:  # bool tensors hold one byte per element: compare, don't trust the bits
             v = Val(f"{text} != 0", torch.bool, CMP)
         elif c.dtype.is_floating_point:
@@ -425,44 +494,63 @@ class _Emitter:
             v = self.convert(v, dtype)
         return v
 
+    def index_term(self, node: torch.fx.Node, position: int, view: View, index) -> tuple[sympy.Expr, list[str]]:
+        """The offset term of one index, wrapped and checked as the bounds analysis decided."""
+        v = self.value_of(index, node)
+        if isinstance(v, Vec):
+            raise self.unsupported(node, "an index with more than one element", _INDEX_FIRST)
+        if v.dtype not in _INTS:
+            raise self.unsupported(
+                node, f"an index of dtype {index.meta['val'].dtype if isinstance(index, torch.fx.Node) else type(index).__name__} "
+                "(a boolean mask, not a position)",
+                "Index with integer positions; for a boolean condition use torch.where(cond, a, b).",
+            )  # fmt: skip
+        if v.value is not None:
+            position_value = int(v.value) + (view.size if int(v.value) < 0 else 0)
+            if not 0 <= position_value < view.size:
+                raise self.unsupported(node, f"index {v.value} for a dimension of size {view.size}",
+                                       "torch raises an IndexError for it too.")  # fmt: skip
+            return sympy.Integer(position_value) * view.stride, []
+        check = self.variant.gather_check(node.name, position)
+        if not (check.wrap or check.masked):
+            return self.leaf(v) * view.stride, []
+        if v.dtype not in _INDEX_INTS:  # an int8 index plus the size would wrap in int8
+            v = self.coerce(v, torch.int32)
+        v = self.named(v)
+        key = (v.text, view.size, check)
+        size = literal(view.size)[0]
+        if key not in self.guarded:  # intervals[doc[q], 0] and intervals[doc[q], 1] guard doc[q] once
+            inside = None
+            if check.wrap:  # torch reads rel[-1] as the last element
+                v = Val(f"tl.where({_paren(v, CMP + 1)} < 0, {_paren(v, ADD)} + {size}, {v.text})", v.dtype)
+                if check.masked:
+                    v = self.temp(v)
+            if check.masked:
+                # Read at 0 where the index is outside the dimension, and give 0 there (see load). Not a
+                # masked tl.load: the interpreter mishandles a mask broadcast from a scalar condition.
+                tests = ([f"({v.text} >= 0)"] if check.low else []) + ([f"({v.text} < {size})"] if check.high else [])
+                inside = self.temp(Val(" & ".join(tests), torch.bool, BAND if len(tests) > 1 else ATOM)).text
+                v = self.temp(Val(f"tl.where({inside}, {v.text}, 0)", v.dtype))
+            self.guarded[key] = (v, inside)
+        v, inside = self.guarded[key]
+        return self.leaf(v) * view.stride, ([inside] if inside else [])
+
     def gather(self, node: torch.fx.Node) -> Gather:
         src, indices = node.args[0], node.args[1]
         g = self.gather_of(src, node)
         if len(indices) > len(g.dims):
             raise self.unsupported(node, f"{len(indices)} indices for a tensor with {len(g.dims)} dimensions left")
-        shape = self.traced.captured[g.index].shape
-        offset = g.offset
-        for dim, index in zip(g.dims, indices):
-            if not isinstance(index, torch.fx.Node):
+        offset, checks = g.offset, list(g.checks)
+        for position, (view, index) in enumerate(zip(g.dims, indices)):
+            if index is None:
                 raise self.unsupported(
                     node, "indexing with slices, None or Ellipsis",
                     "Index every leading dimension with an integer or an index tensor: bias[h, q_idx - kv_idx].",
                 )  # fmt: skip
-            v = self.value_of(index, node)
-            if v.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64):
-                raise self.unsupported(
-                    node, f"an index of dtype {index.meta['val'].dtype} (a boolean mask, not a position)",
-                    "Index with integer positions; for a boolean condition use torch.where(cond, a, b).",
-                )  # fmt: skip
-            if v.value is not None:
-                position = int(v.value)
-                term = sympy.Integer(position + shape[dim] if position < 0 else position)
-            else:
-                term = self.to_sym(v)
-            offset = offset + term * self.stride(g.index, dim)
-        return replace(g, offset=offset, dims=g.dims[len(indices):])
-
-    def select(self, node: torch.fx.Node) -> Gather:
-        src, dim, position = node.args[:3]
-        g = self.gather_of(src, node)
-        if not isinstance(position, int) or not isinstance(dim, int):
-            raise self.unsupported(node, "select with a symbolic index")
-        dim = dim + len(g.dims) if dim < 0 else dim
-        d = g.dims[dim]
-        size = self.traced.captured[g.index].shape[d]
-        position = position + size if position < 0 else position
-        offset = g.offset + position * self.stride(g.index, d)
-        return replace(g, offset=offset, dims=g.dims[:dim] + g.dims[dim + 1:])
+            term, conditions = self.index_term(node, position, view, index)
+            offset = offset + term
+            checks.extend(conditions)
+        return replace(g, offset=offset, dims=g.dims[len(indices):], checks=tuple(checks))
 
     def gather_of(self, arg, node: torch.fx.Node) -> Gather:
         g = self.env.get(self.canonical.get(arg)) if isinstance(arg, torch.fx.Node) else None
@@ -471,29 +559,139 @@ class _Emitter:
                                    "Only captured tensors can be indexed: index first, then compute.")  # fmt: skip
         return g
 
+    def elements(self, g: Gather, node: torch.fx.Node) -> Vec:
+        """A gather with open dimensions read element by element (a small slice of a captured tensor)."""
+        shape = tuple(v.size for v in g.dims)
+        n = _numel(shape)
+        if n > VECTOR_LIMIT:
+            raise self.unsupported(
+                node, f"a captured tensor used with dimensions of size {shape} not indexed",
+                f"{_INDEX_FIRST} (Reading up to {VECTOR_LIMIT} elements, e.g. for torch.dot of two table "
+                "rows, is unrolled; more is not.)",
+            )  # fmt: skip
+        base = self.name_inline_symbols(g.offset) if n > 1 else g.offset  # each element's load shares it
+        items = []
+        for flat in range(n):
+            offset, rest = base, flat
+            for view in reversed(g.dims):
+                offset = offset + (rest % view.size) * view.stride
+                rest //= view.size
+            items.append(self.load(replace(g, offset=offset, dims=())))
+        return Vec(tuple(items), shape)
+
+    # -- views ---------------------------------------------------------------------------------------
+
+    def view(self, node: torch.fx.Node):
+        src = node.args[0]
+        value = self.env[self.canonical[src]] if isinstance(src, torch.fx.Node) else self.value_of(src, node)
+        out_shape = tuple(node.meta["val"].shape)
+        if isinstance(value, Gather):
+            return self.gather_view(value, node, out_shape)
+        if isinstance(value, Val):
+            if _numel(out_shape) == 1:
+                return value  # views of one element change nothing in the kernel
+            value = Vec((value,), ())
+        return self.vec_view(value, node, out_shape)
+
+    def gather_view(self, g: Gather, node: torch.fx.Node, out_shape: tuple) -> Gather:
+        packet = node.target.overloadpacket
+        dims = list(g.dims)
+        rank = len(dims)
+
+        def axis(d, extra=0):
+            return d + rank + extra if d < 0 else d
+
+        args = list(node.args[1:])
+        kwargs = dict(node.kwargs)
+        offset = g.offset
+        if packet is aten.unsqueeze:
+            dims.insert(axis(args[0], 1), View(1, sympy.Integer(0)))
+        elif packet is aten.squeeze:
+            chosen = args[0] if args else list(range(rank))
+            chosen = {axis(d) for d in (chosen if isinstance(chosen, (list, tuple)) else [chosen])}
+            dims = [v for i, v in enumerate(dims) if not (i in chosen and v.size == 1)]
+        elif packet in (aten.permute,):
+            dims = [dims[axis(d)] for d in args[0]]
+        elif packet is aten.transpose:
+            a, b = axis(args[0]), axis(args[1])
+            dims[a], dims[b] = dims[b], dims[a]
+        elif packet is aten.t:
+            dims = dims[::-1] if rank == 2 else dims
+        elif packet is aten.numpy_T:
+            dims = dims[::-1]
+        elif packet is aten.slice:
+            dim = axis(args[0] if args else kwargs.get("dim", 0))
+            start = args[1] if len(args) > 1 else kwargs.get("start")
+            end = args[2] if len(args) > 2 else kwargs.get("end")
+            step = args[3] if len(args) > 3 else kwargs.get("step", 1)
+            size = dims[dim].size
+            start, end, step = slice(start, end, step).indices(size)
+            length = len(range(start, end, step))
+            offset = offset + start * dims[dim].stride
+            dims[dim] = View(length, dims[dim].stride * step)
+        elif packet is aten.expand:
+            lead = len(out_shape) - rank
+            new = [View(int(s), sympy.Integer(0)) for s in out_shape[:lead]]
+            for v, s in zip(dims, out_shape[lead:]):
+                new.append(v if v.size == s else View(int(s), sympy.Integer(0)))  # only size-1 dims expand
+            dims = new
+        else:  # view / reshape: only adding or removing dimensions of size 1 keeps the strides meaningful
+            kept = [v for v in dims if v.size != 1]
+            if [s for s in out_shape if s != 1] != [v.size for v in kept]:
+                raise self.unsupported(node, f"a reshape of a captured tensor from {tuple(v.size for v in dims)} to {out_shape}",
+                                       "Reshape the tensor outside the mod and capture the result.")  # fmt: skip
+            it = iter(kept)
+            dims = [View(1, sympy.Integer(0)) if s == 1 else next(it) for s in out_shape]
+        if tuple(v.size for v in dims) != out_shape:
+            raise self.unsupported(node, f"a view of shape {out_shape} (computed {tuple(v.size for v in dims)})")
+        return replace(g, offset=offset, dims=tuple(dims))
+
+    def vec_view(self, vec: Vec, node: torch.fx.Node, out_shape: tuple):
+        """Any view of a small tensor, by applying it to the positions of its elements."""
+        positions = torch.arange(len(vec.items)).reshape(vec.shape)
+        args = [positions] + list(node.args[1:])
+        moved = node.target(*args, **node.kwargs).reshape(-1).tolist()
+        items = tuple(vec.items[i] for i in moved)
+        if _numel(out_shape) == 1:
+            return items[0]
+        if len(set(moved)) < len(moved):  # an element written more than once (expand): name it
+            items = tuple(self.named(v) for v in items)
+        return Vec(items, out_shape)
+
     # -- one op ----------------------------------------------------------------------------------
 
-    def value_of(self, arg, node: torch.fx.Node) -> Val:
-        """The Val of a node argument (Python numbers become constants)."""
+    def value_of(self, arg, node: torch.fx.Node):
+        """The Val (or Vec) of a node argument (Python numbers become constants)."""
         if isinstance(arg, torch.fx.Node):
-            v = self.env[self.canonical[arg]]
+            canonical = self.canonical[arg]
+            v = self.env[canonical]
             if isinstance(v, Gather):
-                shape = tuple(self.traced.captured[v.index].shape[d] for d in v.dims)
-                raise self.unsupported(node, f"a captured tensor used with dimensions of size {shape} not indexed",
-                                       _INDEX_FIRST)  # fmt: skip
+                if canonical not in self.vecs:
+                    vec = self.elements(v, node)
+                    if self.uses[canonical] > 1:
+                        vec = Vec(tuple(self.named(x) for x in vec.items), vec.shape)
+                    self.vecs[canonical] = vec
+                return self.vecs[canonical]
+            if isinstance(v, Vec) and _numel(v.shape) == 1:
+                return v.items[0]
             return v
         if isinstance(arg, (bool, int, float)):
             return _weak(arg)
         raise self.unsupported(node, f"an argument of type {type(arg).__name__} ({arg!r})")
 
-    def call(self, node: torch.fx.Node) -> Union[Val, Gather]:
+    def call(self, node: torch.fx.Node):
         rule = lookup(node.target, self.table)
         if rule is None:
+            folded = self.fold_unknown(node)
+            if folded is not None:
+                return folded
             raise self.unknown_op(node)
         if rule.kind == "gather":
             return self.gather(node)
         if rule.kind == "select":
             return self.select(node)
+        if rule.kind == "view":
+            return self.view(node)
         if rule.kind == "identity":
             (src, *_) = node.args
             if isinstance(src, torch.fx.Node):
@@ -507,53 +705,187 @@ class _Emitter:
             value = self.env[self.canonical[src]] if isinstance(src, torch.fx.Node) else self.value_of(src, node)
             if isinstance(value, Gather):
                 return replace(value, casts=value.casts + (out.dtype,))
+            if isinstance(value, Vec):
+                return Vec(tuple(self.convert(v, out.dtype) for v in value.items), value.shape)
             return self.convert(value, out.dtype)
-        if out.dim() != 0:
-            raise self.unsupported(node, f"a tensor of shape {tuple(out.shape)} built inside the mod",
-                                   _INDEX_FIRST + " Build other tensors outside the mod and capture them.")  # fmt: skip
         if rule.kind == "constant":
             try:
                 value = rule.fn(*node.args, **node.kwargs)
-            except TypeError as err:
+            except (TypeError, ValueError) as err:
                 raise self.unsupported(node, f"these arguments ({err})") from err
             if not isinstance(value, (bool, int, float)):
                 raise self.unsupported(node, "a constant that is not a Python number")
-            return _const(value, out.dtype)
-        return self.expression(node, rule, out.dtype)
+            const = _const(value, out.dtype)
+            return self.broadcast_const(const, node, tuple(out.shape))
+        if rule.kind == "reduce":
+            return self.reduce(node, rule.fn)
+        return self.expression(node, rule)
 
-    def expression(self, node: torch.fx.Node, rule: Lowering, out: torch.dtype) -> Val:
+    def select(self, node: torch.fx.Node):
+        src, dim, position = node.args[:3]
+        value = self.env.get(self.canonical.get(src)) if isinstance(src, torch.fx.Node) else None
+        if isinstance(value, Vec):
+            return self.vec_view(value, node, tuple(node.meta["val"].shape))
+        if isinstance(value, Val):  # x.view(1)[0]: the one element
+            return value
+        g = self.gather_of(src, node)
+        if not isinstance(position, int) or not isinstance(dim, int):
+            raise self.unsupported(node, "select with a symbolic index")
+        dim = dim + len(g.dims) if dim < 0 else dim
+        view = g.dims[dim]
+        position = position + view.size if position < 0 else position
+        offset = g.offset + position * view.stride
+        return replace(g, offset=offset, dims=g.dims[:dim] + g.dims[dim + 1:])
+
+    def broadcast_const(self, const: Val, node: torch.fx.Node, shape: tuple):
+        n = _numel(shape)
+        if n == 1:
+            return const
+        if n > VECTOR_LIMIT:
+            raise self.unsupported(node, f"a tensor of shape {shape} built inside the mod",
+                                   _INDEX_FIRST + " Build other tensors outside the mod and capture them.")  # fmt: skip
+        return Vec((const,) * n, shape)
+
+    def kernel_out(self, node: torch.fx.Node, out: torch.dtype, vals: list[Val]) -> torch.dtype:
+        """The dtype the kernel computes an elementwise op in: torch's, widened by operands the kernel
+        already holds wider, and int64 where the bounds analysis says the value needs it."""
+        if out.is_floating_point:
+            return torch.float32
+        if out == torch.bool:
+            return torch.bool
+        dtype = out
+        for v in vals:
+            if not v.weak and v.dtype in _INTS:
+                dtype = torch.promote_types(dtype, v.dtype)
+        if self.variant.is_wide(node.name) and dtype in _INDEX_INTS:
+            dtype = torch.int64
+        return dtype
+
+    def expression(self, node: torch.fx.Node, rule: Lowering):
+        """An elementwise op: on values, or element by element on small tensors."""
         args = [a if a is None or isinstance(a, (str, torch.dtype)) else self.value_of(a, node) for a in node.args]
         kwargs = {k: self.value_of(v, node) if isinstance(v, torch.fx.Node) else v for k, v in node.kwargs.items()}
-        vals = [a for a in args + list(kwargs.values()) if isinstance(a, Val)]
+        out = node.meta["val"]
+        if not any(isinstance(a, Vec) for a in list(args) + list(kwargs.values())):
+            return self.scalar_expression(node, rule, out.dtype, args, kwargs)
+        shape = tuple(out.shape)
+        n = _numel(shape)
+        if n > VECTOR_LIMIT:
+            raise self.unsupported(node, f"a tensor of shape {shape}", _INDEX_FIRST)
 
-        folded = self.fold(node, args, kwargs, out) if all(v.value is not None for v in vals) else None
-        if folded is not None:
-            return folded
+        def spread(a):  # each element's operand: a Vec broadcast to the result, a value repeated
+            if isinstance(a, Vec):
+                picks = torch.arange(len(a.items)).reshape(a.shape).broadcast_to(shape).reshape(-1).tolist()
+                return [a.items[i] for i in picks]
+            if isinstance(a, Val):
+                return [self.named(a)] * n
+            return [a] * n
+
+        columns = [spread(a) for a in args]
+        kw_columns = {k: spread(v) for k, v in kwargs.items()}
+        items = [
+            self.scalar_expression(node, rule, out.dtype, [c[i] for c in columns], {k: c[i] for k, c in kw_columns.items()})
+            for i in range(n)
+        ]
+        return items[0] if n == 1 else Vec(tuple(items), shape)
+
+    def scalar_expression(self, node: torch.fx.Node, rule: Lowering, out_dtype: torch.dtype, args, kwargs) -> Val:
+        vals = [a for a in list(args) + list(kwargs.values()) if isinstance(a, Val)]
+        out = self.kernel_out(node, out_dtype, vals)
+
+        if all(v.value is not None for v in vals):
+            folded = self.fold(node, args, kwargs, out)
+            if folded is not None:
+                return folded
+
+        if out == torch.bool and rule.inputs == RESULT and rule.prec is not None:
+            bools = self.on_bools(node, rule, [a for a in args if isinstance(a, Val)])
+            if bools is not None:
+                return bools
 
         if rule.sym is not None and out in _INDEX_INTS and all(v.dtype in _INTS for v in vals):
-            expr = rule.sym(*(self.to_sym(a) if isinstance(a, Val) else a for a in args),
-                            **{k: self.to_sym(v) if isinstance(v, Val) else v for k, v in kwargs.items()})  # fmt: skip
+            expr = rule.sym(*(self.to_sym(a, out) if isinstance(a, Val) else a for a in args),
+                            **{k: self.to_sym(v, out) if isinstance(v, Val) else v for k, v in kwargs.items()})  # fmt: skip
             if expr is not None:
                 return self.sym_val(expr, out)
 
-        targets = self.input_dtypes(rule.inputs, node, kernel_dtype(out))
+        targets = self.input_dtypes(rule.inputs, node, out, args)
         args = [self.coerce(a, t) if isinstance(a, Val) and t is not None else a for a, t in zip(args, targets)]
         kwargs = {k: self.coerce(v, targets[-1]) if isinstance(v, Val) and targets[-1] is not None else v
                   for k, v in kwargs.items()}  # fmt: skip
         if rule.reuses:
-            args = [self.temp(a) if isinstance(a, Val) and not a.trivial else a for a in args]
+            args = [self.named(a) if isinstance(a, Val) else a for a in args]
 
         operands = [self.operand(a, i, rule) for i, a in enumerate(args)]
         kw_operands = {k: self.operand(v, -1, rule) for k, v in kwargs.items()}
         try:
             written = rule.fn(*operands, **kw_operands)
-        except (TypeError, NotImplementedError, ValueError) as err:
+        except (TypeError, NotImplementedError, ValueError, KeyError) as err:
             raise self.unsupported(node, f"these arguments ({err})") from err
         if isinstance(written, tuple):
             text, prec = written
         else:
             text, prec = written, (rule.prec if rule.prec is not None else precedence_of(written))
-        return Val(text, kernel_dtype(out), prec)
+        return Val(text, out, prec)
+
+    def on_bools(self, node: torch.fx.Node, rule: Lowering, operands: list[Val]) -> Optional[Val]:
+        """Arithmetic whose result is a bool, as torch defines it (``True + True`` is True)."""
+        if rule.on_bools == "fn":
+            return None
+        if rule.on_bools == "=":
+            return self.coerce(operands[0], torch.bool)
+        join = {"|": aten.bitwise_or, "&": aten.bitwise_and}.get(rule.on_bools)
+        if join is None:
+            raise self.unsupported(node, "bool operands", "torch refuses most arithmetic on bools too; "
+                                   "cast first, e.g. cond.to(torch.int32).")  # fmt: skip
+        return self.combine(LOWERINGS[join], [self.coerce(v, torch.bool) for v in operands], torch.bool)
+
+    def combine(self, rule: Lowering, items: list[Val], dtype: torch.dtype) -> Val:
+        """``items[0] op items[1] op ...`` for an infix or call entry of the table, left to right."""
+        acc = items[0]
+        for item in items[1:]:
+            written = rule.fn(self.operand(acc, 0, rule), self.operand(item, 1, rule))
+            text, prec = written if isinstance(written, tuple) else (written, rule.prec)
+            acc = Val(text, dtype, prec)
+        return acc
+
+    def reduce(self, node: torch.fx.Node, how: str):
+        """sum / mean / prod / any / all / amax / amin / dot over a small tensor, unrolled."""
+        out = node.meta["val"]
+        if how == "dot":
+            a, b = (self.as_vec(x, node) for x in node.args[:2])
+            products = [self.scalar_expression(node, LOWERINGS[aten.mul], out.dtype, [x, y], {})
+                        for x, y in zip(a.items, b.items)]  # fmt: skip
+            source, dims, keepdim = Vec(tuple(products), a.shape), None, False
+        else:
+            source = self.as_vec(node.args[0], node)
+            dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        rank = len(source.shape)
+        if dims is None or dims == []:
+            reduced = list(range(rank))
+        else:
+            reduced = sorted({d % max(rank, 1) for d in (dims if isinstance(dims, (list, tuple)) else [dims])})
+        kept = [d for d in range(rank) if d not in reduced]
+        positions = torch.arange(len(source.items)).reshape(source.shape).permute(kept + reduced)
+        groups = positions.reshape(_numel([source.shape[d] for d in kept]), -1).tolist()
+        dtype = kernel_dtype(out.dtype)
+        join = LOWERINGS[_REDUCE_JOIN[how]]
+        if how in ("max", "min"):
+            join = Lowering(lambda a, b, f=join.fn: f(a, b), ATOM)
+        results = []
+        for group in groups:
+            items = [self.coerce(source.items[i], dtype) for i in group]
+            acc = self.combine(join, items, dtype)
+            if how == "mean":
+                acc = Val(f"{_paren(acc, MUL)} / {literal(float(len(group)))[0]}", dtype, MUL)
+            results.append(acc)
+        shape = tuple(out.shape)
+        return results[0] if _numel(shape) == 1 else Vec(tuple(results), shape)
+
+    def as_vec(self, arg, node: torch.fx.Node) -> Vec:
+        v = self.value_of(arg, node)
+        return v if isinstance(v, Vec) else Vec((v,), ())
 
     def operand(self, a, position: int, rule: Lowering):
         if not isinstance(a, Val):
@@ -569,8 +901,8 @@ class _Emitter:
             text = _paren(a, need)
         return Operand(text, a.text, a.prec, a.dtype, a.value)
 
-    def input_dtypes(self, policy: str, node: torch.fx.Node, out: torch.dtype) -> list[Optional[torch.dtype]]:
-        n = max(len(node.args), 1)
+    def input_dtypes(self, policy: str, node: torch.fx.Node, out: torch.dtype, args) -> list[Optional[torch.dtype]]:
+        n = max(len(args), 1)
         if policy == RESULT:
             return [out] * n
         if policy == BOOL:
@@ -578,12 +910,16 @@ class _Emitter:
         if policy == WHERE:
             return [torch.bool] + [out] * (n - 1)
         if policy == COMMON:
-            examples = [torch.empty((), dtype=a.meta["val"].dtype) if isinstance(a, torch.fx.Node) else a
-                        for a in node.args if isinstance(a, (torch.fx.Node, bool, int, float))]  # fmt: skip
+            # torch's promotion over the dtypes the kernel holds the operands in (an int32 index
+            # compared with an int64 value compares in int64); Python numbers do not promote.
+            examples = [a.value if a.weak else torch.empty((), dtype=a.dtype) for a in args if isinstance(a, Val)]
             common = examples[0] if isinstance(examples[0], torch.Tensor) else torch.empty((), dtype=torch.float32)
             for other in examples[1:]:
                 common = torch.empty((), dtype=torch.result_type(common, other))
-            return [kernel_dtype(common.dtype)] * n
+            dtype = kernel_dtype(common.dtype)
+            if self.variant.is_wide(node.name) and dtype in _INDEX_INTS:
+                dtype = torch.int64
+            return [dtype] * n
         assert policy == KEEP, policy
         return [None] * n
 
@@ -591,8 +927,11 @@ class _Emitter:
         """Evaluate an op whose operands are all constants, with torch itself."""
 
         def real(arg, v):
-            if isinstance(arg, torch.fx.Node):
-                return torch.tensor(v.value, dtype=arg.meta["val"].dtype)
+            if isinstance(v, Val) and not v.weak:
+                dtype = arg.meta["val"].dtype if isinstance(arg, torch.fx.Node) else v.dtype
+                if out == torch.int64 and dtype in _INTS:
+                    dtype = torch.int64  # index-derived constants are exact
+                return torch.tensor(v.value, dtype=dtype)
             return v.value if isinstance(v, Val) else v
 
         try:
@@ -602,16 +941,40 @@ class _Emitter:
             )
         except Exception:  # an op torch cannot run on CPU constants: lower it normally
             return None
-        if not isinstance(result, torch.Tensor) or result.dim() != 0:
+        if not isinstance(result, torch.Tensor) or result.numel() != 1:
             return None
         return _const(result.item(), out)
 
+    def fold_unknown(self, node: torch.fx.Node):
+        """An op without a table entry whose inputs are all constants (torch.arange(4)): its value."""
+        if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            return None
+        inputs = _flat_nodes((node.args, node.kwargs))
+        values = {}
+        for arg in inputs:
+            v = self.env.get(self.canonical[arg])
+            if not isinstance(v, Val) or v.value is None:
+                return None
+            values[arg] = torch.tensor(v.value, dtype=arg.meta["val"].dtype)
+        try:
+            result = node.target(*torch.fx.node.map_arg(node.args, values.get),
+                                 **torch.fx.node.map_arg(node.kwargs, values.get))  # fmt: skip
+        except Exception:
+            return None
+        if not isinstance(result, torch.Tensor) or result.dtype not in TL_DTYPES or result.numel() > VECTOR_LIMIT:
+            return None
+        items = tuple(_const(x, result.dtype) for x in result.reshape(-1).tolist())
+        return items[0] if result.numel() == 1 else Vec(items, tuple(result.shape))
+
     # -- errors ----------------------------------------------------------------------------------
+
+    def where(self, node: torch.fx.Node) -> list[str]:
+        return [f"  {line}" for line in describe_site(self.traced, node)]
 
     def unsupported(self, node: torch.fx.Node, problem: str, hint: Optional[str] = None) -> UnsupportedOpError:
         lines = [
             f"Cannot lower {self.traced.kind} '{self.traced.name}' to Triton: {node.target} with {problem}.",
-            f"  {source_line_of(self.traced, node)}",
+            *self.where(node),
             f"  fx node: {_node_text(node)}",
         ]
         if hint:
@@ -624,7 +987,7 @@ class _Emitter:
         lines = [
             f"Cannot lower {self.traced.kind} '{self.traced.name}' to Triton: {op} has no entry in "
             "flexattn's lowering table.",
-            f"  {source_line_of(self.traced, node)}",
+            *self.where(node),
             f"  fx node: {_node_text(node)}",
         ]
         if short in _HINTS:
@@ -641,7 +1004,12 @@ class _Emitter:
 
 
 def lower(
-    traced: TracedMod, inputs: ModInputs = ModInputs(), prefix: str = "sm_", *, tanh_approx: bool = False
+    traced: TracedMod,
+    inputs: ModInputs = ModInputs(),
+    prefix: str = "sm_",
+    *,
+    tanh_approx: bool = False,
+    variant: Optional[LoweringVariant] = None,
 ) -> LoweredMod:
     """Triton source for a traced score_mod or mask_mod.
 
@@ -649,8 +1017,19 @@ def lower(
     tensor parameters ``{prefix}{name}_ptr``), so a score_mod and a mask_mod can share a kernel
     (e.g. "sm_" and "mm_"). ``tanh_approx`` lowers torch.tanh to the hardware ``tanh.approx.f32``
     instruction (NVIDIA only, about 2^-11 relative error) instead of the precise exp-based helper.
+    ``variant`` is ``lowering_variant(traced, bounds)`` for the lengths of this call: which integer
+    values need int64 and which gathers need a wrap or a mask. None: nothing is known of the lengths,
+    and the source is right for any lengths an int32-indexed kernel can see (int64 wherever a sum of
+    two indices could leave int32, every gather masked).
     Raises UnsupportedOpError, naming the op and the mod's source line, for ops with no entry.
     """
     if not prefix.isidentifier():
         raise ValueError(f"prefix must start a Python identifier, got {prefix!r}")
-    return _Emitter(traced, inputs, prefix, with_options(tanh_approx=tanh_approx)).run()
+    if variant is None:
+        variant = lowering_variant(traced, CONSERVATIVE_BOUNDS)
+    elif not isinstance(variant, LoweringVariant):
+        raise TypeError(f"variant must come from lowering_variant(traced, bounds), got {type(variant).__name__}")
+    elif variant.graph is not None and variant.graph != graph_key(traced):
+        raise ValueError(f"variant was computed for another mod than {traced.kind} '{traced.name}': "
+                         "pass lowering_variant(traced, bounds) of this traced mod")  # fmt: skip
+    return _Emitter(traced, inputs, prefix, with_options(tanh_approx=tanh_approx), variant).run()

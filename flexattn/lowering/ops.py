@@ -11,9 +11,13 @@ needs them (``prec`` and ``left``). Python numbers arrive as ``Operand`` literal
 other arguments (``rounding_mode``, ``alpha``, ``None``) arrive unchanged. ``fn`` returns the
 expression, or ``(expression, prec)`` where one entry writes different shapes of expression.
 
-A few entries are *structural* (``kind`` other than "expr"): gathers, casts, constants and views do
-not become one expression of their operands, and ``emit.py`` builds them. They are listed here all
-the same, so this file is the one place that says what flexattn can lower.
+The operands' dtypes are the kernel's (emit.py): torch's promotion, int64 where the bounds analysis
+widens an index computation. Entries whose result can be a bool say what they mean on bools
+(``on_bools``: torch's ``True + True`` is ``True``).
+
+A few entries are *structural* (``kind`` other than "expr"): gathers, casts, constants, views and
+reductions do not become one expression of their operands, and ``emit.py`` builds them. They are
+listed here all the same, so this file is the one place that says what flexattn can lower.
 
 Users add entries with ``register_lowering`` (exported from ``flexattn.lowering``).
 """
@@ -29,7 +33,7 @@ from typing import Any, Callable, Optional, Union
 import sympy
 import torch
 
-from .index import ADD, ATOM, BAND, BOR, BXOR, CMP, MUL, UNARY, FloorDiv, PyMod
+from .index import ADD, ATOM, BAND, BOR, BXOR, CMP, MUL, SHIFT, UNARY, FloorDiv, PyMod
 
 __all__ = [
     "Lowering",
@@ -107,8 +111,12 @@ class Lowering:
         as ``prec``); other operands must bind tighter. Comparisons use () because they chain.
     sym: the same op on sympy integers, for index arithmetic (see index.py); may return None.
     reuses: ``fn`` writes an operand more than once (``x * x``): non-trivial operands are named first.
+    on_bools: what the op means when its operands and result are bools, as torch defines it:
+        "|" (``True + True`` is True: add, maximum), "&" (mul, minimum), "=" (the operand itself:
+        floor, abs), "fn" (``fn`` is right for bools too: bitwise ops). None: not an op on bools.
     kind: "expr", or a structural kind built by emit.py: "constant", "cast", "identity",
-        "gather", "select".
+        "gather", "select", "view" (reshapes, transposes and slices), "reduce" (``fn`` names the
+        reduction: "sum", "any", ...; over a small vector of loaded values).
     """
 
     fn: Optional[Fn] = None
@@ -117,6 +125,7 @@ class Lowering:
     left: tuple[int, ...] = (0,)
     sym: Optional[Callable[..., Optional[sympy.Expr]]] = None
     reuses: bool = False
+    on_bools: Optional[str] = None
     kind: str = "expr"
 
 
@@ -125,6 +134,10 @@ def literal(value: Any) -> tuple[str, int]:
     if isinstance(value, bool):
         return str(value), ATOM
     if isinstance(value, int):
+        if not -(2**31) <= value < 2**31:
+            # Triton gives a bare integer the dtype of the tensor it meets, and an int32 tensor cannot
+            # take 2**33 ("Scalar out of range for type int32"): write it as an int64 tensor.
+            return f"tl.full([], {value}, tl.int64)", ATOM
         return str(value), (ATOM if value >= 0 else UNARY)
     value = float(value)
     if math.isnan(value):
@@ -150,12 +163,12 @@ def _is_float(x: Operand) -> bool:
 # -- entry builders ----------------------------------------------------------------------------
 
 
-def infix(op: str, prec: int, *, inputs: str = RESULT, left=(0,), sym=None) -> Lowering:
-    return Lowering(lambda a, b: f"{a} {op} {b}", prec, inputs, left, sym)
+def infix(op: str, prec: int, *, inputs: str = RESULT, left=(0,), sym=None, on_bools=None) -> Lowering:
+    return Lowering(lambda a, b: f"{a} {op} {b}", prec, inputs, left, sym, on_bools=on_bools)
 
 
-def call(name: str, *, inputs: str = RESULT) -> Lowering:
-    return Lowering(lambda *xs: f"{name}({', '.join(xs)})", ATOM, inputs)
+def call(name: str, *, inputs: str = RESULT, on_bools=None) -> Lowering:
+    return Lowering(lambda *xs: f"{name}({', '.join(xs)})", ATOM, inputs, on_bools=on_bools)
 
 
 def _with_alpha(fmt: Callable[[str, str], str], scaled: int) -> Fn:
@@ -259,6 +272,96 @@ def _bitwise_not(x):
     return f"~{_at(x, UNARY)}", UNARY
 
 
+_BITS = {torch.int8: 8, torch.uint8: 8, torch.int16: 16, torch.int32: 32, torch.int64: 64}
+
+
+def _shift(op: str) -> Fn:
+    """``a << s`` / ``a >> s`` as torch computes them: a shift by the width or more (or by a negative
+    amount) gives 0 (-1 for a negative ``a >> s``), where Triton's shifts are undefined."""
+    helper = "torch_shift_left" if op == "<<" else "torch_shift_right"
+
+    def fn(a, s):
+        bits = _BITS[a.dtype]
+        if s.value is not None and 0 <= int(s.value) < bits:
+            return f"{_at(a, SHIFT)} {op} {int(s.value)}", SHIFT
+        if s.value is not None and op == "<<":
+            return f"tl.zeros_like({a.raw})", ATOM
+        if s.value is not None:
+            return f"{_at(a, SHIFT)} >> {bits - 1}", SHIFT  # -1 for negatives, 0 otherwise
+        return f"{helper}({a.raw}, {s.raw}, {bits})", ATOM
+
+    return fn
+
+
+def _float_or_same(helper: str) -> Fn:
+    """A float function that is the identity on integers (torch.round, trunc of an int tensor)."""
+
+    def fn(x):
+        if _is_float(x):
+            return f"{helper}({x.raw})", ATOM
+        return x.raw, x.prec
+
+    return fn
+
+
+def _round(x, decimals=0):
+    if not _is_float(x):
+        return x.raw, x.prec
+    if decimals == 0:
+        return f"round_half_even({x.raw})", ATOM
+    # torch: nearbyint(x * 10**d) / 10**d, or nearbyint(x / 10**-d) * 10**-d for negative d
+    scale = literal(float(10 ** abs(decimals)))[0]
+    if decimals > 0:
+        return f"round_half_even({_at(x, MUL)} * {scale}) / {scale}", MUL
+    return f"round_half_even({_at(x, MUL)} / {scale}) * {scale}", MUL
+
+
+def _sign(x):
+    if x.dtype == torch.bool:
+        return x.raw, x.prec
+    if _is_float(x):
+        return f"torch_sign({x.raw})", ATOM
+    tl_dtype = TL_DTYPES[x.dtype]
+    return f"(({x} > 0).to({tl_dtype}) - ({x} < 0).to({tl_dtype}))", ATOM
+
+
+def _relu(x):
+    return (f"torch_maximum({x.raw}, 0.0)" if _is_float(x) else f"tl.maximum({x.raw}, 0)"), ATOM
+
+
+def _gelu(x, approximate="none"):
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"approximate={approximate!r}")
+    return f"{'gelu_tanh' if approximate == 'tanh' else 'gelu_erf'}({x.raw})", ATOM
+
+
+def _number(v) -> Any:
+    """The Python number of an argument that arrives as a constant Operand or as a default."""
+    return v.value if isinstance(v, Operand) else v
+
+
+def _softplus(x, beta=1, threshold=20):
+    # torch: x where x * beta > threshold, else log1p(exp(x * beta)) / beta
+    beta, threshold = _number(beta), _number(threshold)
+    if beta is None or threshold is None:
+        raise NotImplementedError("softplus with a tensor beta or threshold")
+    t = literal(float(threshold))[0]
+    if beta == 1:
+        return f"tl.where({_at(x, CMP + 1)} > {t}, {x.raw}, torch_log1p(tl.exp({x.raw})))", ATOM
+    b = literal(float(beta))[0]
+    return f"tl.where({_at(x, MUL)} * {b} > {t}, {x.raw}, torch_log1p(tl.exp({_at(x, MUL)} * {b})) / {b})", ATOM
+
+
+def _hardtanh(x, min_val=-1.0, max_val=1.0):
+    def bound(v):  # a default arrives as a plain float
+        if isinstance(v, Operand):
+            return v
+        text, prec = literal(float(v))
+        return Operand(text, text, prec, torch.float32, float(v))
+
+    return _clamp(x, min=bound(min_val), max=bound(max_val))
+
+
 _FLOAT_FUNCTIONS = {
     aten.exp: "tl.exp",
     aten.exp2: "tl.exp2",
@@ -280,8 +383,17 @@ def _constant(value_of: Callable[..., Any]) -> Lowering:
     return Lowering(fn=value_of, kind="constant")
 
 
+def _undefined_constant(*args, **kwargs):
+    raise ValueError("its elements are uninitialised (torch.empty): use torch.zeros or torch.full")
+
+
 _IDENTITY = Lowering(kind="identity")
 _CAST = Lowering(kind="cast")
+_VIEW = Lowering(kind="view")
+
+
+def _reduce(name: str) -> Lowering:
+    return Lowering(fn=name, kind="reduce")
 
 # -- the table -----------------------------------------------------------------------------------
 # Keys are OpOverloadPackets (every overload of the op: add.Tensor and add.Scalar alike) or single
@@ -289,12 +401,14 @@ _CAST = Lowering(kind="cast")
 
 LOWERINGS: dict[Any, Lowering] = {
     # arithmetic; integer results also build sympy index expressions
-    aten.add: Lowering(_with_alpha(lambda a, b: f"{a} + {b}", 1), ADD, sym=lambda a, b, alpha=1: a + alpha * b),
+    aten.add: Lowering(
+        _with_alpha(lambda a, b: f"{a} + {b}", 1), ADD, sym=lambda a, b, alpha=1: a + alpha * b, on_bools="|"
+    ),
     aten.sub: Lowering(_with_alpha(lambda a, b: f"{a} - {b}", 1), ADD, sym=lambda a, b, alpha=1: a - alpha * b),
     aten.rsub: Lowering(
         _with_alpha(lambda a, b: f"{b} - {a}", 0), ADD, left=(1,), sym=lambda a, b, alpha=1: b - alpha * a
     ),
-    aten.mul: infix("*", MUL, sym=operator.mul),
+    aten.mul: infix("*", MUL, sym=operator.mul, on_bools="&"),
     aten.div: Lowering(
         _div, MUL, sym=lambda a, b, rounding_mode=None: FloorDiv(a, b) if rounding_mode == "floor" else None
     ),
@@ -303,15 +417,29 @@ LOWERINGS: dict[Any, Lowering] = {
     aten.remainder: Lowering(lambda a, b: f"py_remainder({a}, {b})", ATOM, sym=PyMod),
     aten.fmod: infix("%", MUL),  # Triton's % is C's fmod: the sign of the dividend, like torch.fmod
     aten.reciprocal: Lowering(lambda a: f"1.0 / {a}", MUL, left=()),
-    aten.square: Lowering(lambda a: f"{a} * {a}", MUL, reuses=True),
+    aten.square: Lowering(lambda a: f"{a} * {a}", MUL, reuses=True, on_bools="="),
     aten.pow: Lowering(_pow, ATOM, reuses=True),
-    aten.abs: call("tl.abs"),
-    aten.floor: Lowering(_floor_or_ceil("floor")),
-    aten.ceil: Lowering(_floor_or_ceil("ceil")),
+    aten.abs: call("tl.abs", on_bools="="),
+    aten.floor: Lowering(_floor_or_ceil("floor"), on_bools="="),
+    aten.ceil: Lowering(_floor_or_ceil("ceil"), on_bools="="),
+    aten.round: Lowering(_round, on_bools="="),  # half to even, like torch (not floor(x + 0.5))
+    aten.trunc: Lowering(_float_or_same("trunc_float"), on_bools="="),
+    aten.fix: Lowering(_float_or_same("trunc_float"), on_bools="="),
+    aten.sign: Lowering(_sign, reuses=True, on_bools="="),
+    aten.sgn: Lowering(_sign, reuses=True, on_bools="="),
     **{op: call(name) for op, name in _FLOAT_FUNCTIONS.items()},
+    aten.log1p: call("torch_log1p"),
+    aten.expm1: call("torch_expm1"),
+    aten.gelu: Lowering(_gelu),
+    aten.silu: call("silu"),
+    aten.softplus: Lowering(_softplus, reuses=True),
+    aten.relu: Lowering(_relu, on_bools="="),
+    aten.hardtanh: Lowering(_hardtanh),
     # min / max
-    aten.minimum: Lowering(lambda a, b: _minimum(a, b, _is_float(a))),
-    aten.maximum: Lowering(lambda a, b: _maximum(a, b, _is_float(a))),
+    aten.minimum: Lowering(lambda a, b: _minimum(a, b, _is_float(a)), on_bools="&"),
+    aten.maximum: Lowering(lambda a, b: _maximum(a, b, _is_float(a)), on_bools="|"),
+    aten.min.other: Lowering(lambda a, b: _minimum(a, b, _is_float(a)), on_bools="&"),
+    aten.max.other: Lowering(lambda a, b: _maximum(a, b, _is_float(a)), on_bools="|"),
     aten.clamp: Lowering(_clamp),
     aten.clamp_min: Lowering(lambda x, lo: _clamp(x, min=lo)),
     aten.clamp_max: Lowering(lambda x, hi: _clamp(x, max=hi)),
@@ -327,16 +455,20 @@ LOWERINGS: dict[Any, Lowering] = {
     aten.logical_or: infix("|", BOR, inputs=BOOL),
     aten.logical_xor: infix("^", BXOR, inputs=BOOL),
     aten.logical_not: Lowering(_bitwise_not, UNARY, inputs=BOOL),
-    aten.bitwise_and: infix("&", BAND),
-    aten.bitwise_or: infix("|", BOR),
-    aten.bitwise_xor: infix("^", BXOR),
-    aten.bitwise_not: Lowering(_bitwise_not, UNARY),
+    aten.bitwise_and: infix("&", BAND, on_bools="fn"),
+    aten.bitwise_or: infix("|", BOR, on_bools="fn"),
+    aten.bitwise_xor: infix("^", BXOR, on_bools="fn"),
+    aten.bitwise_not: Lowering(_bitwise_not, UNARY, on_bools="fn"),
+    aten.__lshift__: Lowering(_shift("<<")),
+    aten.bitwise_left_shift: Lowering(_shift("<<")),
+    aten.__rshift__: Lowering(_shift(">>")),
+    aten.bitwise_right_shift: Lowering(_shift(">>")),
     aten.where: call("tl.where", inputs=WHERE),
     # dtype casts: the target is the node's output dtype (see emit.py for float16/bfloat16 rounding)
     aten._to_copy: _CAST,
     aten.to: _CAST,
     prims.convert_element_type: _CAST,
-    # constants (0-d only)
+    # constants: torch's and_masks / or_masks / noop_mask start from `b.new_ones((), dtype=torch.bool)`
     aten.scalar_tensor: _constant(lambda value, **_: value),
     aten.full: _constant(lambda size, value, **_: value),
     aten.full_like: _constant(lambda x, value, **_: value),
@@ -344,26 +476,67 @@ LOWERINGS: dict[Any, Lowering] = {
     aten.zeros_like: _constant(lambda x, **_: 0),
     aten.ones: _constant(lambda size, **_: 1),
     aten.zeros: _constant(lambda size, **_: 0),
-    # views and copies of a value are the value
+    aten.new_zeros: _constant(lambda x, size, **_: 0),
+    aten.new_ones: _constant(lambda x, size, **_: 1),
+    aten.new_full: _constant(lambda x, size, fill_value, **_: fill_value),
+    aten.new_empty: _constant(_undefined_constant),
+    aten.empty_like: _constant(_undefined_constant),
+    # copies of a value are the value
     aten.detach: _IDENTITY,
     aten.clone: _IDENTITY,
     aten.alias: _IDENTITY,
     aten.lift_fresh_copy: _IDENTITY,
     aten.lift_fresh: _IDENTITY,
+    aten.contiguous: _IDENTITY,
     # reads of captured tensors: `bias[h, q_idx - kv_idx]`, `intervals[doc[kv_idx]][0]`
     aten.index.Tensor: Lowering(kind="gather"),
     aten.select.int: Lowering(kind="select"),
+    # views: of a captured tensor they change the offset and strides of its reads (`table.T[kv, q]`,
+    # `table[:, 1:]`); of a value with one element they change nothing (`kv_tile.unsqueeze(-1)`)
+    aten.unsqueeze: _VIEW,
+    aten.squeeze: _VIEW,
+    aten.view.default: _VIEW,
+    aten.reshape: _VIEW,
+    aten._unsafe_view: _VIEW,
+    aten.expand: _VIEW,
+    aten.permute: _VIEW,
+    aten.transpose: _VIEW,
+    aten.t: _VIEW,
+    aten.numpy_T: _VIEW,
+    aten.slice.Tensor: _VIEW,
+    # reductions over a small vector read from a captured tensor, unrolled (`torch.dot(qe[q], ke[kv])`)
+    aten.sum: _reduce("sum"),
+    aten.mean: _reduce("mean"),
+    aten.prod: _reduce("prod"),
+    aten.any: _reduce("any"),
+    aten.all: _reduce("all"),
+    aten.amax: _reduce("max"),
+    aten.amin: _reduce("min"),
+    aten.max.default: _reduce("max"),
+    aten.min.default: _reduce("min"),
+    aten.dot: _reduce("dot"),
+    aten.vdot: _reduce("dot"),
 }
 
 # Overrides for lower(..., tanh_approx=True), as tinygrad's backends override ``code_for_op``.
 APPROX_TANH = {aten.tanh: call("tanh_approx")}
 
 
+# Custom ops of libraries that mean an aten op: attention-gym's softcap(approx=True) calls
+# `approx::tanh`, its way of asking for the hardware tanh (which lower(..., tanh_approx=True) gives).
+ALIASES = {"approx::tanh": aten.tanh}
+
+
 def lookup(target: Any, table: dict) -> Optional[Lowering]:
-    """The entry for an fx node's target: its overload's own entry, else its op's."""
+    """The entry for an fx node's target: its overload's own entry, else its op's (or its alias's)."""
     entry = table.get(target)
     if entry is None:
         entry = table.get(getattr(target, "overloadpacket", None))
+    if entry is None:
+        schema = getattr(target, "_schema", None)
+        alias = ALIASES.get(getattr(schema, "name", None))
+        if alias is not None:
+            entry = table.get(alias)
     return entry
 
 
@@ -380,7 +553,8 @@ def precedence_of(source: str) -> int:
     if isinstance(node, ast.BinOp):
         return {
             ast.Mult: MUL, ast.Div: MUL, ast.FloorDiv: MUL, ast.Mod: MUL,
-            ast.Add: ADD, ast.Sub: ADD, ast.BitAnd: BAND, ast.BitXor: BXOR, ast.BitOr: BOR,
+            ast.Add: ADD, ast.Sub: ADD, ast.LShift: SHIFT, ast.RShift: SHIFT, ast.BitAnd: BAND,
+            ast.BitXor: BXOR, ast.BitOr: BOR,
         }.get(type(node.op), 0)  # fmt: skip
     if isinstance(node, ast.Compare):
         return CMP
