@@ -418,8 +418,6 @@ class Case:
     tables: list[Table]
     style: str  # "function" or "method"
     source: str
-    has_score: bool
-    has_mask: bool
     score_bound: float  # bounds |score_mod(...)|: float32 rounding of the scores grows with it
     uses_batch_or_head: bool
     filename: str = ""
@@ -459,7 +457,8 @@ def _mod_source(name: str, args: str, body: str, defaults: list[Table], method: 
 
 
 def write_case(seed: int) -> Case:
-    """The source of one case. ``build(tables, holder, module)`` in it returns (score_mod, mask_mod)."""
+    """The source of one case: ``build(<closure tables>, holder, module, method_self)`` in it returns
+    (score_mod, mask_mod), plain functions or bound methods of its ``ModHolder`` module."""
     rng = random.Random(seed)
     shapes = _pick_shapes(rng)
     style = "method" if rng.random() < 0.25 else "function"
@@ -490,8 +489,7 @@ def write_case(seed: int) -> Case:
     source = "\n".join(lines) + "\n"
     # A mask that reads b or h needs a BlockMask over every batch and head; others may broadcast.
     uses_bh = bool(mask_body and re.search(r"\b[bh]\b", mask_body))
-    return Case(seed, shapes, tables, style, source, bool(score_body), bool(mask_body),
-                score_expr.bound if score_expr else 10.0, uses_bh)
+    return Case(seed, shapes, tables, style, source, score_expr.bound if score_expr else 10.0, uses_bh)
 
 
 def _assign(case: Case, table: Table, value: torch.Tensor, holder, module, method_self, tensors: dict) -> None:
