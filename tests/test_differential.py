@@ -247,16 +247,17 @@ def _recycled_ids_for_block_masks(monkeypatch) -> None:
     """Make the worst case of a freed BlockMask's id() coming back happen on every step: inside
     flexattn's modules, ``id()`` of any BlockMask answers one number (only one is alive at a time
     in the loop below, so CPython could do the same). Other objects keep their real ids."""
-    import flexattn.api
-    import flexattn.block_mask
-    import flexattn.blockwise
-    import flexattn.runtime
+    import sys
+
+    import flexattn
 
     def recycled_id(obj):
         return 1 if isinstance(obj, flexattn.BlockMask) else id(obj)
 
-    for module in (flexattn.api, flexattn.block_mask, flexattn.blockwise, flexattn.runtime):
-        monkeypatch.setattr(module, "id", recycled_id, raising=False)
+    # A module-level name shadows the builtin inside that module, in every module of the package.
+    for name, module in list(sys.modules.items()):
+        if name == "flexattn" or name.startswith("flexattn."):
+            monkeypatch.setattr(module, "id", recycled_id, raising=False)
 
 
 @pytest.mark.parametrize("ids", ["as_cpython_gives_them", "always_recycled"])
