@@ -284,6 +284,13 @@ def _vmap_over_tile(fn: Callable, tile_args: Sequence[torch.Tensor], captured: S
     for d in reversed(levels):  # the innermost vmap maps the last dimension
         in_dims = tuple(0 if a.shape[d] != 1 else None for a in tile_args) + (None,) * len(captured)
         fn = torch.vmap(fn, in_dims=in_dims)
+    if any(a.dim() == 0 for a in squeezed):
+        # An argument mapped at no level would reach the mod as a plain 0-d tensor, and torch's
+        # vmap then promotes it like a 0-d tensor against a batched one: `q_idx <= t8[h]` in a
+        # one-row tile compared in int8 (row 128 became -128). One extra level of size 1 that maps
+        # every argument keeps each one a batched value, promoted as torch promotes per element.
+        squeezed = [a.unsqueeze(0) for a in squeezed]
+        fn = torch.vmap(fn, in_dims=(0,) * len(tile_args) + (None,) * len(captured))
     with GetItemToIndex():
         out = fn(*squeezed, *captured)
     return out.reshape(shape)

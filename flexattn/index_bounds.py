@@ -8,15 +8,13 @@ mods keep their speed). ``flexattn.lowering`` decides both per call from its sym
 * ``needs_wide_indices(traced, bounds)``: whether the vmap-based paths (the BlockMask builder and
   the PyTorch backend) must pass int64 index tensors.
 
-Everything outside the lowering asks through this module. A lowering that predates these two
-functions gets the fallbacks below: no variant (one kernel, lowered for any lengths) and int64
-index tensors whenever the mod multiplies or shifts integers, or adds them at lengths near 2**31.
+Everything outside the lowering asks through this module, which also caches the vmap paths'
+answer per (traced mods, bounds).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Hashable, Optional
 
 import torch
@@ -27,60 +25,19 @@ from .trace import TracedMod, trace_mod
 __all__ = ["index_bounds", "lowering_variant", "needs_wide_indices", "index_dtype", "mod_index_dtype"]
 
 
-@dataclass(frozen=True)
-class _IndexBounds:
-    """Exclusive upper bounds of a mod's index arguments in one call:
-    0 <= b < B, 0 <= h < H, 0 <= q_idx < Q_LEN, 0 <= kv_idx < KV_LEN."""
-
-    B: int
-    H: int
-    Q_LEN: int
-    KV_LEN: int
+def index_bounds(B: int, H: int, Q_LEN: int, KV_LEN: int) -> lowering.IndexBounds:
+    """The exclusive upper bounds of b, h, q_idx and kv_idx in a call of these sizes."""
+    return lowering.IndexBounds(B=B, H=H, Q_LEN=Q_LEN, KV_LEN=KV_LEN)
 
 
-def index_bounds(B: int, H: int, Q_LEN: int, KV_LEN: int):
-    """The lowering's IndexBounds (this module's stand-in when the lowering has none)."""
-    cls = getattr(lowering, "IndexBounds", _IndexBounds)
-    return cls(B=B, H=H, Q_LEN=Q_LEN, KV_LEN=KV_LEN)
+def lowering_variant(traced: TracedMod, bounds: lowering.IndexBounds) -> Hashable:
+    """The bound-dependent lowering decisions for this call (runtime keys its kernels by them)."""
+    return lowering.lowering_variant(traced, bounds)  # looked up per call: tests may stub it
 
 
-def lowering_variant(traced: TracedMod, bounds) -> Optional[Hashable]:
-    """The bound-dependent lowering decisions for this call; None: one variant for every length."""
-    decide = getattr(lowering, "lowering_variant", None)  # looked up per call: tests stub it
-    return None if decide is None else decide(traced, bounds)
-
-
-_GROWING_OPS = {
-    torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar, torch.ops.aten.pow.Tensor_Scalar,
-    torch.ops.aten.pow.Tensor_Tensor, torch.ops.aten.pow.Scalar, torch.ops.aten.__lshift__.Scalar,
-    torch.ops.aten.__lshift__.Tensor, torch.ops.aten.bitwise_left_shift.Tensor,
-    torch.ops.aten.bitwise_left_shift.Tensor_Scalar, torch.ops.aten.cumsum.default,
-}
-_ADDING_OPS = {
-    torch.ops.aten.add.Tensor, torch.ops.aten.add.Scalar, torch.ops.aten.sub.Tensor,
-    torch.ops.aten.sub.Scalar, torch.ops.aten.rsub.Scalar, torch.ops.aten.rsub.Tensor,
-}
-
-
-def _fallback_needs_wide(traced: TracedMod, bounds) -> bool:
-    # Conservative stand-in for the lowering's range analysis: any integer product or shift may
-    # leave int32; sums only when the lengths themselves come near it.
-    near_limit = max(bounds.B, bounds.H, bounds.Q_LEN, bounds.KV_LEN) >= 1 << 29
-    for node in traced.graph.nodes:
-        if node.op != "call_function":
-            continue
-        val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point or val.dtype == torch.bool:
-            continue
-        if node.target in _GROWING_OPS or (near_limit and node.target in _ADDING_OPS):
-            return True
-    return False
-
-
-def needs_wide_indices(traced: TracedMod, bounds) -> bool:
+def needs_wide_indices(traced: TracedMod, bounds: lowering.IndexBounds) -> bool:
     """True when the mod's integer arithmetic can leave int32 at these bounds."""
-    decide = getattr(lowering, "needs_wide_indices", None)
-    return bool((decide or _fallback_needs_wide)(traced, bounds))
+    return bool(lowering.needs_wide_indices(traced, bounds))
 
 
 # [Note] Cache keys: keyed by the TracedMod object itself (compared by identity, kept alive by

@@ -18,6 +18,7 @@ from numerics import rel_err
 from flexattn import blockwise
 from flexattn.block_mask import BlockMask, create_block_mask
 from flexattn.blockwise import blockwise_backward, blockwise_forward
+from flexattn import flex_attention
 from flexattn.reference import reference_attention
 from flexattn.trace import trace_mod
 from gym.catalogue import CATALOGUE, causal_mask, generate_alibi_bias
@@ -407,3 +408,19 @@ def test_api_asks_the_lowering_for_the_index_dtype(monkeypatch):
     assert seen == [("score_mod", 2, 4, 40, 56)]  # query batch and heads, query and key lengths
     ref, _, _ = reference_attention(q, k, v, score_mod=wraps_in_int32, enable_gqa=True)
     assert rel_err(out, ref) < TOLERANCE[torch.float64]
+
+
+def test_one_row_tile_promotes_like_torch(one_thread):
+    # Found by tests/test_fuzz.py: in a query tile of one row (L = 129), q_idx reached the mod as a
+    # plain 0-d int32 tensor and torch's vmap compared `q_idx <= table[h]` in the table's int8, so
+    # row 128 read as -128.
+    table = torch.tensor([3, 100], dtype=torch.int8)
+
+    def by_head(b, h, q_idx, kv_idx):
+        return torch.where(q_idx <= table[h], kv_idx < 7, kv_idx > 3)
+
+    q, k, v = (torch.randn(1, 2, 129, 16, dtype=torch.float64) for _ in range(3))
+    block_mask = create_block_mask(by_head, 1, 2, 129, 129, device="cpu")
+    out = flex_attention(q, k, v, block_mask=block_mask, kernel_options={"BACKEND": "PYTORCH"})
+    expected = reference_attention(q, k, v, mask_mod=by_head)[0]
+    assert rel_err(out, expected) < 1e-12
