@@ -121,6 +121,14 @@ def _validate_block_mask(block_mask: BlockMask, query, key) -> None:
         )
 
 
+def _fixed_on_device(traced: Optional[TracedMod], values: list, device: torch.device) -> list:
+    """Captured values with the constants a mod builds itself (frozen on the CPU when it was traced)
+    moved to ``device``; the user's own tensors are checked, not moved (_check_captured_devices)."""
+    if traced is None or device.type == "cpu" or all(c.walk_index is not None for c in traced.captured):
+        return values
+    return [v.to(device) if c.walk_index is None else v for c, v in zip(traced.captured, values)]
+
+
 def _check_captured_devices(traced: TracedMod, values: list, device: torch.device) -> None:
     for captured, value in zip(traced.captured, values):
         if captured.walk_index is not None and value.device != device:
@@ -269,8 +277,8 @@ def _run_forward(call: _Call, q, k, v, score_captured, need_lse, need_max):
         )
     return blockwise.blockwise_forward(
         q, k, v, call.block_mask, call.scale,
-        call.score.graph_module if call.score else None, score_captured,
-        call.mask.graph_module if call.mask else None, call.mask_captured,
+        call.score.graph_module_on(q.device) if call.score else None, score_captured,
+        call.mask.graph_module_on(q.device) if call.mask else None, call.mask_captured,
         need_max=need_max, index_dtype=call.index_dtype,
     )
 
@@ -293,8 +301,8 @@ class _FlexAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, *score_captured = ctx.saved_tensors
         dq, dk, dv, d_captured = blockwise.blockwise_backward(
             q, k, v, out, lse, grad_out, grad_lse, call.block_mask, call.scale,
-            call.score.graph_module if call.score else None, score_captured,
-            call.mask.graph_module if call.mask else None, call.mask_captured,
+            call.score.graph_module_on(q.device) if call.score else None, score_captured,
+            call.mask.graph_module_on(q.device) if call.mask else None, call.mask_captured,
             index_dtype=call.index_dtype,
         )
         return (dq, dk, dv, None, None, *d_captured)
@@ -375,12 +383,16 @@ def flex_attention(
     if _check_indices_requested(options):  # a debug mode (see FlexKernelOptions.CHECK_INDICES)
         for traced, captured in ((score, score_captured), (mask, mask_captured)):
             if traced is not None:
-                check_indices(traced, [t.detach() for t in captured], B, Hq, L, S, query.device)
+                captured = _fixed_on_device(traced, [t.detach() for t in captured], query.device)
+                check_indices(traced, captured, B, Hq, L, S, query.device)
 
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     backend = _pick_backend(query, options)
     # The PyTorch backend evaluates the mods with vmap: int64 indices where their arithmetic needs it.
     wide = index_dtype(score, mask, bounds=index_bounds(B, Hq, L, S)) if backend == "PYTORCH" else torch.int32
+    if backend == "PYTORCH":  # the Triton launcher keeps device copies of its own
+        score_captured = _fixed_on_device(score, score_captured, query.device)
+        mask_captured = _fixed_on_device(mask, mask_captured, query.device)
     call = _Call(backend, block_mask, scale, score, mask, mask_captured, options, wide)
     need_lse = bool(return_lse or (return_aux is not None and return_aux.lse))
     need_max = bool(return_aux is not None and return_aux.max_scores)

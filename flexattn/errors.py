@@ -19,3 +19,7 @@ class UnsupportedOpError(FlexAttentionError, NotImplementedError):
 
 class BackendUnavailableError(FlexAttentionError, RuntimeError):
     """The backend asked for in kernel_options cannot run on these inputs here."""
+
+
+class ResourceError(FlexAttentionError, RuntimeError):
+    """A generated kernel does not fit the GPU's resources (shared memory) with any tile flexattn tries."""

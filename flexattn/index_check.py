@@ -77,7 +77,7 @@ def _vmapped(traced: TracedMod, captured: list, with_indices: bool):
     sites: list[_Site] = []
 
     def one(b, h, q_idx, kv_idx):
-        interpreter = _CheckedGathers(traced.graph_module)
+        interpreter = _CheckedGathers(traced.graph_module_on(b.device))
         args = (torch.zeros((), dtype=torch.float32, device=b.device), b, h, q_idx, kv_idx)
         if traced.kind == "mask_mod":
             args = args[1:]

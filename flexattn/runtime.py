@@ -43,7 +43,7 @@ import torch
 from . import lowering
 from .block_mask import BlockMask, _ascending
 from .codegen import ForwardSpec, cache_dir, load_kernel_module, render_forward
-from .errors import BackendUnavailableError, InvalidInputError
+from .errors import BackendUnavailableError, InvalidInputError, ResourceError
 from .index_bounds import index_bounds, lowering_variant
 from .lowering import LoweredMod
 from .trace import TracedMod
@@ -508,12 +508,31 @@ class ForwardKernel:
         if constexprs["HOST_DESCRIPTORS"]:
             q_arg, k_arg, v_arg, out_arg = _host_descriptors(q, k, v, out, constexprs)
         nb, idx, fnb, fidx = tables.kv_num_blocks, tables.kv_indices, tables.full_kv_num_blocks, tables.full_kv_indices
-        compiled.jit_fn[grid](
-            q_arg, k_arg, v_arg, out_arg, lse, mx, nb, idx, fnb, fidx,
-            *q.stride(), *k_strides, *v_strides, *out.stride(),
-            nb.shape[2], idx.shape[3], fidx.shape[3],
-            L, k.shape[2], scale, *extra, **constexprs,
-        )
+        try:
+            compiled.jit_fn[grid](
+                q_arg, k_arg, v_arg, out_arg, lse, mx, nb, idx, fnb, fidx,
+                *q.stride(), *k_strides, *v_strides, *out.stride(),
+                nb.shape[2], idx.shape[3], fidx.shape[3],
+                L, k.shape[2], scale, *extra, **constexprs,
+            )
+        except Exception as err:
+            # [Note] Resource fallback: a mod with many per-pair gathers (a Graphormer edge bias
+            # summed over a path) can need more shared memory than the default tiles allow. The
+            # compiler says so at the first launch; a smaller tile is then planned and kept for
+            # this problem, and only when no tile fits does the user see an error, ours.
+            if not _is_out_of_resources(err):
+                raise
+            smaller = _smaller_plan(plan, L)
+            if smaller is None:
+                raise ResourceError(
+                    f"the Triton kernel for score_mod '{self.score.name if self.score else None}' and mask_mod "
+                    f"'{self.mask.name if self.mask else None}' does not fit this GPU even with 16x16 tiles and one "
+                    f"pipeline stage ({err}); simplify the mod (fewer captured-tensor reads per pair) or run it "
+                    "with kernel_options={'BACKEND': 'PYTORCH'}"
+                ) from err
+            self._plans[plan_key] = smaller
+            return self(q, k, v, block_mask, scale, score_captured, mask_captured,
+                        need_lse=need_lse, need_max=need_max, options=options)
         return out, (lse if need_lse else None), (mx if need_max else None)
 
     def _on_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -646,6 +665,32 @@ class ForwardKernel:
         if not timings:
             return default
         return min(timings, key=lambda t: t[0])[1]
+
+
+def _is_out_of_resources(err: Exception) -> bool:
+    try:
+        from triton.runtime.errors import OutOfResources
+    except ImportError:  # pragma: no cover - every supported Triton has it
+        return False
+    return isinstance(err, OutOfResources)
+
+
+def _smaller_plan(plan: "_Plan", L: int) -> Optional["_Plan"]:
+    """The plan with one pipeline stage, then half the key tile, then half the query tile (See
+    [Note] Resource fallback); None once both tiles are 16 and one stage is left."""
+    c = dict(plan.constexprs)
+    if c["num_stages"] > 1:
+        c["num_stages"] = c["NUM_STAGES"] = 1
+    elif c["BLOCK_N"] > 16:
+        c["BLOCK_N"] //= 2
+    elif c["BLOCK_M"] > 16:
+        c["BLOCK_M"] //= 2
+    else:
+        return None
+    # Descriptor and warp-specialised loads were tuned for the original tiles: plain loads now.
+    c.update(USE_TMA=False, HOST_DESCRIPTORS=False, WARP_SPECIALIZE=False, EVEN_M=L % c["BLOCK_M"] == 0)
+    grid = (triton_cdiv(L, c["BLOCK_M"]),) + tuple(plan.grid[1:])
+    return plan._replace(grid=grid, constexprs=c)
 
 
 def _tma_layout_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dis
 import enum
+import copy
 import functools
 import inspect
 import operator
@@ -97,6 +98,25 @@ class TracedMod:
     def signature_text(self) -> str:
         """A stable text of the graph, for cache keys of generated kernels."""
         return self.graph_module.code
+
+    def graph_module_on(self, device: torch.device) -> torch.fx.GraphModule:
+        """The graph with its factory calls (``b.new_ones(())``, ``torch.full(..., device=b.device)``)
+        placed on ``device``: tracing ran on CPU tensors, so the graph records ``device=cpu``, and a
+        PyTorch-backend run on a GPU would mix devices. One copy per device, kept on this object."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self.graph_module
+        copies = self.__dict__.setdefault("_graph_on_device", {})
+        gm = copies.get(device)
+        if gm is None:
+            gm = copy.deepcopy(self.graph_module)
+            for node in gm.graph.nodes:
+                placed = node.kwargs.get("device")
+                if isinstance(placed, torch.device) and placed.type == "cpu":
+                    node.kwargs = {**node.kwargs, "device": device}
+            gm.recompile()
+            copies[device] = gm
+        return gm
 
 
 # --------------------------------------------------------------------------------------------

@@ -197,3 +197,72 @@ def test_default_mask_cache_is_bounded_and_keeps_recent_lengths():
         flex_attention(q, q, q, kernel_options={"BACKEND": "PYTORCH"})
     assert len(api._dense_masks) <= 64
     assert (79, 79, q.device) in api._dense_masks
+
+
+# ------------------------------------------------------------------------------ resources
+
+
+def _launch_through(monkeypatch, kernel, launcher):
+    """Plans made from now on launch through ``launcher`` instead of the compiled kernel."""
+    import dataclasses
+    import types
+
+    def compiled(bounds):
+        real = original(bounds)
+        return dataclasses.replace(real, module=types.SimpleNamespace(flex_attention_forward=launcher))
+
+    original = kernel.compiled
+    monkeypatch.setattr(kernel, "compiled", compiled)
+    kernel._plans.clear()
+
+
+def test_out_of_resources_retries_with_smaller_tiles(monkeypatch, one_thread):
+    # See [Note] Resource fallback: the compiler's OutOfResources at the first launch (seen on an
+    # H100 with a Graphormer edge bias) plans a smaller tile and keeps it; the result stays exact.
+    from triton.runtime.errors import OutOfResources
+
+    monkeypatch.setattr(rt, "_kernels", type(rt._kernels)())
+    q, k, v = qkv()
+    block_mask = create_block_mask(causal_mask, 1, 1, L, L, device="cpu")
+    flex_attention(q, k, v, block_mask=block_mask, kernel_options=TRITON)  # builds the kernel and a plan
+    (kernel,) = rt._kernels.values()
+    launch = kernel.last_compiled.jit_fn
+    tiles = []
+
+    class Tight:  # refuses tiles of more than 32 x 32 the way the compiler does
+        def __getitem__(self, grid):
+            def run(*args, **constexprs):
+                tiles.append((constexprs["BLOCK_M"], constexprs["BLOCK_N"], constexprs["num_stages"]))
+                if constexprs["BLOCK_M"] * constexprs["BLOCK_N"] > 32 * 32:
+                    raise OutOfResources(400_000, 232_448, "shared memory")
+                return launch[grid](*args, **constexprs)
+            return run
+
+    _launch_through(monkeypatch, kernel, Tight())
+    out = flex_attention(q, k, v, block_mask=block_mask, kernel_options=TRITON)
+    assert rel_err(out, reference_attention(q, k, v, mask_mod=causal_mask)[0]) < 1e-5
+    assert tiles[-1][0] * tiles[-1][1] <= 32 * 32 and len(tiles) > 1
+    tried = len(tiles)
+    flex_attention(q, k, v, block_mask=block_mask, kernel_options=TRITON)
+    assert len(tiles) == tried + 1  # the smaller plan was kept: one launch, no retries
+
+
+def test_out_of_resources_at_the_smallest_tile_is_our_error(monkeypatch, one_thread):
+    from triton.runtime.errors import OutOfResources
+
+    from flexattn.errors import ResourceError
+
+    monkeypatch.setattr(rt, "_kernels", type(rt._kernels)())
+    q, k, v = qkv()
+    flex_attention(q, k, v, kernel_options=TRITON)
+    (kernel,) = rt._kernels.values()
+
+    class Never:
+        def __getitem__(self, grid):
+            def run(*args, **constexprs):
+                raise OutOfResources(400_000, 232_448, "shared memory")
+            return run
+
+    _launch_through(monkeypatch, kernel, Never())
+    with pytest.raises(ResourceError, match="BACKEND': 'PYTORCH'"):
+        flex_attention(q, k, v, kernel_options=TRITON)

@@ -172,3 +172,17 @@ def test_first_trace_is_fast():
                           env={**__import__("os").environ, "PYTHONPATH": __import__("os").getcwd()})
     # Tracing must not pull in Dynamo/Inductor (over a second): a first trace is milliseconds.
     assert float(done.stdout.strip().splitlines()[-1]) < 0.5
+
+
+def test_graph_on_another_device_places_factories_there():
+    # Tracing runs on CPU tensors, so `b.new_ones(())` and `device=b.device` record device=cpu; the
+    # PyTorch backend on a GPU runs the graph from graph_module_on(query.device) instead.
+    from torch.nn.attention.flex_attention import noop_mask as torch_noop_mask
+
+    traced, _ = trace_mod(torch_noop_mask, "mask_mod")
+    placed = traced.graph_module_on(torch.device("meta"))
+    devices = [n.kwargs["device"] for n in placed.graph.nodes if "device" in n.kwargs]
+    assert devices and all(d == torch.device("meta") for d in devices)
+    assert traced.graph_module_on(torch.device("meta")) is placed  # one copy per device
+    assert traced.graph_module_on(torch.device("cpu")) is traced.graph_module
+    assert all(n.kwargs.get("device") in (None, torch.device("cpu")) for n in traced.graph.nodes)
