@@ -756,6 +756,13 @@ class _GraphRecorder(TorchDispatchMode):
             value = tensor.detach()
             if self._on_meta:
                 value = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+            elif value.device.type != "cpu":
+                # An op on a GPU tensor reports a bad index (the example q_idx = 1 into a table of
+                # one row) by a device-side assert, which ruins the process's CUDA context and no
+                # exception reaches us. Trace on a CPU stand-in of the same shape and dtype instead:
+                # zeros, expanded so it costs no memory, where a bad example index fails at once
+                # and the meta attempt takes over.
+                value = torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
             node.meta["val"] = value
             self._last_placeholder = node
             self._captured_by_key[key] = node

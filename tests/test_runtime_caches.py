@@ -60,6 +60,8 @@ def _dense(mask_mod) -> torch.Tensor:
     return mask_mod(0, 0, positions[:, None], positions[None, :])
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="relies on CPython handing a freed BlockMask's id to the next one, "
+                    "which CUDA allocations upset; tests/test_gpu.py and tests/test_differential.py cover the GPU")
 def test_masks_rebuilt_every_step_with_recycled_ids_get_their_own_plans(one_thread):
     # Issue 8, item 2: a loop that frees its BlockMask and builds the next one gets the freed
     # mask's id back, and with an id-keyed plan the freed mask's CONSECUTIVE_* constexprs.
@@ -223,7 +225,7 @@ def test_out_of_resources_retries_with_smaller_tiles(monkeypatch, one_thread):
 
     monkeypatch.setattr(rt, "_kernels", type(rt._kernels)())
     q, k, v = qkv()
-    block_mask = create_block_mask(causal_mask, 1, 1, L, L, device="cpu")
+    block_mask = create_block_mask(causal_mask, 1, 1, L, L, device=q.device)
     flex_attention(q, k, v, block_mask=block_mask, kernel_options=TRITON)  # builds the kernel and a plan
     (kernel,) = rt._kernels.values()
     launch = kernel.last_compiled.jit_fn

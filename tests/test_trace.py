@@ -186,3 +186,27 @@ def test_graph_on_another_device_places_factories_there():
     assert traced.graph_module_on(torch.device("meta")) is placed  # one copy per device
     assert traced.graph_module_on(torch.device("cpu")) is traced.graph_module
     assert all(n.kwargs.get("device") in (None, torch.device("cpu")) for n in traced.graph.nodes)
+
+
+def test_gpu_tables_are_traced_on_cpu_stand_ins(monkeypatch):
+    # Tracing runs the mod on example indices (q_idx = kv_idx = 1). On a GPU table of one row that
+    # index fired a device-side assert (fuzz seed 7 on an H100), which no exception reports and which
+    # ruined the process's CUDA context. The recorder runs on CPU stand-ins of GPU tensors.
+    seen = []
+    real_index = torch.ops.aten.index.Tensor
+
+    def table_mod(b, h, q_idx, kv_idx):
+        return q_idx > table[kv_idx]
+
+    table = torch.tensor([5], dtype=torch.int32, device="meta")  # stands for a GPU tensor here
+
+    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is real_index:
+                seen.append(args[0].device.type)
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        traced, captured = trace_mod(table_mod, "mask_mod")
+    assert captured[0] is table
+    assert seen and "meta" not in seen[:1]  # the first (real-value) attempt ran on the CPU
