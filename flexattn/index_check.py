@@ -23,7 +23,8 @@ import torch
 import torch.fx
 
 from .errors import InvalidInputError
-from .trace import TracedMod, source_line_of
+from .lowering.sites import describe_site
+from .trace import TracedMod
 
 __all__ = ["check_indices", "TILE_ELEMENTS"]
 
@@ -148,7 +149,7 @@ def check_indices(traced: TracedMod, captured: list, B: int, H: int, L: int, S: 
     raise InvalidInputError(
         f"CHECK_INDICES: {traced.kind} '{traced.name}' reads {tensor} at index {value} in dim {site.position} "
         f"(size {size}), outside {valid}, at b={b}, h={h}, q_idx={q_idx}, kv_idx={kv_idx} (the read is "
-        f"{source_line_of(traced, site.node)}). torch raises an IndexError there, and flexattn's kernels read 0 "
+        f"{'; '.join(describe_site(traced, site.node))}). torch raises an IndexError there, and flexattn's kernels read 0 "
         f"instead. Fix the mod so the index stays in range for every position of the call (B={B}, H={H}, "
         f"Q_LEN={L}, KV_LEN={S}): make {tensor} large enough, or clamp the index, e.g. "
         f"{tensor}[i.clamp(0, {size - 1 if size else 'n - 1'})]"

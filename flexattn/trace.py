@@ -48,7 +48,6 @@ __all__ = [
     "CapturedInput",
     "TracedMod",
     "trace_mod",
-    "source_line_of",
     "GetItemToIndex",
 ]
 
@@ -944,7 +943,7 @@ def _one_per_graph(traced: TracedMod) -> TracedMod:
         for c in traced.captured
     )
     spec = tuple((c.name, c.shape, c.dtype, c.requires_grad, c.walk_index) for c in traced.captured)
-    # Where the mod is defined too: errors from later stages name its lines (source_line_of).
+    # Where the mod is defined too: errors from later stages name its lines (lowering/sites.py).
     code = _code_of(traced.fn)
     where = (code.co_filename, code.co_firstlineno) if code is not None else type(traced.fn)
     key = (traced.kind, traced.name, where, traced.signature_text(), spec, fixed)
@@ -1064,43 +1063,3 @@ def _fast_lookup(fn: Callable, kind: str):
         return None
     _FAST.move_to_end(ref)
     return entry.traced, entry.traced.captured_values(tensors)
-
-
-# --------------------------------------------------------------------------------------------
-# Source lines of graph nodes, for errors raised by later stages
-# --------------------------------------------------------------------------------------------
-
-
-class _RecordCallSites(TorchDispatchMode):
-    def __init__(self, target, occurrence: int):
-        super().__init__()
-        self.target, self.occurrence, self.seen = target, occurrence, 0
-        self.frame: Optional[traceback.FrameSummary] = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is self.target:
-            if self.seen == self.occurrence and self.frame is None:
-                self.frame = _user_frame(traceback.extract_stack())
-            self.seen += 1
-        return func(*args, **(kwargs or {}))
-
-
-def source_line_of(traced: TracedMod, node: torch.fx.Node) -> str:
-    """Where in the user's source ``node`` came from, as "at file:line (in fn): text".
-
-    Only used to build error messages: it re-runs the mod eagerly on 0-d tensors and stops at the
-    matching call of the node's op.
-    """
-    occurrence = 0
-    for other in traced.graph.nodes:
-        if other is node:
-            break
-        if other.op == "call_function" and other.target is node.target:
-            occurrence += 1
-    recorder = _RecordCallSites(node.target, occurrence)
-    try:
-        with GetItemToIndex(), recorder:
-            traced.fn(*_example_args(traced.kind))
-    except Exception:
-        pass
-    return _where(recorder.frame)
