@@ -3,8 +3,8 @@
 The only caller of the whole pipeline. Backends:
 - TRITON: the generated FlashAttention-2 kernel (CUDA; CPU under ``TRITON_INTERPRET=1``).
 - PYTORCH: the blockwise online-softmax path in plain PyTorch (any device, forward and backward).
-The backward runs the blockwise PyTorch backward (FlashAttention-2 recomputation from the saved
-LSE) for both backends until the Triton backward kernel lands.
+The backward (autograd.py) runs the generated Triton backward kernels on the Triton backend and
+the blockwise PyTorch backward on the PyTorch backend.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from .options import (
     KNOWN_OPTIONS, AuxOutput, AuxRequest, FlexKernelOptions, normalize_kernel_options, resolve_backend_name,
     why_ignored,
 )
+from .backward import backward_kernel
 from .runtime import forward_kernel, interpreter_enabled
 from .trace import TracedMod, trace_mod
 
@@ -283,31 +284,6 @@ def _run_forward(call: _Call, q, k, v, score_captured, need_lse, need_max):
     )
 
 
-class _FlexAttentionFunction(torch.autograd.Function):
-    """Forward by the chosen backend; backward by FlashAttention-2 recomputation from the LSE."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, call, need_max, *score_captured):
-        out, lse, mx = _run_forward(call, q, k, v, list(score_captured), True, need_max)
-        ctx.call = call
-        ctx.save_for_backward(q, k, v, out, lse, *score_captured)
-        if mx is not None:
-            ctx.mark_non_differentiable(mx)
-        return out, lse, mx
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse, grad_max):
-        call = ctx.call
-        q, k, v, out, lse, *score_captured = ctx.saved_tensors
-        dq, dk, dv, d_captured = blockwise.blockwise_backward(
-            q, k, v, out, lse, grad_out, grad_lse, call.block_mask, call.scale,
-            call.score.graph_module_on(q.device) if call.score else None, score_captured,
-            call.mask.graph_module_on(q.device) if call.mask else None, call.mask_captured,
-            index_dtype=call.index_dtype,
-        )
-        return (dq, dk, dv, None, None, *d_captured)
-
-
 def flex_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -402,7 +378,13 @@ def flex_attention(
         or any(t.requires_grad for t in score_captured)
     )
     if needs_grad:
-        out, lse, mx = _FlexAttentionFunction.apply(query, key, value, call, need_max, *score_captured)
+        from .autograd import FlexAttentionFunction  # imports this module
+
+        if backend == "TRITON":
+            # Lower the score_mod's gradient now: a mod whose gradient cannot be lowered fails here,
+            # before any kernel runs, not in the middle of loss.backward().
+            backward_kernel(score, mask, tanh_approx=_use_tanh_approx(query, options)).prepare(query, key, block_mask)
+        out, lse, mx = FlexAttentionFunction.apply(query, key, value, call, need_max, *score_captured)
     else:
         out, lse, mx = _run_forward(call, query, key, value, score_captured, need_lse, need_max)
 

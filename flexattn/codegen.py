@@ -24,7 +24,7 @@ import jinja2
 
 from .lowering import LoweredMod
 
-__all__ = ["ForwardSpec", "render_forward", "cache_dir", "load_kernel_module", "debug_enabled"]
+__all__ = ["ForwardSpec", "render_forward", "BackwardSpec", "render_backward", "cache_dir", "load_kernel_module", "debug_enabled"]
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 
@@ -64,6 +64,21 @@ class ForwardSpec:
         return f"fwd_{_slug(self.score_name)}_{_slug(self.mask_name)}"
 
 
+@dataclass(frozen=True)
+class BackwardSpec:
+    """Everything the backward template needs: the forward's lowered mods (to recompute the scores)
+    and the score_mod's lowered gradient (``score_grad``, a LoweredScoreGrad or None)."""
+
+    score_mod: Optional[LoweredMod]
+    mask_mod: Optional[LoweredMod]
+    score_grad: Optional[object]
+    score_name: str = "identity"
+    mask_name: str = "none"
+
+    def readable_name(self) -> str:
+        return f"bwd_{_slug(self.score_name)}_{_slug(self.mask_name)}"
+
+
 def _slug(name: str) -> str:
     return re.sub(r"[^0-9a-zA-Z]+", "_", name).strip("_")[:40] or "mod"
 
@@ -76,6 +91,20 @@ def render_forward(spec: ForwardSpec) -> str:
         score_mod=spec.score_mod,
         mask_mod=spec.mask_mod,
         score_params=list(spec.score_mod.kernel_params) if spec.score_mod else [],
+        mask_params=list(spec.mask_mod.kernel_params) if spec.mask_mod else [],
+    )
+
+
+def render_backward(spec: BackwardSpec) -> str:
+    template = _environment.get_template("backward.py.jinja")
+    return template.render(
+        kernel_name="flex_attention_backward",
+        description=f"score_mod={spec.score_name}, mask_mod={spec.mask_name}",
+        score_mod=spec.score_mod,
+        mask_mod=spec.mask_mod,
+        score_grad=spec.score_grad,
+        score_params=list(spec.score_mod.kernel_params) if spec.score_mod else [],
+        grad_params=list(spec.score_grad.kernel_params) if spec.score_grad else [],
         mask_params=list(spec.mask_mod.kernel_params) if spec.mask_mod else [],
     )
 

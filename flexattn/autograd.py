@@ -1,0 +1,87 @@
+"""The autograd Function of ``flex_attention``: the forward by the chosen backend, the backward by
+FlashAttention-2 recomputation from the saved LSE.
+
+On the Triton backend the backward is the generated Triton kernels (``backward.py``); the blockwise
+PyTorch backward (``blockwise.py``) runs everywhere else and is the oracle the tests compare with.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import blockwise
+from .backward import backward_kernel
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .api import _Call
+
+__all__ = ["FlexAttentionFunction"]
+
+_DOUBLE_BACKWARD = (
+    b"flex_attention does not support double backward (a gradient of its gradients, e.g. a gradient "
+    b"penalty through the attention): its backward kernels are not differentiable. Compute the "
+    b"attention's part of such a loss without create_graph, or use torch's math attention for it"
+)
+
+
+def _delay_double_backward_error(outputs: tuple) -> tuple:
+    """Gradients that raise our error if anything differentiates through them (what
+    torch.autograd.function.once_differentiable does, with a message that names the cause)."""
+    make_error = getattr(getattr(torch._C, "_functions", None), "DelayedError", None)
+    if make_error is None:  # pragma: no cover - every supported torch has it
+        raise RuntimeError(_DOUBLE_BACKWARD.decode())
+    tensors = [o for o in outputs if isinstance(o, torch.Tensor)]
+    if not tensors:
+        return outputs
+    wrapped = iter(make_error(_DOUBLE_BACKWARD, len(tensors))(*tensors))
+    return tuple(next(wrapped) if isinstance(o, torch.Tensor) else o for o in outputs)
+
+
+class FlexAttentionFunction(torch.autograd.Function):
+    """Inputs: q, k, v, the call (a plain ``api._Call``), need_max, then the score_mod's captured
+    tensors (so autograd routes their gradients). Outputs: out, lse, max_scores."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, call, need_max, *score_captured):
+        from .api import _run_forward  # api imports this module
+
+        out, lse, mx = _run_forward(call, q, k, v, list(score_captured), True, need_max)
+        ctx.call = call
+        ctx.save_for_backward(q, k, v, out, lse, *score_captured)
+        if mx is not None:
+            ctx.mark_non_differentiable(mx)
+        return out, lse, mx
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse, grad_max):
+        with torch.no_grad():
+            grads = _backward(ctx, grad_out, grad_lse)
+        if torch.is_grad_enabled():  # create_graph=True: refuse differentiating these
+            grads = _delay_double_backward_error(grads)
+        return grads
+
+
+def _backward(ctx, grad_out, grad_lse):
+    call: "_Call" = ctx.call
+    q, k, v, out, lse, *score_captured = ctx.saved_tensors
+    if call.backend == "TRITON":
+        from .api import _use_tanh_approx
+
+        kernel = backward_kernel(call.score, call.mask, tanh_approx=_use_tanh_approx(q, call.options))
+        dq, dk, dv, d_captured = kernel(
+            q, k, v, out, lse, grad_out.contiguous(), grad_lse, call.block_mask, call.scale,
+            score_captured, call.mask_captured, call.options,
+        )
+    else:
+        dq, dk, dv, d_captured = blockwise.blockwise_backward(
+            q, k, v, out, lse, grad_out, grad_lse, call.block_mask, call.scale,
+            call.score.graph_module_on(q.device) if call.score else None, score_captured,
+            call.mask.graph_module_on(q.device) if call.mask else None, call.mask_captured,
+            index_dtype=call.index_dtype,
+        )
+    needs = ctx.needs_input_grad
+    dq, dk, dv = (g if needs[i] else None for i, g in enumerate((dq, dk, dv)))
+    d_captured = [g if needs[5 + i] else None for i, g in enumerate(d_captured)]
+    return (dq, dk, dv, None, None, *d_captured)

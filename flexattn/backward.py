@@ -1,0 +1,403 @@
+"""The Triton backward: compile-once kernels, launch plans and launches for dQ, dK, dV and the
+gradients of captured tensors.
+
+Stage 4 of the pipeline for training (trace -> lowering -> codegen -> runtime), beside the forward's
+``runtime.py``, whose configuration, table and cache machinery it shares. Three kernels, rendered
+together from ``templates/backward.py.jinja``:
+
+1. preprocess: DELTA = rowsum(dO * O) - dLSE, one program per query tile;
+2. dK/dV: one program per key tile of one key/value head, walking the query blocks that see it
+   through the BlockMask's transposed tables, summing over the query heads of its GQA group;
+3. dQ: one program per query tile, walking the same key blocks as the forward.
+
+Every output row is written by exactly one program, so there are no atomics on dQ, dK or dV and
+the result does not depend on scheduling. Gradients of captured tensors (a learnable bias) are
+added with float32 atomics by the dK/dV kernel only, at the addresses the mod read.
+
+The transposed tables are derived from the forward's checked tables (never taken from the mask's
+own ``q_indices``, which a hand-built mask could let disagree with ``kv_indices``): the backward
+walks exactly the blocks the forward walked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from types import ModuleType
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import lowering
+from .block_mask import BlockMask, _dense_to_ordered, _ordered_to_dense
+from .codegen import BackwardSpec, load_kernel_module, render_backward
+from .errors import InvalidInputError, ResourceError
+from .index_bounds import index_bounds, lowering_variant
+from .runtime import (
+    LaunchConfig, _empty, _fit_to_mask, _import_triton, _input_precision, _is_out_of_resources, _lower,
+    _next_pow2, interpreter_enabled, launch_tables, max_shared_memory, triton_cdiv, tuned_configs,
+)
+from .trace import TracedMod
+
+__all__ = ["BackwardKernel", "backward_kernel", "BackwardConfig", "select_backward_config", "launches"]
+
+launches = 0  # Triton backward calls in this process (tests check that the kernels, not a fallback, ran)
+
+
+# ------------------------------------------------------------------------------------ configs
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """Tiles of the two main kernels, with torch's names: the dK/dV kernel owns BLOCK_N1 keys and
+    walks BLOCK_M1 queries at a time; the dQ kernel owns BLOCK_M2 queries and walks BLOCK_N2 keys."""
+
+    BLOCK_M1: int
+    BLOCK_N1: int
+    BLOCK_M2: int
+    BLOCK_N2: int
+    num_warps: int
+    num_stages: int
+
+    def dkdv(self) -> LaunchConfig:
+        return LaunchConfig(self.BLOCK_M1, self.BLOCK_N1, self.num_warps, self.num_stages)
+
+    def dq(self) -> LaunchConfig:
+        return LaunchConfig(self.BLOCK_M2, self.BLOCK_N2, self.num_warps, self.num_stages)
+
+
+# (head dim up to, 16-bit inputs): defaults measured on an H100 (docs/benchmarks.md, issue 9).
+_GPU_BACKWARD_DEFAULTS = {
+    (64, True): BackwardConfig(64, 128, 128, 64, 8, 3),
+    (128, True): BackwardConfig(64, 128, 128, 64, 8, 2),
+    (256, True): BackwardConfig(32, 64, 64, 32, 8, 2),
+    (64, False): BackwardConfig(32, 64, 64, 32, 4, 2),
+    (128, False): BackwardConfig(32, 64, 64, 32, 8, 2),
+    (256, False): BackwardConfig(16, 32, 32, 16, 8, 1),
+}
+
+
+def backward_shared_memory_bytes(cfg: BackwardConfig, elem: int, qk_p2: int, v_p2: int) -> int:
+    """Upper estimate for the larger of the two kernels: the resident tiles (K and V, or Q and dO)
+    once, the streamed ones per pipeline stage, and the transposed score tiles."""
+    stages = max(1, cfg.num_stages - 1)
+    dkdv = (cfg.BLOCK_N1 * (qk_p2 + v_p2) + cfg.BLOCK_M1 * (qk_p2 + v_p2) * stages) * elem
+    dkdv += 2 * cfg.BLOCK_M1 * cfg.BLOCK_N1 * elem
+    dq = (cfg.BLOCK_M2 * (qk_p2 + v_p2) + cfg.BLOCK_N2 * (qk_p2 + v_p2) * stages) * elem
+    dq += cfg.BLOCK_M2 * cfg.BLOCK_N2 * elem
+    return max(dkdv, dq)
+
+
+def _fit_backward(cfg: BackwardConfig, sparse_q: int, sparse_kv: int) -> BackwardConfig:
+    dkdv = _fit_to_mask(cfg.dkdv(), sparse_q, sparse_kv)
+    dq = _fit_to_mask(cfg.dq(), sparse_q, sparse_kv)
+    return replace(cfg, BLOCK_M1=dkdv.BLOCK_M, BLOCK_N1=dkdv.BLOCK_N, BLOCK_M2=dq.BLOCK_M, BLOCK_N2=dq.BLOCK_N)
+
+
+def select_backward_config(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int,
+                           sparse_q: int, sparse_kv: int) -> BackwardConfig:
+    if interpreter_enabled() or device.type != "cuda":
+        # The interpreter runs each program in numpy: fewer, larger tiles are faster.
+        return _fit_backward(BackwardConfig(64, 64, 64, 64, 4, 1), sparse_q, sparse_kv)
+    bucket = next((d for d in (64, 128, 256) if max(qk_dim, v_dim) <= d), 256)
+    cfg = _fit_backward(_GPU_BACKWARD_DEFAULTS[(bucket, dtype.itemsize <= 2)], sparse_q, sparse_kv)
+    limit = max_shared_memory(device)
+    qk_p2, v_p2 = _next_pow2(qk_dim), _next_pow2(v_dim)
+    while backward_shared_memory_bytes(cfg, dtype.itemsize, qk_p2, v_p2) > limit:
+        if cfg.num_stages > 1:
+            cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+        elif max(cfg.BLOCK_M1, cfg.BLOCK_N2) > 16:
+            cfg = replace(cfg, BLOCK_M1=max(16, cfg.BLOCK_M1 // 2), BLOCK_N2=max(16, cfg.BLOCK_N2 // 2))
+        elif max(cfg.BLOCK_N1, cfg.BLOCK_M2) > 16:
+            cfg = replace(cfg, BLOCK_N1=max(16, cfg.BLOCK_N1 // 2), BLOCK_M2=max(16, cfg.BLOCK_M2 // 2))
+        else:
+            break
+    return cfg
+
+
+_BACKWARD_TILE_KEYS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")
+
+
+def _pinned_backward_config(options: dict, default: BackwardConfig, sparse_q: int, sparse_kv: int) -> BackwardConfig:
+    """``default`` with the tiles and launch sizes the caller pinned through kernel_options."""
+    values = {k: options.get(k, getattr(default, k)) for k in _BACKWARD_TILE_KEYS}
+    for key in ("num_warps", "num_stages"):
+        # torch's rule: a bwd_ key sets the backward alone, a plain key sets both passes.
+        values[key] = options.get(f"bwd_{key}", options.get(key, getattr(default, key)))
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidInputError(f"kernel_options['{key}'] must be an int, got {value!r}")
+    blocks = {"BLOCK_M1": (sparse_q, "query"), "BLOCK_M2": (sparse_q, "query"),
+              "BLOCK_N1": (sparse_kv, "key"), "BLOCK_N2": (sparse_kv, "key")}
+    for key, (block, what) in blocks.items():
+        value = values[key]
+        if value < 16 or value & (value - 1) or block % value:
+            raise InvalidInputError(
+                f"kernel_options['{key}'] must be a power of two >= 16 that divides the BlockMask's {what} "
+                f"block size {block}, got {value}"
+            )
+    if values["num_warps"] not in (1, 2, 4, 8, 16) or values["num_stages"] < 1:
+        raise InvalidInputError(
+            "kernel_options num_warps / bwd_num_warps must be 1, 2, 4, 8 or 16 and num_stages / bwd_num_stages "
+            f">= 1, got {values['num_warps']} and {values['num_stages']}"
+        )
+    return BackwardConfig(**values)
+
+
+def _backward_pinned(options: dict) -> bool:
+    return any(k in options for k in (*_BACKWARD_TILE_KEYS, "bwd_num_warps", "bwd_num_stages", "num_warps",
+                                      "num_stages"))
+
+
+# ------------------------------------------------------------------------------------ tables
+
+
+class BackwardTables(NamedTuple):
+    """The forward's tables transposed (per key block: the query blocks that see it), cropped to the
+    blocks inside the lengths. Kept on the mask (BlockMask.derived), like the forward's."""
+
+    q_num_blocks: torch.Tensor
+    q_indices: torch.Tensor
+    full_q_num_blocks: torch.Tensor  # q_num_blocks when the mask has no full blocks
+    full_q_indices: torch.Tensor
+
+
+def _compute_backward_tables(block_mask: BlockMask) -> BackwardTables:
+    tables = launch_tables(block_mask)  # checked and ascending: exactly what the forward walked
+    q_len, kv_len = block_mask.seq_lengths
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    rows, cols = -(-q_len // q_block), -(-kv_len // kv_block)
+
+    def transposed(num, idx):
+        dense = _ordered_to_dense(num, idx, cols)[:, :, :rows]
+        return _dense_to_ordered(dense.transpose(-2, -1))
+
+    qn, qi = transposed(tables.kv_num_blocks, tables.kv_indices)
+    if tables.has_full:
+        fqn, fqi = transposed(tables.full_kv_num_blocks, tables.full_kv_indices)
+    else:
+        fqn, fqi = qn, qi
+    return BackwardTables(qn, qi, fqn, fqi)
+
+
+def backward_tables(block_mask: BlockMask) -> BackwardTables:
+    return block_mask.derived("backward_tables", _compute_backward_tables)
+
+
+# ------------------------------------------------------------------------------------ kernels
+
+
+@dataclass(frozen=True)
+class CompiledBackward:
+    spec: BackwardSpec
+    source: str
+    source_digest: str
+    module: ModuleType
+    variants: tuple
+
+
+class _BackwardPlan(NamedTuple):
+    dkdv_grid: tuple[int, int, int]
+    dq_grid: tuple[int, int, int]
+    preprocess_block: int
+    dkdv_constexprs: dict
+    dq_constexprs: dict
+    compiled: CompiledBackward
+
+
+_PLANS_PER_KERNEL = 256
+
+
+def _lower_score_grad(traced: Optional[TracedMod], tanh_approx: bool, variant):
+    if traced is None:
+        return None
+    return lowering.lower_score_grad(traced, prefix="sm_", tanh_approx=tanh_approx, variant=variant)
+
+
+class BackwardKernel:
+    """The backward kernels of one pair of traced mods (see [Note] Cache keys in runtime.py): one
+    compiled source per lowering variant, one launch plan per problem."""
+
+    def __init__(self, score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool):
+        self.score, self.mask, self.tanh_approx = score, mask, tanh_approx
+        self._compiled: dict[tuple, CompiledBackward] = {}
+        self._plans: "OrderedDict[tuple, _BackwardPlan]" = OrderedDict()
+        self.last_config: Optional[BackwardConfig] = None
+
+    def compiled(self, bounds=None) -> CompiledBackward:
+        """The kernels for calls within ``bounds``; lowering the score_mod's gradient here raises the
+        lowering's error (naming the op and the line) before any kernel runs."""
+        variants = (
+            lowering_variant(self.score, bounds) if self.score is not None and bounds is not None else None,
+            lowering_variant(self.mask, bounds) if self.mask is not None and bounds is not None else None,
+        )
+        compiled = self._compiled.get(variants)
+        if compiled is None:
+            compiled = self._compiled[variants] = self._compile(variants)
+        return compiled
+
+    def _compile(self, variants: tuple) -> CompiledBackward:
+        spec = BackwardSpec(
+            score_mod=_lower(self.score, "sm_", self.tanh_approx, variants[0]),
+            mask_mod=_lower(self.mask, "mm_", self.tanh_approx, variants[1]),
+            score_grad=_lower_score_grad(self.score, self.tanh_approx, variants[0]),
+            score_name=self.score.name if self.score else "identity",
+            mask_name=self.mask.name if self.mask else "none",
+        )
+        source = render_backward(spec)
+        return CompiledBackward(
+            spec=spec, source=source, source_digest=hashlib.sha256(source.encode()).hexdigest()[:16],
+            module=load_kernel_module(source, spec.readable_name()), variants=variants,
+        )
+
+    def prepare(self, q, k, block_mask) -> None:
+        """Lower and compile for this call's lengths now (at the forward), so a mod whose gradient
+        cannot be lowered fails before any kernel runs."""
+        B, Hq, L, _ = q.shape
+        self.compiled(index_bounds(B, Hq, L, k.shape[2]))
+
+    # ---------------------------------------------------------------- launch
+    def __call__(self, q, k, v, out, lse, grad_out, grad_lse, block_mask: BlockMask, scale: float,
+                 score_captured, mask_captured, options: dict):
+        global launches
+        B, Hq, L, E = q.shape
+        Bk, Hkv, S, Ev = v.shape
+        tables = launch_tables(block_mask)
+        bwd_tables = backward_tables(block_mask)
+        plan_key = (
+            q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), grad_out.stride(), out.stride(),
+            q.dtype, q.device, block_mask.BLOCK_SIZE, tables.plan_key, scale > 0, grad_lse is not None,
+            tuple(sorted(options.items())) if options else (),
+            torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None,
+        )
+        plan = self._plans.get(plan_key)
+        if plan is None:
+            plan = self._plan(q, k, v, block_mask, tables, scale, options)
+            self._plans[plan_key] = plan
+            if len(self._plans) > _PLANS_PER_KERNEL:
+                self._plans.popitem(last=False)
+        module = plan.compiled.module
+
+        # -- preprocess: DELTA ----
+        delta = _empty((B, Hq, L), torch.float32, q.device)
+        dlse = grad_lse.contiguous().float() if grad_lse is not None else delta
+        pre_block = plan.preprocess_block
+        module.flex_attention_backward_preprocess[(triton_cdiv(L, pre_block), Hq, B)](
+            out, grad_out, dlse, delta, *out.stride(), *grad_out.stride(), L,
+            V_HEAD_DIM=Ev, V_HEAD_DIM_P2=max(16, _next_pow2(Ev)), BLOCK_M=pre_block,
+            HAS_DLSE=grad_lse is not None,
+        )
+
+        # -- captured tensors and their gradient buffers ----
+        trainable = plan.compiled.spec.score_grad.trainable if plan.compiled.spec.score_grad else ()
+        grad_buffers = [torch.zeros(score_captured[i].shape, dtype=torch.float32, device=q.device) for i in trainable]
+        score_args = []
+        for t in score_captured:
+            score_args.append(t if t.device == q.device else t.to(q.device))
+            score_args.extend(t.stride())
+        score_args.extend(grad_buffers)
+        mask_args = []
+        for t in mask_captured:
+            mask_args.append(t if t.device == q.device else t.to(q.device))
+            mask_args.extend(t.stride())
+
+        k_strides, v_strides = k.stride(), v.stride()
+        broadcast_kv = Bk == 1 and B > 1
+        if broadcast_kv:
+            k_strides, v_strides = (0,) + k_strides[1:], (0,) + v_strides[1:]
+            # Each query batch writes its own slice; the slices are summed below (float32).
+            dk = _empty((B, Hkv, S, E), torch.float32, q.device)
+            dv = _empty((B, Hkv, S, Ev), torch.float32, q.device)
+        else:
+            dk = _empty(k.shape, k.dtype, q.device)
+            dv = _empty(v.shape, v.dtype, q.device)
+        dq = _empty(q.shape, q.dtype, q.device)
+        lse = lse.contiguous()
+
+        try:
+            module.flex_attention_backward_dkdv[plan.dkdv_grid](
+                q, k, v, grad_out, lse, delta, dk, dv,
+                bwd_tables.q_num_blocks, bwd_tables.q_indices, bwd_tables.full_q_num_blocks, bwd_tables.full_q_indices,
+                *q.stride(), *k_strides, *v_strides, *grad_out.stride(), *dk.stride(), *dv.stride(),
+                bwd_tables.q_num_blocks.shape[2], bwd_tables.q_indices.shape[3], bwd_tables.full_q_indices.shape[3],
+                L, S, scale, *score_args, *mask_args, **plan.dkdv_constexprs,
+            )
+            nb, idx, fnb, fidx = tables.kv_num_blocks, tables.kv_indices, tables.full_kv_num_blocks, tables.full_kv_indices
+            module.flex_attention_backward_dq[plan.dq_grid](
+                q, k, v, grad_out, lse, delta, dq,
+                nb, idx, fnb, fidx,
+                *q.stride(), *k_strides, *v_strides, *grad_out.stride(), *dq.stride(),
+                nb.shape[2], idx.shape[3], fidx.shape[3],
+                L, S, scale, *score_args, *mask_args, **plan.dq_constexprs,
+            )
+        except Exception as err:
+            if not _is_out_of_resources(err):
+                raise
+            raise ResourceError(
+                f"the Triton backward for score_mod '{self.score.name if self.score else None}' and mask_mod "
+                f"'{self.mask.name if self.mask else None}' does not fit this GPU with tiles {self.last_config} "
+                f"({err}); pass smaller tiles (kernel_options BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, "
+                "bwd_num_stages) or run it with kernel_options={'BACKEND': 'PYTORCH'}"
+            ) from err
+        launches += 1
+        if broadcast_kv:
+            dk = dk.sum(0, keepdim=True).to(k.dtype)
+            dv = dv.sum(0, keepdim=True).to(v.dtype)
+        captured_grads: list = [None] * len(score_captured)
+        for i, buf in zip(trainable, grad_buffers):
+            captured_grads[i] = buf.to(score_captured[i].dtype)
+        return dq, dk, dv, captured_grads
+
+    def _plan(self, q, k, v, block_mask, tables, scale, options) -> _BackwardPlan:
+        B, Hq, L, E = q.shape
+        Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+        sparse_q, sparse_kv = block_mask.BLOCK_SIZE
+        compiled = self.compiled(index_bounds(B, Hq, L, S))
+        cfg = select_backward_config(q.device, q.dtype, E, Ev, sparse_q, sparse_kv)
+        if _backward_pinned(options):
+            cfg = _pinned_backward_config(options, cfg, sparse_q, sparse_kv)
+        self.last_config = cfg
+        common = dict(
+            SPARSE_Z=tables.kv_num_blocks.shape[0], SPARSE_HQ=tables.kv_num_blocks.shape[1],
+            GQA_GROUP=Hq // Hkv,
+            QK_HEAD_DIM=E, QK_HEAD_DIM_P2=max(16, _next_pow2(E)),
+            V_HEAD_DIM=Ev, V_HEAD_DIM_P2=max(16, _next_pow2(Ev)),
+            SPARSE_Q_BLOCK_SIZE=sparse_q, SPARSE_KV_BLOCK_SIZE=sparse_kv,
+            HAS_SCORE_MOD=self.score is not None,
+            SCALE_FIRST=self.score is not None or scale <= 0,
+            HAS_PARTIAL_BLOCKS=self.mask is not None, HAS_FULL_BLOCKS=tables.has_full,
+            INPUT_PRECISION=_input_precision(q.dtype), NUM_STAGES=cfg.num_stages,
+            UPCAST_DOTS=q.dtype == torch.bfloat16 and interpreter_enabled(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        # Each kernel checks bounds along its own tile (EVEN_* of its tile) and along the sparse
+        # blocks it walks (whole blocks: EVEN_* of the BlockMask's block).
+        dkdv = dict(common, BLOCK_M=cfg.BLOCK_M1, BLOCK_N=cfg.BLOCK_N1,
+                    EVEN_M=L % sparse_q == 0, EVEN_N=S % cfg.BLOCK_N1 == 0)
+        dq = dict(common, BLOCK_M=cfg.BLOCK_M2, BLOCK_N=cfg.BLOCK_N2,
+                  EVEN_M=L % cfg.BLOCK_M2 == 0, EVEN_N=S % sparse_kv == 0)
+        pre_block = 64 if not interpreter_enabled() else 128
+        return _BackwardPlan(
+            (triton_cdiv(S, cfg.BLOCK_N1), Hkv, B), (triton_cdiv(L, cfg.BLOCK_M2), Hq, B),
+            pre_block, dkdv, dq, compiled,
+        )
+
+
+_kernels: "OrderedDict[tuple, BackwardKernel]" = OrderedDict()  # see [Note] Cache keys in runtime.py
+_KERNELS_KEPT = 256
+
+
+def backward_kernel(score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool = False) -> BackwardKernel:
+    """The backward kernels for these traced mods, built on first use and kept (the latest 256)."""
+    key = (score, mask, tanh_approx)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        _import_triton()
+        kernel = BackwardKernel(score, mask, tanh_approx=tanh_approx)
+        _kernels[key] = kernel
+        if len(_kernels) > _KERNELS_KEPT:
+            _kernels.popitem(last=False)
+    else:
+        _kernels.move_to_end(key)
+    return kernel
