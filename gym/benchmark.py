@@ -1,6 +1,10 @@
 """Forward benchmark in the FlexAttention paper's setup, side by side in one process.
 
     PYTHONPATH=. python -m gym.benchmark --head-dims 64 128 --out results.json
+    PYTHONPATH=. python -m gym.benchmark --mode bwd --out results_bwd.json   # forward + backward
+
+``--mode bwd`` runs the training benchmark of ``gym/benchmark_training.py`` (its docstring says what
+it measures); what follows describes the forward mode, the default.
 
 bf16, 16k tokens, batch x heads chosen so that K (and V) are 256 MiB each; the seven catalogue
 variants. For each: flexattn, torch's flex_attention under torch.compile, and SDPA (flash and cuDNN
@@ -75,31 +79,59 @@ def dense_mask_sdpa(q, k, v, mask_mod, device):
     return run
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--variants", nargs="+", default=list(CATALOGUE))
-    parser.add_argument("--seq-len", type=int, default=SEQ_LEN)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--no-torch-flex", action="store_true", help="skip torch.compile(flex_attention)")
-    parser.add_argument("--out", default=None, help="write all numbers as JSON here")
-    parser.add_argument("--kernel-options", default="{}", help="JSON FlexKernelOptions for flexattn")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("the benchmark needs a CUDA GPU", file=sys.stderr)
-        return 2
-
-    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+def compile_torch_flex():
+    """torch's flex_attention under torch.compile(dynamic=False), with Dynamo's recompile limits lifted:
+    every (variant, head dim) is a new specialisation, and none may silently fall back to the unfused path."""
     from torch.nn.attention.flex_attention import flex_attention as torch_flex
-
-    # Every (variant, head dim) is a new specialisation of torch's compiled flex_attention; lift
-    # Dynamo's recompile limit so none of them silently falls back to the unfused path.
     from torch import _dynamo
 
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
         if hasattr(_dynamo.config, name):
             setattr(_dynamo.config, name, 1024)
-    torch_flex_compiled = torch.compile(torch_flex, dynamic=False)
+    return torch.compile(torch_flex, dynamic=False)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("fwd", "bwd"), default="fwd",
+                        help="fwd: forward only (default); bwd: forward and backward (gym/benchmark_training.py)")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=None, help="default 64 128")
+    parser.add_argument("--variants", nargs="+", default=list(CATALOGUE), choices=list(CATALOGUE), metavar="VARIANT")
+    parser.add_argument("--seq-len", type=int, default=None, help=f"default {SEQ_LEN}")
+    parser.add_argument("--heads", type=int, default=None, help="default 16")
+    parser.add_argument("--no-torch-flex", action="store_true", help="skip torch.compile(flex_attention)")
+    parser.add_argument("--out", default=None, help="write all numbers as JSON here")
+    parser.add_argument("--kernel-options", default="{}", help="JSON FlexKernelOptions for flexattn")
+    training = parser.add_argument_group("--mode bwd only")
+    training.add_argument("--batch", type=int, default=None, help="default: K and V 128 MiB each (B4 at d=64, B2 at d=128)")
+    training.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    training.add_argument("--rep", type=float, default=100, help="do_bench budget per timing, ms (default 100)")
+    training.add_argument("--min-reps", type=int, default=5, help="at least this many timed calls (default 5)")
+    training.add_argument("--grad-tol", type=float, default=2e-2,
+                          help="flag gradients whose relative error against torch's exceeds this (default 2e-2)")
+    training.add_argument("--oracle-floor", type=float, default=5e-3,
+                          help="flexattn's error against the float32 oracle may reach max(2x torch's, this)")
+    training.add_argument("--no-oracle", dest="oracle", action="store_false",
+                          help="skip the float32 oracle on one (batch, head) slice")
+    training.add_argument("--smoke", action="store_true",
+                          help="tiny sizes (256 tokens, B1 H2 d32 unless given) that run on CPU under TRITON_INTERPRET=1")
+    args = parser.parse_args(argv)
+    if args.mode == "bwd":
+        from gym.benchmark_training import run
+
+        return run(args)
+    if args.smoke or args.batch:
+        parser.error("--smoke and --batch belong to --mode bwd; the forward mode keeps its paper shapes")
+    args.head_dims = args.head_dims or [64, 128]
+    args.seq_len = args.seq_len or SEQ_LEN
+    args.heads = args.heads or 16
+    if not torch.cuda.is_available():
+        print("the benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    torch_flex_compiled = compile_torch_flex()
     options = json.loads(args.kernel_options)
     device = torch.device("cuda")
     dtype = torch.bfloat16

@@ -1,0 +1,426 @@
+"""Training benchmark: forward and backward in the FlexAttention paper's setup, side by side in one process.
+
+    PYTHONPATH=. python -m gym.benchmark --mode bwd --out bench_bwd.json
+    TRITON_INTERPRET=1 PYTHONPATH=. python -m gym.benchmark --mode bwd --smoke     # CPU: code paths only
+
+bf16, 16k tokens, 16 heads, batch chosen so that K (and V) are 128 MiB each: B = 4 at d = 64 and
+B = 2 at d = 128 (issue 9; the forward mode uses 256 MiB). The seven catalogue variants. For each,
+in one process: flexattn, torch's flex_attention under torch.compile(dynamic=False) with a torch
+BlockMask from torch's create_block_mask over the same mods, and SDPA (flash and cuDNN where they
+express the variant; the memory-efficient kernel with a dense boolean mask where only a mask does).
+
+Method. q, k, v are leaves that require grad, so every forward is a training forward (it builds the
+autograd graph and, for flexattn, keeps the LSE). Each implementation runs one forward, ``out``, and
+its first backward (the first-call times include Triton compilation, autotuning, and for torch's
+flex_attention the torch.compile of the forward and the backward graphs). Then:
+
+* forward: ``fn()`` is timed;
+* backward: ``torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)`` is timed on the one
+  graph, so the backward is measured alone, with no forward to subtract;
+* fwd+bwd is the sum of the two medians.
+
+Times are medians of CUDA-event timings (triton.testing.do_bench, L2 flushed between calls), with a
+budget of ``--rep`` ms but at least five timed calls. FLOPs: forward 4 * B * H * L * S * D * density,
+backward 2.5x that, fwd+bwd 3.5x, with density the fraction of (query, key) blocks flexattn's
+BlockMask computes, the same count for every implementation (a dense SDPA kernel does more work than
+it is credited with). Speed-ups are other_ms / flexattn_ms, so above 1 means flexattn is faster.
+
+Correctness, on every case, because a fast wrong kernel is worse than none: flexattn's output and
+its gradients dq, dk, dv against torch's compiled flex_attention on the same inputs (norm-wise
+relative error per tensor; the maximum over the three is flagged above ``--grad-tol``), and both
+against a float32 dense oracle (``flexattn.reference``) on one (batch, head) slice, where flexattn's
+error must stay within twice torch's (or ``--oracle-floor``): the flash-attention rule. Mismatches are
+printed loudly, recorded in the row's ``grad_check``, and make the exit status 1. Errors of any one
+implementation (cuDNN refusing a shape, running out of memory) are recorded in the row, never fatal.
+
+``--smoke`` runs tiny sizes anywhere: on a CPU machine under TRITON_INTERPRET=1 flexattn runs its
+Triton kernels in the interpreter; torch's flex_attention has no CPU backward, so flexattn's blockwise
+PyTorch backend stands in for it in the torch columns (the JSON's env says so), and SDPA's CUDA-only
+backends record their errors. The timings then mean nothing; the run checks the code paths.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+
+import flexattn
+from flexattn.reference import reference_attention
+from gym.catalogue import CATALOGUE
+
+TRAIN_KV_BYTES = 128 * 2**20  # K (and V) bytes per case: B = 4 at d = 64, B = 2 at d = 128, 16 heads, 16k
+BWD_FLOP_FACTOR = 2.5  # backward FLOPs per forward FLOP: five matmuls against the forward's two
+GRADS = ("dq", "dk", "dv")
+SDPA_BACKENDS = ("flash", "cudnn")
+SMOKE = {"seq_len": 256, "heads": 2, "batch": 1, "head_dims": [32]}
+COMPARED = ("flexattn", "torch_flex")  # implementations whose gradients are kept and checked
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:200]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timer(device: torch.device, rep_ms: float, min_reps: int) -> Callable[[Callable], float]:
+    """Median milliseconds of ``fn``: do_bench on CUDA (at least ``min_reps`` timed calls), wall clock elsewhere."""
+    if device.type == "cuda":
+        import triton.testing
+
+        def bench(fn):
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            estimate_ms = (time.perf_counter() - start) * 1e3
+            # do_bench repeats rep / (its own estimate) times: one estimate to spare keeps min_reps
+            return triton.testing.do_bench(
+                fn, warmup=25, rep=max(rep_ms, (min_reps + 1) * estimate_ms), return_mode="median"
+            )
+
+        return bench
+
+    def bench(fn):  # CPU smoke runs: the numbers only show that the path runs
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return sorted(times)[1]
+
+    return bench
+
+
+def _triton_backward_launches() -> Optional[int]:
+    """The Triton backward's launch counter (``flexattn.backward.launches``), None where it does not exist."""
+    try:
+        import flexattn.backward as backward_module
+    except ImportError:
+        return None
+    count = getattr(backward_module, "launches", None)
+    return count if isinstance(count, int) else None
+
+
+def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Norm-wise relative error in float32 (as tests/numerics.py, without its non-finite handling:
+    attention outputs and gradients are finite)."""
+    diff = (actual.float() - expected.float()).norm()
+    return (diff / expected.float().norm().clamp_min(1e-30)).item()
+
+
+def _measure(impl: str, fn: Callable, q, k, v, dout, row: dict, bench, device, *, time_backward=True):
+    """Time ``fn``'s forward and backward into ``row``; return (out, grads) detached, or None on error."""
+    try:
+        start = time.perf_counter()
+        out = fn()
+        _sync(device)
+        row[f"{impl}_first_fwd_s"] = round(time.perf_counter() - start, 3)
+        launches = _triton_backward_launches() if impl == "flexattn" else None
+        start = time.perf_counter()
+        grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        _sync(device)
+        row[f"{impl}_first_bwd_s"] = round(time.perf_counter() - start, 3)
+        if impl == "flexattn":
+            after = _triton_backward_launches()
+            triton_ran = launches is not None and after is not None and after > launches
+            row["flexattn_bwd_backend"] = "TRITON" if triton_ran else "PYTORCH"
+            if not triton_ran and device.type == "cuda":
+                time_backward = False
+                row["flexattn_bwd_error"] = (
+                    "the backward ran on the blockwise PyTorch path (flexattn.backward.launches did not move); not timed"
+                )
+                print(f"!!! flexattn {row['variant']} d={row['D']}: {row['flexattn_bwd_error']}", flush=True)
+        row[f"{impl}_fwd_ms"] = bench(fn)
+        if time_backward:
+            row[f"{impl}_bwd_ms"] = bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+            row[f"{impl}_fwdbwd_ms"] = row[f"{impl}_fwd_ms"] + row[f"{impl}_bwd_ms"]
+    except Exception as err:  # one implementation failing (cuDNN refusing a shape, OOM) must not end the run
+        row[f"{impl}_error"] = _first_line(err)
+        print(f"  {impl} {row['variant']} d={row['D']}: {row[f'{impl}_error']}", flush=True)
+        return None
+    return out.detach(), [g.detach() for g in grads]
+
+
+def _shifted(mod: Optional[Callable], b0: int, h0: int, with_score: bool) -> Optional[Callable]:
+    """``mod`` seen from the one-(batch, head) slice ``[b0, h0]``: its b and h arguments are offset back."""
+    if mod is None:
+        return None
+    if with_score:
+        return lambda score, b, h, q_idx, kv_idx: mod(score, b + b0, h + h0, q_idx, kv_idx)
+    return lambda b, h, q_idx, kv_idx: mod(b + b0, h + h0, q_idx, kv_idx)
+
+
+def _oracle_errors(q, k, v, dout, score_mod, mask_mod, results: dict, b0: int, h0: int) -> dict:
+    """float32 dense reference on the slice [b0, h0] (exact copies of the bf16 inputs): each
+    implementation's relative error of out, dq, dk, dv there. Without GQA a head's gradients depend
+    on that head alone, so the slice is an exact sub-problem."""
+    leaves = [t[b0 : b0 + 1, h0 : h0 + 1].detach().float().requires_grad_() for t in (q, k, v)]
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # no TF32 in the oracle, whatever the process set
+    try:
+        out, _, _ = reference_attention(
+            *leaves, _shifted(score_mod, b0, h0, True), _shifted(mask_mod, b0, h0, False),
+        )
+        grads = torch.autograd.grad(out, leaves, dout[b0 : b0 + 1, h0 : h0 + 1].float())
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    expected = {"out": out.detach(), **dict(zip(GRADS, grads))}
+    del out, grads, leaves
+    errors = {}
+    for impl, (impl_out, impl_grads) in results.items():
+        got = {"out": impl_out, **dict(zip(GRADS, impl_grads))}
+        errors[impl] = {name: _rel_err(got[name][b0 : b0 + 1, h0 : h0 + 1], expected[name]) for name in expected}
+    return errors
+
+
+def _check(row: dict, args) -> list[str]:
+    """The row's correctness verdicts: an empty list when flexattn agrees with torch and the oracle."""
+    problems = []
+    vs_torch = row.get("grad_max_rel_err_vs_torch_flex")
+    if vs_torch is not None and not vs_torch <= args.grad_tol:  # `not <=` also catches NaN
+        problems.append(f"gradients differ from torch's compiled flex_attention: max rel err {vs_torch:.2e} > {args.grad_tol:.0e}")
+    oracle = row.get("rel_err_vs_oracle", {})
+    ours = oracle.get("flexattn")
+    for name in ("out",) + GRADS:
+        if ours is None:
+            break
+        limit = max(2 * oracle.get("torch_flex", {}).get(name, 0.0), args.oracle_floor)
+        if not ours[name] <= limit:
+            problems.append(f"{name} vs the float32 oracle: rel err {ours[name]:.2e} > {limit:.2e} (2x torch's, floor {args.oracle_floor:.0e})")
+    if "flexattn_error" in row:
+        problems.append(f"flexattn failed: {row['flexattn_error']}")
+    return problems
+
+
+def _tflops(flops: float, ms: Optional[float]) -> Optional[float]:
+    return round(flops / (ms * 1e-3) / 1e12, 1) if ms else None
+
+
+def _ratio(other_ms: Optional[float], ours_ms: Optional[float]) -> Optional[float]:
+    return round(other_ms / ours_ms, 3) if other_ms and ours_ms else None
+
+
+def _git_commit() -> Optional[str]:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+    except Exception:
+        return None
+
+
+def _run_case(name: str, B: int, H: int, L: int, D: int, dtype, device, options, torch_flex, bench, args) -> dict:
+    from gym.benchmark import block_density, dense_mask_sdpa, sdpa_fn
+
+    S = L
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, n, D, device=device, dtype=dtype, requires_grad=True) for n in (L, S, S))
+    dout = torch.randn(B, H, L, D, device=device, dtype=dtype)
+    score_mod, mask_mod = CATALOGUE[name].build(B, H, L, S, device)
+    bm = flexattn.create_block_mask(mask_mod, None, None, L, S, device=device) if mask_mod else None
+    density = block_density(bm) if bm is not None else 1.0
+    fwd_flops = 4.0 * B * H * L * S * D * density
+    flops = {"fwd": fwd_flops, "bwd": BWD_FLOP_FACTOR * fwd_flops, "fwdbwd": (1 + BWD_FLOP_FACTOR) * fwd_flops}
+    row = {"variant": name, "B": B, "H": H, "L": L, "S": S, "D": D, "dtype": str(dtype).replace("torch.", ""),
+           "density": round(density, 4), **{f"{p}_flops": f for p, f in flops.items()}}
+
+    results = {}
+    ours = lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, kernel_options=options)  # noqa: E731
+    results["flexattn"] = _measure("flexattn", ours, q, k, v, dout, row, bench, device)
+    if torch_flex is not None:
+        from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+        tbm = torch_create_block_mask(mask_mod, None, None, L, S, device=device) if mask_mod else None
+        theirs = lambda: torch_flex(q, k, v, score_mod=score_mod, block_mask=tbm)  # noqa: E731
+        results["torch_flex"] = _measure("torch_flex", theirs, q, k, v, dout, row, bench, device)
+    for backend in SDPA_BACKENDS:
+        fn = sdpa_fn(name, q, k, v, backend)
+        if fn is not None:
+            _measure(f"sdpa_{backend}", fn, q, k, v, dout, row, bench, device)
+    if score_mod is None and mask_mod is not None and name != "causal":
+        try:
+            fn = dense_mask_sdpa(q, k, v, mask_mod, device)
+        except Exception as err:
+            row["sdpa_efficient_dense_error"] = _first_line(err)
+        else:
+            _measure("sdpa_efficient_dense", fn, q, k, v, dout, row, bench, device)
+            del fn
+
+    if results.get("flexattn") and results.get("torch_flex"):
+        (out_f, grads_f), (out_t, grads_t) = results["flexattn"], results["torch_flex"]
+        row["out_rel_err_vs_torch_flex"] = _rel_err(out_f, out_t)
+        row["grad_rel_err_vs_torch_flex"] = {g: _rel_err(a, b) for g, a, b in zip(GRADS, grads_f, grads_t)}
+        row["grad_max_rel_err_vs_torch_flex"] = max(row["grad_rel_err_vs_torch_flex"].values())
+    kept = {impl: r for impl, r in results.items() if r is not None}
+    if args.oracle and kept:
+        b0, h0 = B - 1, H - 1  # the last slice: mods see nonzero b and h
+        row["oracle_slice"] = [b0, h0]
+        try:
+            row["rel_err_vs_oracle"] = _oracle_errors(q, k, v, dout, score_mod, mask_mod, kept, b0, h0)
+        except Exception as err:
+            row["oracle_error"] = _first_line(err)
+
+    for key in [key for key in row if key.endswith("_ms") and row[key]]:
+        row[key.replace("_ms", "_tflops")] = _tflops(flops[key.rsplit("_", 2)[-2]], row[key])
+    for phase in ("fwd", "bwd", "fwdbwd"):
+        ours_ms = row.get(f"flexattn_{phase}_ms")
+        row[f"{phase}_speedup_vs_torch_flex"] = _ratio(row.get(f"torch_flex_{phase}_ms"), ours_ms)
+        row[f"{phase}_ratio_vs_cudnn"] = _ratio(row.get(f"sdpa_cudnn_{phase}_ms"), ours_ms)
+    problems = _check(row, args)
+    row["grad_check"] = "ok" if not problems else problems
+    for problem in problems:
+        print(f"!!! MISMATCH {name} d={D}: {problem}", flush=True)
+    return row
+
+
+def _markdown(rows: list[dict]) -> str:
+    def ms(x):
+        return f"{x:.2f}" if x else "-"
+
+    def tf(x):
+        return f"{x:.0f}" if x else "-"
+
+    def ratio(x):
+        return f"{x:.2f}x" if x else "-"
+
+    lines = [
+        "| variant | d | density | flexattn fwd / bwd ms | bwd TFLOP/s | fwd+bwd TFLOP/s "
+        "| torch flex (compiled) fwd / bwd ms | bwd TFLOP/s | bwd speed-up | fwd+bwd speed-up "
+        "| SDPA cuDNN bwd ms | flexattn / cuDNN bwd | fwd+bwd | SDPA flash bwd ms | max grad rel err vs torch | check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        err = r.get("grad_max_rel_err_vs_torch_flex")
+        lines.append(
+            f"| {r['variant']} | {r['D']} | {r['density']:.2f} "
+            f"| {ms(r.get('flexattn_fwd_ms'))} / {ms(r.get('flexattn_bwd_ms'))} | {tf(r.get('flexattn_bwd_tflops'))} "
+            f"| {tf(r.get('flexattn_fwdbwd_tflops'))} "
+            f"| {ms(r.get('torch_flex_fwd_ms'))} / {ms(r.get('torch_flex_bwd_ms'))} | {tf(r.get('torch_flex_bwd_tflops'))} "
+            f"| {ratio(r.get('bwd_speedup_vs_torch_flex'))} | {ratio(r.get('fwdbwd_speedup_vs_torch_flex'))} "
+            f"| {ms(r.get('sdpa_cudnn_bwd_ms'))} | {ratio(r.get('bwd_ratio_vs_cudnn'))} | {ratio(r.get('fwdbwd_ratio_vs_cudnn'))} "
+            f"| {ms(r.get('sdpa_flash_bwd_ms'))} | {f'{err:.1e}' if err is not None else '-'} "
+            f"| {'ok' if r['grad_check'] == 'ok' else 'MISMATCH'} |"
+        )
+    return "\n".join(lines)
+
+
+def _below_targets(rows: list[dict]) -> list[str]:
+    """Issue 9's targets: backward >= 1.1x torch's compiled flex_attention everywhere, >= 0.8x cuDNN on noop and causal."""
+    misses = []
+    for r in rows:
+        case = f"{r['variant']} d={r['D']}"
+        speedup = r.get("bwd_speedup_vs_torch_flex")
+        if speedup is not None and speedup < 1.1:
+            misses.append(f"{case}: backward {speedup:.2f}x torch's compiled flex_attention (target 1.1x)")
+        cudnn = r.get("bwd_ratio_vs_cudnn")
+        if r["variant"] in ("noop", "causal") and cudnn is not None and cudnn < 0.8:
+            misses.append(f"{case}: backward {cudnn:.2f}x cuDNN (target 0.8x)")
+    return misses
+
+
+def run(args) -> int:
+    """The training benchmark for ``gym.benchmark``'s parsed arguments (``--mode bwd``)."""
+    import triton
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        print("the training benchmark needs a CUDA GPU (or --smoke, for tiny sizes anywhere)", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = getattr(torch, args.dtype)
+    seq_len = args.seq_len or (SMOKE["seq_len"] if args.smoke else None)
+    heads = args.heads or (SMOKE["heads"] if args.smoke else 16)
+    batch = args.batch or (SMOKE["batch"] if args.smoke else None)
+    head_dims = args.head_dims or (SMOKE["head_dims"] if args.smoke else [64, 128])
+    options = json.loads(args.kernel_options)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if not cuda and interpreted and not options:
+        options = {"BACKEND": "TRITON"}  # CPU tensors otherwise take the PyTorch backend
+
+    torch_flex, torch_flex_how = None, "skipped (--no-torch-flex)"
+    if not args.no_torch_flex:
+        if cuda:
+            from gym.benchmark import compile_torch_flex
+
+            torch_flex, torch_flex_how = compile_torch_flex(), "torch.compile(flex_attention, dynamic=False)"
+        else:
+            # torch's flex_attention has no CPU backward (eager or compiled); a smoke run checks the
+            # comparison code against flexattn's blockwise PyTorch backend instead, and says so.
+            def torch_flex(q, k, v, score_mod=None, block_mask=None):
+                return flexattn.flex_attention(
+                    q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options={"BACKEND": "PYTORCH"}
+                )
+
+            torch_flex_how = "STAND-IN (no CUDA): flexattn BACKEND=PYTORCH with torch's BlockMask"
+
+    env = {
+        "mode": "bwd",
+        "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or platform.machine()})",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "python": platform.python_version(),
+        "flexattn_commit": _git_commit(),
+        "triton_interpret": interpreted,
+        "dtype": args.dtype,
+        "flexattn_kernel_options": options,
+        "torch_flex": torch_flex_how,
+        "rep_ms": args.rep,
+        "min_reps": args.min_reps,
+        "timing": "median ms; backward = autograd.grad(out, (q, k, v), dout, retain_graph=True) on one graph; fwdbwd = fwd + bwd",
+        "flops": "fwd 4*B*H*L*S*D*density, bwd 2.5x fwd, fwdbwd 3.5x fwd",
+        "grad_tol": args.grad_tol,
+        "oracle_floor": args.oracle_floor,
+    }
+    print(json.dumps(env), flush=True)
+    bench = _timer(device, args.rep, args.min_reps)
+    rows = []
+    started = time.perf_counter()
+
+    def write():
+        if args.out:  # written as we go: a crash later keeps the rows measured so far
+            with open(args.out, "w") as f:
+                json.dump({"env": {**env, "wall_s": round(time.perf_counter() - started, 1)}, "rows": rows}, f, indent=1)
+
+    L = seq_len or 16384
+    cases = len(head_dims) * len(args.variants)
+    for D in head_dims:
+        B = batch or max(1, TRAIN_KV_BYTES // (heads * L * D * 2))
+        for name in args.variants:
+            print(f"[{len(rows) + 1}/{cases}] {name} d={D} B={B} H={heads} L={L} "
+                  f"({time.perf_counter() - started:.0f} s so far)", flush=True)
+            row = _run_case(name, B, heads, L, D, dtype, device, options, torch_flex, bench, args)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            write()
+            gc.collect()  # the case's tensors, graphs and gradients went with _run_case's frame
+            if cuda:
+                torch.cuda.empty_cache()
+
+    print()
+    print(_markdown(rows))
+    print()
+    mismatched = [f"{r['variant']} d={r['D']}" for r in rows if r["grad_check"] != "ok"]
+    print(f"wall time {time.perf_counter() - started:.0f} s; torch.compile first calls (fwd + bwd) "
+          f"{sum(r.get('torch_flex_first_fwd_s', 0) + r.get('torch_flex_first_bwd_s', 0) for r in rows):.0f} s")
+    for miss in _below_targets(rows):
+        print(f"below target: {miss}")
+    if mismatched:
+        print(f"!!! GRADIENT CHECK FAILED on {len(mismatched)} of {len(rows)} cases: {', '.join(mismatched)}")
+    else:
+        print(f"gradient checks: all {len(rows)} cases agree")
+    write()
+    return 1 if mismatched else 0
