@@ -88,6 +88,12 @@ def compile_torch_flex():
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
         if hasattr(_dynamo.config, name):
             setattr(_dynamo.config, name, 1024)
+    # The backward is timed by calling autograd.grad repeatedly on one graph (retain_graph=True);
+    # donated buffers (on by default in torch 2.11's AOTAutograd) forbid that for some shapes.
+    from torch._functorch import config as functorch_config
+
+    if hasattr(functorch_config, "donated_buffer"):
+        functorch_config.donated_buffer = False
     return torch.compile(torch_flex, dynamic=False)
 
 
