@@ -124,7 +124,8 @@ def _pinned_backward_config(options: dict, default: BackwardConfig, sparse_q: in
     values = {k: options.get(k, getattr(default, k)) for k in _BACKWARD_TILE_KEYS}
     for key in ("num_warps", "num_stages"):
         # torch's rule: a bwd_ key sets the backward alone, a plain key sets both passes.
-        values[key] = options.get(f"bwd_{key}", options.get(key, getattr(default, key)))
+        value = options[f"bwd_{key}"] if f"bwd_{key}" in options else options.get(key)
+        values[key] = getattr(default, key) if value is None else value
     for key, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int):
             raise InvalidInputError(f"kernel_options['{key}'] must be an int, got {value!r}")

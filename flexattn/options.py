@@ -14,8 +14,9 @@ class FlexKernelOptions(TypedDict, total=False):
 
     torch's keys are accepted too, so code written for ``torch.nn.attention.flex_attention`` runs
     unchanged: a ``fwd_`` prefix (``fwd_BLOCK_M``, ``fwd_num_warps``, ...) sets the forward's key of
-    that name and wins over the plain one; ``bwd_`` keys, and torch's keys that mean nothing here
-    (listed last below, each with why), are ignored, and the first call that passes one warns
+    that name and wins over the plain one, and ``bwd_num_warps`` / ``bwd_num_stages`` set the
+    backward's; other ``bwd_`` keys, and torch's keys that mean nothing here (listed last below,
+    each with why), are ignored, and the first call that passes one warns
     once per process with the list. Any other key is an error.
 
     Like torch's, these options carry no backward-compatibility promise yet.
@@ -34,10 +35,12 @@ class FlexKernelOptions(TypedDict, total=False):
     """Key columns per inner-loop step. Must divide the BlockMask's key block size."""
 
     num_warps: int
-    """Warps per Triton program."""
+    """Warps per Triton program, forward and backward (``fwd_num_warps`` / ``bwd_num_warps`` set
+    one pass only)."""
 
     num_stages: int
-    """Software-pipelining depth of the key loop."""
+    """Software-pipelining depth of the inner loops, forward and backward (``fwd_num_stages`` /
+    ``bwd_num_stages`` set one pass only)."""
 
     AUTOTUNE: bool
     """Time a small set of launch configurations on the first call for each shape class and keep the
@@ -94,19 +97,20 @@ class FlexKernelOptions(TypedDict, total=False):
     consecutive, so a wrong promise cannot skip or repeat blocks."""
 
     BLOCK_M1: int
-    """Ignored (a backward block size; the backward has no Triton kernel yet)."""
+    """Backward, dK/dV kernel: query rows walked per step. A power of two >= 16 that divides the
+    BlockMask's query block size (torch's name and meaning)."""
 
     BLOCK_N1: int
-    """Ignored (a backward block size)."""
+    """Backward, dK/dV kernel: key rows owned by each program (divides the key block size)."""
 
     BLOCK_M2: int
-    """Ignored (a backward block size)."""
+    """Backward, dQ kernel: query rows owned by each program (divides the query block size)."""
 
     BLOCK_N2: int
-    """Ignored (a backward block size)."""
+    """Backward, dQ kernel: key rows walked per step (divides the key block size)."""
 
     WRITE_DQ: bool
-    """Ignored (a choice inside torch's backward kernel)."""
+    """Ignored (a choice inside torch's backward kernel: flexattn's dQ kernel always writes dQ)."""
 
     FORCE_USE_FLEX_ATTENTION: bool
     """Ignored: flexattn has no separate decoding kernel to choose against."""
@@ -148,18 +152,22 @@ def resolve_backend_name(kernel_options: Optional[dict]) -> str:
 
 # Keys that set the forward kernel (a ``fwd_`` prefix may name them), and torch's keys that mean
 # nothing here: accepted, reported once, dropped before they reach a cache key.
+# Keys a ``bwd_`` prefix may name: launch sizes shared with the forward (kept as ``bwd_X``), and the
+# backward's own tiles (``bwd_BLOCK_M1`` is ``BLOCK_M1``).
+BACKWARD_PREFIXED = frozenset({"num_warps", "num_stages"})
+BACKWARD_TILES = frozenset({"BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"})
 FORWARD_OPTIONS = frozenset(
     {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "AUTOTUNE", "USE_TMA", "HOST_DESCRIPTORS", "WARP_SPECIALIZE",
      "TANH_APPROX"}
 )
 KNOWN_OPTIONS = frozenset(FlexKernelOptions.__annotations__)
-_BACKWARD = "no Triton backward yet"
+_BACKWARD = "not a backward option: the backward's tiles are BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2"
 _ROCM = "no ROCm tuning"
 IGNORED_BECAUSE = {
     "PRESCALE_QK": "the scale is already folded into the exponent",
     "ROWS_GUARANTEED_SAFE": "fully masked rows are always guarded",
     "BLOCKS_ARE_CONTIGUOUS": "read from the BlockMask itself",
-    "BLOCK_M1": _BACKWARD, "BLOCK_N1": _BACKWARD, "BLOCK_M2": _BACKWARD, "BLOCK_N2": _BACKWARD, "WRITE_DQ": _BACKWARD,
+    "WRITE_DQ": "flexattn's dQ kernel always writes dQ",
     "FORCE_USE_FLEX_ATTENTION": "one kernel for every length",
     "kpack": _ROCM, "matrix_instr_nonkdim": _ROCM, "waves_per_eu": _ROCM,
 }
@@ -189,9 +197,16 @@ def normalize_kernel_options(options: dict) -> tuple[dict, list[str], list[str]]
             ignored.append(key)
         elif key.startswith("fwd_") and key[4:] in FORWARD_OPTIONS:
             prefixed[key[4:]] = value
+        elif key.startswith("bwd_") and key[4:] in BACKWARD_PREFIXED:
+            used[key] = value  # read by the backward's launcher as it is (backward.py)
+        elif key.startswith("bwd_") and key[4:] in BACKWARD_TILES:
+            prefixed[key[4:]] = value
         elif key.startswith(("fwd_", "bwd_")) and key[4:] in KNOWN_OPTIONS:
             ignored.append(key)  # bwd_ of anything, or fwd_ of a key that is not the forward's
         else:
             unknown.append(key)
+    for key in BACKWARD_PREFIXED & prefixed.keys():
+        # fwd_num_warps sets the forward alone: the backward keeps the plain key's value, or its default (None).
+        used.setdefault(f"bwd_{key}", options.get(key))
     used.update(prefixed)
     return used, ignored, unknown

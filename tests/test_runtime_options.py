@@ -42,13 +42,13 @@ def test_torch_keys_are_accepted_fwd_keys_honoured_and_ignored_ones_named_once(m
     q, k, v = qkv()
     bm = create_block_mask(causal_mask, 1, 1, 128, 128, device="cpu", BLOCK_SIZE=64)
     options = {**TRITON, "PRESCALE_QK": True, "ROWS_GUARANTEED_SAFE": True, "BLOCKS_ARE_CONTIGUOUS": True,
-               "bwd_BLOCK_M1": 32, "WRITE_DQ": False, "BLOCK_M": 64, "fwd_BLOCK_M": 32, "fwd_num_warps": 2}
+               "bwd_BLOCK_M": 32, "WRITE_DQ": False, "BLOCK_M": 64, "fwd_BLOCK_M": 32, "fwd_num_warps": 2}
     with pytest.warns(UserWarning, match="ignored by flexattn") as caught:
         out = flex_attention(q, k, v, block_mask=bm, kernel_options=options)
     (warning,) = [w for w in caught if "ignored by flexattn" in str(w.message)]
-    for key in ("PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "bwd_BLOCK_M1", "WRITE_DQ"):
+    for key in ("PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "bwd_BLOCK_M", "WRITE_DQ"):
         assert key in str(warning.message)
-    assert "bwd_BLOCK_M1 (no Triton backward yet)" in str(warning.message)
+    assert "bwd_BLOCK_M (not a backward option" in str(warning.message)
     assert "fwd_BLOCK_M" not in str(warning.message)
     assert rel_err(out, reference(q, k, v, mask_mod=causal_mask)) < 2e-5
     (kernel,) = [kern for kern in rt._kernels.values() if kern.last_constexprs and kern.has_mask_mod
@@ -70,8 +70,9 @@ def test_unknown_keys_stay_errors():
 def test_prefixed_options_on_the_pytorch_backend(monkeypatch):
     monkeypatch.setattr(api, "_reported_ignored", set())
     q, k, v = qkv()
-    with pytest.warns(UserWarning, match=r"bwd_BLOCK_N2 \(no Triton backward yet\)"):
-        out = flex_attention(q, k, v, kernel_options={"BACKEND": "PYTORCH", "fwd_BLOCK_N": 32, "bwd_BLOCK_N2": 16})
+    with pytest.warns(UserWarning, match=r"bwd_BLOCK_N \(not a backward option"):
+        out = flex_attention(q, k, v, kernel_options={"BACKEND": "PYTORCH", "fwd_BLOCK_N": 32, "bwd_BLOCK_N": 16,
+                                                      "bwd_BLOCK_N2": 16})
     assert rel_err(out, reference(q, k, v)) < 1e-5
 
 
