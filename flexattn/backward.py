@@ -274,7 +274,7 @@ class BackwardKernel:
         )
         plan = self._plans.get(plan_key)
         if plan is None:
-            plan = self._plan(q, k, v, block_mask, tables, scale, options)
+            plan = self._plan(q, k, v, block_mask, tables, scale, score_captured, mask_captured, options)
             self._plans[plan_key] = plan
             if len(self._plans) > _PLANS_PER_KERNEL:
                 self._plans.popitem(last=False)
@@ -350,7 +350,7 @@ class BackwardKernel:
             captured_grads[i] = buf.to(score_captured[i].dtype)
         return dq, dk, dv, captured_grads
 
-    def _plan(self, q, k, v, block_mask, tables, scale, options) -> _BackwardPlan:
+    def _plan(self, q, k, v, block_mask, tables, scale, score_captured, mask_captured, options) -> _BackwardPlan:
         B, Hq, L, E = q.shape
         Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
         sparse_q, sparse_kv = block_mask.BLOCK_SIZE
@@ -358,6 +358,8 @@ class BackwardKernel:
         cfg = select_backward_config(q.device, q.dtype, E, Ev, sparse_q, sparse_kv)
         if _backward_pinned(options):
             cfg = _pinned_backward_config(options, cfg, sparse_q, sparse_kv)
+        elif options.get("AUTOTUNE") and not interpreter_enabled() and q.device.type == "cuda":
+            cfg = self._tuned(q, k, v, block_mask, scale, score_captured, mask_captured, compiled, cfg)
         self.last_config = cfg
         common = dict(
             SPARSE_Z=tables.kv_num_blocks.shape[0], SPARSE_HQ=tables.kv_num_blocks.shape[1],
@@ -383,6 +385,57 @@ class BackwardKernel:
             (triton_cdiv(S, cfg.BLOCK_N1), Hkv, B), (triton_cdiv(L, cfg.BLOCK_M2), Hq, B),
             pre_block, dkdv, dq, compiled,
         )
+
+
+    def _tuned(self, q, k, v, block_mask, scale, score_captured, mask_captured, compiled,
+               default: BackwardConfig) -> BackwardConfig:
+        """AUTOTUNE: time a few tile shapes once per shape class; the choice is kept in the same file
+        as the forward's (runtime.tuned_configs), so later processes reuse it. A stored choice sets
+        only the speed: every fact correctness depends on is derived from the call in _plan."""
+        import triton
+        import triton.testing
+
+        from . import runtime
+
+        E, Ev = q.shape[-1], v.shape[-1]
+        sparse_q, sparse_kv = block_mask.BLOCK_SIZE
+        key = "|".join(str(x) for x in (
+            "backward", compiled.spec.readable_name(), compiled.source_digest, torch.cuda.get_device_name(q.device),
+            triton.__version__, q.dtype, _input_precision(q.dtype), E, Ev, _next_pow2(q.shape[2]),
+            _next_pow2(k.shape[2]), q.shape[1] // k.shape[1], sparse_q, sparse_kv,
+        ))
+        stored = tuned_configs.get_entry(key)
+        if stored is not None:
+            return BackwardConfig(**stored)
+        runtime.autotune_runs += 1
+        shapes = [(64, 128, 128, 64), (32, 128, 128, 32), (64, 64, 64, 64), (32, 64, 64, 32)]
+        candidates = {default} | {
+            _fit_backward(BackwardConfig(*shape, warps, stages), sparse_q, sparse_kv)
+            for shape in shapes for warps in (4, 8) for stages in (2, 3)
+        }
+        limit = max_shared_memory(q.device)
+        qk_p2, v_p2 = _next_pow2(E), _next_pow2(Ev)
+        # Timing inputs: the call's own tensors, a made-up output and LSE (speed does not depend on them).
+        out = torch.randn(q.shape[:-1] + (Ev,), dtype=q.dtype, device=q.device)
+        lse = torch.zeros(q.shape[:-1], dtype=torch.float32, device=q.device)
+        grad_out = torch.randn_like(out)
+        timings = []
+        for cfg in sorted(candidates, key=lambda c: (c != default, str(c))):
+            if backward_shared_memory_bytes(cfg, q.dtype.itemsize, qk_p2, v_p2) > limit:
+                continue
+            pinned = {name: getattr(cfg, name) for name in _BACKWARD_TILE_KEYS}
+            pinned.update(bwd_num_warps=cfg.num_warps, bwd_num_stages=cfg.num_stages)
+
+            def run():
+                self(q, k, v, out, lse, grad_out, None, block_mask, scale, score_captured, mask_captured, pinned)
+
+            try:
+                timings.append((triton.testing.do_bench(run, warmup=3, rep=20, return_mode="median"), cfg))
+            except Exception:  # a shape the compiler rejects (resources) is simply not a candidate
+                continue
+        best = min(timings, key=lambda t: t[0])[1] if timings else default
+        tuned_configs.put_entry(key, dict(best.__dict__))
+        return best
 
 
 _kernels: "OrderedDict[tuple, BackwardKernel]" = OrderedDict()  # see [Note] Cache keys in runtime.py

@@ -354,10 +354,17 @@ class _TunedConfigs:
             entry = self._load().get(key)
         return LaunchConfig(**entry) if entry else None
 
+    def get_entry(self, key: str) -> Optional[dict]:
+        with self._lock:
+            return self._load().get(key)
+
     def put(self, key: str, cfg: LaunchConfig) -> None:
+        self.put_entry(key, asdict(cfg))
+
+    def put_entry(self, key: str, entry: dict) -> None:
         with self._lock:
             table = self._load()
-            table[key] = asdict(cfg)
+            table[key] = entry
             tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
             os.replace(tmp, self.path)
