@@ -1,4 +1,7 @@
-"""The error measure every numerical test uses."""
+"""The error measure every numerical test uses, and the check that the Triton backward ran."""
+
+import contextlib
+import importlib
 
 import torch
 
@@ -10,3 +13,16 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     assert torch.equal(finite, torch.isfinite(actual)), "non-finite entries differ from the expected tensor"
     diff = (actual.double() - expected.double())[finite]
     return (diff.norm() / expected.double()[finite].norm().clamp_min(1e-30)).item()
+
+
+@contextlib.contextmanager
+def expect_triton_backward():
+    """Fails unless the block ran the Triton backward: ``flexattn.backward.launches`` (bumped once
+    per Triton backward call) must grow. A backward that silently fell back to the blockwise
+    PyTorch path would pass every numerical check, so this is what says the kernels were tested."""
+    launcher = importlib.import_module("flexattn.backward")
+    before = launcher.launches
+    yield
+    assert launcher.launches > before, (
+        "the backward did not run the Triton kernels (flexattn.backward.launches did not grow)"
+    )
