@@ -426,3 +426,34 @@ def test_out_of_range_reads_add_nothing(one_thread):
         assert rel_err(buffer, want.float()) < 1e-5, (buffer, want)
         assert not big[:24].any() and not big[32:].any()
         assert torch.equal(ds, grad)
+
+
+def test_attention_gym_approx_softcap(one_thread):
+    # attention-gym's softcap(approx=True) calls its own op approx::tanh, which has no autograd formula
+    # of its own: its derivative is tanh's (and with tanh_approx=True it reads the approximate value).
+    mods = pytest.importorskip("attn_gym.mods")
+    softcap = mods.generate_tanh_softcap(20.0, approx=True)
+    check(lambda t: softcap, {})
+    approx = lower_score_grad(trace_mod(softcap, "score_mod")[0], tanh_approx=True)
+    assert "tanh_approx(" in approx.body and "precise_tanh" not in approx.body
+
+
+def test_op_without_autograd_formula_is_refused():
+    # A library op with a lowering but no derivative: refused, never a silent zero gradient.
+    from flexattn.lowering import register_lowering
+
+    if not hasattr(torch.ops, "flexattn_test") or not hasattr(torch.ops.flexattn_test, "twice"):
+        torch.library.define("flexattn_test::twice", "(Tensor x) -> Tensor")
+        torch.library.impl("flexattn_test::twice", "CompositeExplicitAutograd", lambda x: x * 2)
+        torch.library.register_fake("flexattn_test::twice", lambda x: torch.empty_like(x))
+    op = torch.ops.flexattn_test.twice
+    register_lowering(op.default, lambda x: f"2.0 * {x}")
+
+    def doubled(score, b, h, q_idx, kv_idx):
+        return torch.ops.flexattn_test.twice(score)
+
+    traced, _ = trace_mod(doubled, "score_mod")
+    lower(traced)
+    with pytest.raises(UnsupportedOpError, match="no autograd formula") as info:
+        lower_score_grad(traced)
+    assert "torch.ops.flexattn_test.twice(score)" in str(info.value)

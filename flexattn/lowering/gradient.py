@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, Optional
@@ -177,11 +178,18 @@ def _vjp_graph(target, node: torch.fx.Node, active: tuple[bool, ...], table: dic
     decompositions = _decompositions(table)
     inputs = [e.clone().requires_grad_(a and e.dtype.is_floating_point) for e, a in zip(examples, active)]
     try:
-        traced = make_fx(fn, decomposition_table=decompositions, tracing_mode="fake")(*inputs, gy_example)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            traced = make_fx(fn, decomposition_table=decompositions, tracing_mode="fake")(*inputs, gy_example)
+        for w in caught:  # an op without an autograd formula: torch warns and gives no gradient
+            if "autograd kernel was not registered" in str(w.message):
+                raise _NoDerivative(f"{target} has no autograd formula")
         # Some derivative formulas write into temporaries (clamp's logical_and_, maximum's copy_):
         # functionalize them so every node is a value.
         functional = make_fx(torch.func.functionalize(traced, remove="mutations"),
                              decomposition_table=decompositions, tracing_mode="fake")(*examples, gy_example)  # fmt: skip
+    except _NoDerivative:
+        raise
     except Exception as err:  # no derivative formula, or one that cannot be traced
         raise _NoDerivative(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from err
     with _vjp_lock:
@@ -344,10 +352,10 @@ class _JointBuilder:
 
     def vjp(self, node: torch.fx.Node, inputs: list, flags: tuple, total: torch.fx.Node) -> list:
         target = node.target
-        if not isinstance(target, torch._ops.OpOverload):
-            target = ALIASES.get(str(getattr(target, "_name", target)), target)
-            if isinstance(target, torch._ops.OpOverloadPacket):
-                target = target.default
+        # A library op that means an aten op (attention-gym's approx::tanh) has that op's derivative.
+        alias = ALIASES.get(getattr(getattr(target, "_schema", None), "name", None))
+        if alias is not None:
+            target = alias.default if isinstance(alias, torch._ops.OpOverloadPacket) else alias
         try:
             gm = _vjp_graph(target, node, flags, self.table)
         except _NoDerivative as err:
@@ -366,6 +374,9 @@ class _JointBuilder:
             if n.target is aten.copy.default:  # functionalized `dst.copy_(src)`: src in dst's dtype
                 dst, src = (env[a] for a in n.args[:2])
                 env[n] = self.cast(src, n.meta["val"], node)
+                continue
+            if n.target is target and _same_args(torch.fx.node.map_arg(n.args, lambda m: env[m]), self.env[node].args):
+                env[n] = self.env[node]  # the forward value the formula needs: read it, not recompute it
                 continue
             copy = self.graph.node_copy(n, lambda m: env[m])
             copy.meta = {"val": _plain_meta(n.meta.get("val")), "flexattn_forward": node.name}
@@ -541,3 +552,11 @@ def lower_score_grad(
 
     joint = _JointBuilder(traced, table, refuse).build()
     return _GradEmitter(traced, joint, inputs, prefix, table, variant).lower()
+
+
+def _same_args(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_args(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.fx.Node) or isinstance(b, torch.fx.Node):
+        return a is b
+    return type(a) is type(b) and a == b
