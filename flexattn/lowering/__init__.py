@@ -14,6 +14,7 @@ precise_tanh, ...) are in templates/mod_helpers.py.jinja.
 """
 
 from .emit import LoweredMod, ModInputs, lower
+from .gradient import LoweredScoreGrad, lower_score_grad
 from .ops import LOWERINGS, register_lowering
 from .ranges import IndexBounds, LoweringVariant, lowering_variant, needs_wide_indices
 
@@ -21,6 +22,8 @@ __all__ = [
     "LoweredMod",
     "ModInputs",
     "lower",
+    "LoweredScoreGrad",
+    "lower_score_grad",
     "register_lowering",
     "LOWERINGS",
     "IndexBounds",

@@ -292,12 +292,25 @@ class _Emitter:
 
     # -- the walk --------------------------------------------------------------------------------
 
+    # Inputs after the mod's arguments and captured tensors (gradient.py adds the incoming gradient).
+    extra_inputs = 0
+
     def run(self) -> LoweredMod:
+        result = self.walk()
+        return LoweredMod(
+            lines=tuple(self.lines),
+            result=result,
+            kernel_params=tuple(p for i in range(len(self.traced.captured)) for p in self.params(i)),
+            captured=tuple(self.traced.captured),
+        )
+
+    def walk(self):
+        """Lower every node in order; returns what ``result`` makes of the output node."""
         graph = self.traced.graph
         self.canonical, self.uses = _common_subexpressions(graph)
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         n_args = len(self.traced.arg_names)
-        if len(placeholders) != n_args + len(self.traced.captured):
+        if len(placeholders) != n_args + len(self.traced.captured) + self.extra_inputs:
             raise ValueError(f"graph of {self.traced.name} has {len(placeholders)} inputs, expected "
                              f"{n_args} arguments and {len(self.traced.captured)} captured tensors")  # fmt: skip
         result = None
@@ -308,8 +321,10 @@ class _Emitter:
                 position = placeholders.index(node)
                 if position < n_args:
                     value = self.argument(self.traced.arg_names[position])
-                else:
+                elif position < n_args + len(self.traced.captured):
                     value = self.captured_input(position - n_args)
+                else:
+                    value = self.extra_input(position - n_args - len(self.traced.captured))
             elif node.op == "call_function":
                 value = self.call(node)
             elif node.op == "output":
@@ -317,13 +332,14 @@ class _Emitter:
                 continue
             else:
                 raise self.unsupported(node, f"a graph node of kind {node.op!r} ({node.target})")
-            self.env[node] = self.settle(value, self.uses[node])
-        return LoweredMod(
-            lines=tuple(self.lines),
-            result=result,
-            kernel_params=tuple(p for i in range(len(self.traced.captured)) for p in self.params(i)),
-            captured=tuple(self.traced.captured),
-        )
+            self.env[node] = self.settle_node(node, value)
+        return result
+
+    def extra_input(self, position: int):
+        raise ValueError(f"graph of {self.traced.name} has more inputs than its mod's arguments and captured tensors")
+
+    def settle_node(self, node: torch.fx.Node, value):
+        return self.settle(value, self.uses[node])
 
     def settle(self, value, uses: int):
         """Load a fully indexed gather; name a value that more than one node reads."""
@@ -340,6 +356,9 @@ class _Emitter:
 
     def result(self, node: torch.fx.Node) -> str:
         (out,) = node.args
+        return self.result_text(out, node)
+
+    def result_text(self, out, node: torch.fx.Node) -> str:
         value = self.value_of(out, node)
         if isinstance(value, Vec):
             raise self.unsupported(node, f"a result of shape {value.shape}", _INDEX_FIRST)
