@@ -35,6 +35,8 @@ def _delay_double_backward_error(outputs: tuple) -> tuple:
     tensors = [o for o in outputs if isinstance(o, torch.Tensor)]
     if not tensors:
         return outputs
+    # The error node needs inputs that require grad to give its outputs a grad_fn.
+    tensors = [t.detach().requires_grad_() for t in tensors]
     wrapped = iter(make_error(_DOUBLE_BACKWARD, len(tensors))(*tensors))
     return tuple(next(wrapped) if isinstance(o, torch.Tensor) else o for o in outputs)
 
