@@ -67,14 +67,24 @@ class BackwardConfig:
         return LaunchConfig(self.BLOCK_M2, self.BLOCK_N2, self.num_warps, self.num_stages)
 
 
-# (head dim up to, 16-bit inputs): defaults measured on an H100 (docs/benchmarks.md, issue 9).
+# (head dim up to, 16-bit inputs, has a mask_mod): defaults from a sweep on an H100 at 16k tokens
+# (bf16, B4 H16 d64 and B2 H16 d128; docs/benchmarks.md). Without a mask, 64x64 tiles and 4 warps
+# win at both head dims (d64 365 TFLOP/s against 315-341 for the 128-row shapes; d128 414 against
+# 371); with the causal mask's partial blocks, d64 wants 32-row steps under 128-key programs (347 vs
+# 336) and d128 the 128-row shapes with 8 warps (386-401 vs 280 for 64x64).
 _GPU_BACKWARD_DEFAULTS = {
-    (64, True): BackwardConfig(64, 128, 128, 64, 8, 3),
-    (128, True): BackwardConfig(64, 128, 128, 64, 8, 2),
-    (256, True): BackwardConfig(32, 64, 64, 32, 8, 2),
-    (64, False): BackwardConfig(32, 64, 64, 32, 4, 2),
-    (128, False): BackwardConfig(32, 64, 64, 32, 8, 2),
-    (256, False): BackwardConfig(16, 32, 32, 16, 8, 1),
+    (64, True, False): BackwardConfig(64, 64, 64, 64, 4, 3),
+    (64, True, True): BackwardConfig(32, 128, 64, 64, 4, 2),
+    (128, True, False): BackwardConfig(64, 64, 64, 64, 4, 3),
+    (128, True, True): BackwardConfig(64, 128, 128, 64, 8, 2),
+    (256, True, False): BackwardConfig(32, 64, 64, 32, 8, 2),
+    (256, True, True): BackwardConfig(32, 64, 64, 32, 8, 2),
+    (64, False, False): BackwardConfig(32, 64, 64, 32, 4, 2),
+    (64, False, True): BackwardConfig(32, 64, 64, 32, 4, 2),
+    (128, False, False): BackwardConfig(32, 64, 64, 32, 8, 2),
+    (128, False, True): BackwardConfig(32, 64, 64, 32, 8, 2),
+    (256, False, False): BackwardConfig(16, 32, 32, 16, 8, 1),
+    (256, False, True): BackwardConfig(16, 32, 32, 16, 8, 1),
 }
 
 
@@ -96,12 +106,12 @@ def _fit_backward(cfg: BackwardConfig, sparse_q: int, sparse_kv: int) -> Backwar
 
 
 def select_backward_config(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int,
-                           sparse_q: int, sparse_kv: int) -> BackwardConfig:
+                           sparse_q: int, sparse_kv: int, has_mask_mod: bool = False) -> BackwardConfig:
     if interpreter_enabled() or device.type != "cuda":
         # The interpreter runs each program in numpy: fewer, larger tiles are faster.
         return _fit_backward(BackwardConfig(64, 64, 64, 64, 4, 1), sparse_q, sparse_kv)
     bucket = next((d for d in (64, 128, 256) if max(qk_dim, v_dim) <= d), 256)
-    cfg = _fit_backward(_GPU_BACKWARD_DEFAULTS[(bucket, dtype.itemsize <= 2)], sparse_q, sparse_kv)
+    cfg = _fit_backward(_GPU_BACKWARD_DEFAULTS[(bucket, dtype.itemsize <= 2, has_mask_mod)], sparse_q, sparse_kv)
     limit = max_shared_memory(device)
     qk_p2, v_p2 = _next_pow2(qk_dim), _next_pow2(v_dim)
     while backward_shared_memory_bytes(cfg, dtype.itemsize, qk_p2, v_p2) > limit:
@@ -355,7 +365,7 @@ class BackwardKernel:
         Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
         sparse_q, sparse_kv = block_mask.BLOCK_SIZE
         compiled = self.compiled(index_bounds(B, Hq, L, S))
-        cfg = select_backward_config(q.device, q.dtype, E, Ev, sparse_q, sparse_kv)
+        cfg = select_backward_config(q.device, q.dtype, E, Ev, sparse_q, sparse_kv, self.mask is not None)
         if _backward_pinned(options):
             cfg = _pinned_backward_config(options, cfg, sparse_q, sparse_kv)
         elif options.get("AUTOTUNE") and not interpreter_enabled() and q.device.type == "cuda":
