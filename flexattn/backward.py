@@ -35,8 +35,9 @@ from .codegen import BackwardSpec, load_kernel_module, render_backward
 from .errors import InvalidInputError, ResourceError
 from .index_bounds import index_bounds, lowering_variant
 from .runtime import (
-    LaunchConfig, _empty, _fit_to_mask, _import_triton, _input_precision, _is_out_of_resources, _lower,
-    _next_pow2, interpreter_enabled, launch_tables, max_shared_memory, triton_cdiv, tuned_configs,
+    LaunchConfig, _empty, _fit_to_mask, _import_triton, _input_precision, _install_tma_allocator, _is_out_of_resources,
+    _lower, _next_pow2, _tma_compatible, interpreter_enabled, launch_tables, max_shared_memory, triton_cdiv,
+    tuned_configs,
 )
 from .trace import TracedMod
 
@@ -57,26 +58,31 @@ class BackwardConfig:
     BLOCK_N1: int
     BLOCK_M2: int
     BLOCK_N2: int
-    num_warps: int
+    num_warps: int  # both kernels, unless num_warps2 sets the dQ kernel's
     num_stages: int
+    num_warps2: int = 0  # dQ kernel; 0: num_warps
+    num_stages2: int = 0
+    USE_TMA: bool = False  # stream the walked tiles through tensor descriptors (Hopper's copy engine)
 
     def dkdv(self) -> LaunchConfig:
         return LaunchConfig(self.BLOCK_M1, self.BLOCK_N1, self.num_warps, self.num_stages)
 
     def dq(self) -> LaunchConfig:
-        return LaunchConfig(self.BLOCK_M2, self.BLOCK_N2, self.num_warps, self.num_stages)
+        return LaunchConfig(self.BLOCK_M2, self.BLOCK_N2, self.num_warps2 or self.num_warps,
+                            self.num_stages2 or self.num_stages)
 
 
-# (head dim up to, 16-bit inputs, has a mask_mod): defaults from a sweep on an H100 at 16k tokens
-# (bf16, B4 H16 d64 and B2 H16 d128; docs/benchmarks.md). Without a mask, 64x64 tiles and 4 warps
-# win at both head dims (d64 365 TFLOP/s against 315-341 for the 128-row shapes; d128 414 against
-# 371); with the causal mask's partial blocks, d64 wants 32-row steps under 128-key programs (347 vs
-# 336) and d128 the 128-row shapes with 8 warps (386-401 vs 280 for 64x64).
+# (head dim up to, 16-bit inputs, has a mask_mod): defaults from per-kernel sweeps on an H100 at 16k
+# tokens (bf16, B4 H16 d64 and B2 H16 d128; gym's sweep, docs/benchmarks.md). 64x64 tiles, 4 warps
+# and two stages win for both kernels, at both head dims, with and without a mask: d64 dK/dV 18.4 ms
+# against 19.3-23 for 32x128 and 64x128 (no mask), d128 14.2 against 17.7-25; a third stage costs
+# 3% without a mask and 80% on the causal mask's partial blocks at d128 (register spills). The
+# walked tiles go through tensor descriptors where the layout allows (USE_TMA; 1-6% faster).
 _GPU_BACKWARD_DEFAULTS = {
-    (64, True, False): BackwardConfig(64, 64, 64, 64, 4, 3),
-    (64, True, True): BackwardConfig(32, 128, 64, 64, 4, 2),
-    (128, True, False): BackwardConfig(64, 64, 64, 64, 4, 3),
-    (128, True, True): BackwardConfig(64, 128, 128, 64, 8, 2),
+    (64, True, False): BackwardConfig(64, 64, 64, 64, 4, 2, USE_TMA=True),
+    (64, True, True): BackwardConfig(64, 64, 64, 64, 4, 2, USE_TMA=True),
+    (128, True, False): BackwardConfig(64, 64, 64, 64, 4, 2, USE_TMA=True),
+    (128, True, True): BackwardConfig(64, 64, 64, 64, 4, 2, USE_TMA=True),
     (256, True, False): BackwardConfig(32, 64, 64, 32, 8, 2),
     (256, True, True): BackwardConfig(32, 64, 64, 32, 8, 2),
     (64, False, False): BackwardConfig(32, 64, 64, 32, 4, 2),
@@ -153,7 +159,12 @@ def _pinned_backward_config(options: dict, default: BackwardConfig, sparse_q: in
             "kernel_options num_warps / bwd_num_warps must be 1, 2, 4, 8 or 16 and num_stages / bwd_num_stages "
             f">= 1, got {values['num_warps']} and {values['num_stages']}"
         )
-    return BackwardConfig(**values)
+    # A pinned launch size applies to both kernels; an unpinned one keeps the default's per-kernel values.
+    for key in ("num_warps", "num_stages"):
+        given = options[f"bwd_{key}"] if f"bwd_{key}" in options else options.get(key)
+        if given is not None:
+            values[f"{key}2"] = 0
+    return replace(default, **values)
 
 
 def _backward_pinned(options: dict) -> bool:
@@ -284,11 +295,17 @@ class BackwardKernel:
         )
         plan = self._plans.get(plan_key)
         if plan is None:
-            plan = self._plan(q, k, v, block_mask, tables, scale, score_captured, mask_captured, options)
+            plan = self._plan(q, k, v, grad_out, block_mask, tables, scale, score_captured, mask_captured, options)
             self._plans[plan_key] = plan
             if len(self._plans) > _PLANS_PER_KERNEL:
                 self._plans.popitem(last=False)
         module = plan.compiled.module
+        if plan.dkdv_constexprs["USE_TMA"] and (q.data_ptr() | k.data_ptr() | v.data_ptr() | grad_out.data_ptr()) % 16:
+            # Same shapes and strides as the plan's first call, but an unaligned view this time.
+            plan = plan._replace(dkdv_constexprs={**plan.dkdv_constexprs, "USE_TMA": False},
+                                 dq_constexprs={**plan.dq_constexprs, "USE_TMA": False})
+        if plan.dkdv_constexprs["USE_TMA"]:
+            _install_tma_allocator()  # this thread's: autograd runs the backward in a worker thread
 
         # -- preprocess: DELTA ----
         delta = _empty((B, Hq, L), torch.float32, q.device)
@@ -360,7 +377,8 @@ class BackwardKernel:
             captured_grads[i] = buf.to(score_captured[i].dtype)
         return dq, dk, dv, captured_grads
 
-    def _plan(self, q, k, v, block_mask, tables, scale, score_captured, mask_captured, options) -> _BackwardPlan:
+    def _plan(self, q, k, v, grad_out, block_mask, tables, scale, score_captured, mask_captured,
+              options) -> _BackwardPlan:
         B, Hq, L, E = q.shape
         Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
         sparse_q, sparse_kv = block_mask.BLOCK_SIZE
@@ -371,6 +389,8 @@ class BackwardKernel:
         elif options.get("AUTOTUNE") and not interpreter_enabled() and q.device.type == "cuda":
             cfg = self._tuned(q, k, v, block_mask, scale, score_captured, mask_captured, compiled, cfg)
         self.last_config = cfg
+        use_tma = bool(options.get("USE_TMA", cfg.USE_TMA)) and _tma_compatible(q, k, v, grad_out)
+        dkdv_launch, dq_launch = cfg.dkdv(), cfg.dq()
         common = dict(
             SPARSE_Z=tables.kv_num_blocks.shape[0], SPARSE_HQ=tables.kv_num_blocks.shape[1],
             GQA_GROUP=Hq // Hkv,
@@ -380,16 +400,18 @@ class BackwardKernel:
             HAS_SCORE_MOD=self.score is not None,
             SCALE_FIRST=self.score is not None or scale <= 0,
             HAS_PARTIAL_BLOCKS=self.mask is not None, HAS_FULL_BLOCKS=tables.has_full,
-            INPUT_PRECISION=_input_precision(q.dtype), NUM_STAGES=cfg.num_stages,
+            INPUT_PRECISION=_input_precision(q.dtype),
             UPCAST_DOTS=q.dtype == torch.bfloat16 and interpreter_enabled(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            USE_TMA=use_tma,
         )
         # Each kernel checks bounds along its own tile (EVEN_* of its tile) and along the sparse
         # blocks it walks (whole blocks: EVEN_* of the BlockMask's block).
         dkdv = dict(common, BLOCK_M=cfg.BLOCK_M1, BLOCK_N=cfg.BLOCK_N1,
-                    EVEN_M=L % sparse_q == 0, EVEN_N=S % cfg.BLOCK_N1 == 0)
+                    EVEN_M=L % sparse_q == 0, EVEN_N=S % cfg.BLOCK_N1 == 0, NUM_STAGES=dkdv_launch.num_stages,
+                    num_warps=dkdv_launch.num_warps, num_stages=dkdv_launch.num_stages)
         dq = dict(common, BLOCK_M=cfg.BLOCK_M2, BLOCK_N=cfg.BLOCK_N2,
-                  EVEN_M=L % cfg.BLOCK_M2 == 0, EVEN_N=S % sparse_kv == 0)
+                  EVEN_M=L % cfg.BLOCK_M2 == 0, EVEN_N=S % sparse_kv == 0, NUM_STAGES=dq_launch.num_stages,
+                  num_warps=dq_launch.num_warps, num_stages=dq_launch.num_stages)
         pre_block = 64 if not interpreter_enabled() else 128
         return _BackwardPlan(
             (triton_cdiv(S, cfg.BLOCK_N1), Hkv, B), (triton_cdiv(L, cfg.BLOCK_M2), Hq, B),
@@ -420,7 +442,7 @@ class BackwardKernel:
         runtime.autotune_runs += 1
         shapes = [(64, 128, 128, 64), (32, 128, 128, 32), (64, 64, 64, 64), (32, 64, 64, 32)]
         candidates = {default} | {
-            _fit_backward(BackwardConfig(*shape, warps, stages), sparse_q, sparse_kv)
+            _fit_backward(BackwardConfig(*shape, warps, stages, USE_TMA=default.USE_TMA), sparse_q, sparse_kv)
             for shape in shapes for warps in (4, 8) for stages in (2, 3)
         }
         limit = max_shared_memory(q.device)
@@ -434,7 +456,7 @@ class BackwardKernel:
             if backward_shared_memory_bytes(cfg, q.dtype.itemsize, qk_p2, v_p2) > limit:
                 continue
             pinned = {name: getattr(cfg, name) for name in _BACKWARD_TILE_KEYS}
-            pinned.update(bwd_num_warps=cfg.num_warps, bwd_num_stages=cfg.num_stages)
+            pinned.update(bwd_num_warps=cfg.num_warps, bwd_num_stages=cfg.num_stages, USE_TMA=cfg.USE_TMA)
 
             def run():
                 self(q, k, v, out, lse, grad_out, None, block_mask, scale, score_captured, mask_captured, pinned)

@@ -493,6 +493,8 @@ class ForwardKernel:
             constexprs = {**constexprs, "USE_TMA": False, "HOST_DESCRIPTORS": False, "WARP_SPECIALIZE": False}
         self.last_constexprs = constexprs
         self.last_compiled = compiled
+        if constexprs["USE_TMA"]:
+            _install_tma_allocator()  # per call: plans are shared by threads, allocators are not
 
         out = _empty((B, Hq, L, Ev), q.dtype, q.device)
         lse = _empty((B, Hq, L), torch.float32, q.device) if need_lse else out
@@ -577,8 +579,6 @@ class ForwardKernel:
         # must have the same number of elements"); its loops are long, so in-kernel ones cost little.
         host_descriptors = (use_tma and not warp_specialize and _host_descriptors_ok(q, k, v)
                             and bool(options.get("HOST_DESCRIPTORS", cfg.HOST_DESCRIPTORS)))
-        if use_tma:
-            _install_tma_allocator()
         constexprs = dict(
             SPARSE_Z=tables.kv_num_blocks.shape[0], SPARSE_HQ=tables.kv_num_blocks.shape[1],
             GQA_GROUP=Hq // Hkv,
@@ -746,7 +746,9 @@ def _host_descriptors(q, k, v, out, constexprs):
     )
 
 
-_tma_allocator_installed = False
+# triton.set_allocator sets a context variable: each thread needs its own call. The backward runs
+# in autograd's worker thread, and users may call from several threads.
+_tma_allocator_threads = threading.local()
 _tma_scratch: dict = {}  # stream handle -> int8 buffer
 
 
@@ -762,12 +764,12 @@ def _tma_scratch_for(size: int, alignment: int, stream) -> torch.Tensor:
 
 
 def _install_tma_allocator() -> None:
-    global _tma_allocator_installed
-    if not _tma_allocator_installed:
+    """Make sure this thread's Triton has the scratch allocator that device-side descriptors need."""
+    if not getattr(_tma_allocator_threads, "installed", False):
         import triton
 
         triton.set_allocator(_tma_scratch_for)
-        _tma_allocator_installed = True
+        _tma_allocator_threads.installed = True
 
 
 # Tests set FLEXATTN_POISON_OUTPUTS=1: outputs start as NaN, so an element a kernel forgets to
