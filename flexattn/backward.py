@@ -82,7 +82,8 @@ _GPU_BACKWARD_DEFAULTS = {
     (64, True, False): BackwardConfig(64, 64, 64, 64, 4, 2, USE_TMA=True),
     (64, True, True): BackwardConfig(64, 64, 64, 64, 4, 2, USE_TMA=True),
     (128, True, False): BackwardConfig(64, 64, 64, 64, 4, 2, USE_TMA=True),
-    (128, True, True): BackwardConfig(64, 64, 64, 64, 4, 2, USE_TMA=True),
+    # dQ on masks at d128: 128x128 programs with 8 warps, 2-5% faster than 64x64 (slower without a mask).
+    (128, True, True): BackwardConfig(64, 64, 128, 128, 4, 2, num_warps2=8, USE_TMA=True),
     (256, True, False): BackwardConfig(32, 64, 64, 32, 8, 2),
     (256, True, True): BackwardConfig(32, 64, 64, 32, 8, 2),
     (64, False, False): BackwardConfig(32, 64, 64, 32, 4, 2),
