@@ -532,3 +532,32 @@ def test_triton_backward_equals_pytorch_backward(variant):
     assert launcher.launches == before, "the PyTorch backend's backward must not count as a Triton launch"
     for name in triton:
         assert rel_err(triton[name], pytorch[name]) < 1e-5, name
+
+
+# ------------------------------------------------------------------------------ gradients that cannot be lowered
+
+
+def test_unlowerable_gradient_fails_at_the_forward_call_before_any_kernel(monkeypatch):
+    # A learnable table read as vectors: its gradient has no Triton lowering. The error must come
+    # from flex_attention itself (before the forward kernel runs), not from loss.backward().
+    import flexattn.runtime as runtime
+    from flexattn.errors import UnsupportedOpError
+
+    emb = randn(64, 8)
+
+    def dot_bias(score, b, h, q_idx, kv_idx):
+        return score + torch.dot(emb[q_idx], emb[kv_idx])
+
+    forward_calls = []
+    real_call = runtime.ForwardKernel.__call__
+    monkeypatch.setattr(runtime.ForwardKernel, "__call__",
+                        lambda self, *a, **k: forward_calls.append(1) or real_call(self, *a, **k))
+    q, k, v = (randn(1, 2, 64, 16) for _ in range(3))
+    with pytest.raises(UnsupportedOpError, match="dot_bias") as info:
+        flex_attention(q, k, v, score_mod=dot_bias, kernel_options=TRITON)
+    assert not forward_calls
+    assert "torch.dot(emb[q_idx], emb[kv_idx])" in str(info.value) and "PYTORCH" in str(info.value)
+    # The PyTorch backend runs it, gradients included.
+    out = flex_attention(q, k, v, score_mod=dot_bias, kernel_options={"BACKEND": "PYTORCH"})
+    out.sum().backward()
+    assert emb.grad is not None and torch.isfinite(emb.grad).all()
