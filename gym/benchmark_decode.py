@@ -1,0 +1,203 @@
+"""Decode benchmark: one query token against a long KV cache, side by side in one process.
+
+    PYTHONPATH=. python -m gym.benchmark_decode --out decode.json
+
+bf16. For each case: flexattn (the split-KV decode kernel, chosen automatically for short queries),
+torch's flex_attention under torch.compile(dynamic=False), and SDPA flash on K/V expanded to the
+query heads (noop only; a reference point that reads the expanded copy). Reported: median ms
+(triton.testing.do_bench), the K and V bytes read once over the kernel time (GB/s) and its share of
+the copy bandwidth measured here (a device-to-device copy, read + write bytes over time), the
+speed-up over torch, a paged run (flexattn.PagedAttention: the same cache scattered over pages)
+against the contiguous one, and the host time of a warm call (a small problem, calls enqueued back
+to back, wall time per call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import torch
+
+import flexattn
+from flexattn import create_block_mask, flex_attention
+from gym.catalogue import generate_alibi_bias, generate_tanh_softcap
+
+# (B, Hq, Hkv, S, D): MHA, GQA 16:2 and 12:2, 16k to 128k keys, B=8 and B=1.
+CASES = [
+    (8, 16, 16, 16384, 64),
+    (8, 16, 2, 131072, 64),
+    (8, 12, 2, 32768, 128),
+    (8, 16, 2, 16384, 128),
+    (1, 16, 2, 131072, 128),
+    (1, 12, 2, 65536, 64),
+]
+VARIANTS = ("noop", "alibi", "softcap")
+
+
+def bench(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _decode_launches():
+    try:
+        import flexattn.decode as decode
+    except ImportError:
+        return None
+    return decode.launches
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 1 GiB device-to-device copy, counting bytes read and written."""
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def score_mod_of(variant: str, Hq: int):
+    if variant == "alibi":
+        return generate_alibi_bias(Hq, "cuda")
+    if variant == "softcap":
+        return generate_tanh_softcap(20.0)
+    return None
+
+
+def host_us_per_call(fn, calls: int = 300) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def paged_case(q, k, v, score_mod, page_size: int = 128):
+    """flexattn on a paged copy of (k, v): pages handed out in a shuffled order, so the physical
+    layout differs from the logical one; returns (callable, max abs difference from contiguous)."""
+    B, Hkv, S, D = k.shape
+    pages_per_seq = S // page_size
+    paged = flexattn.PagedAttention(B * pages_per_seq, page_size, B, device="cuda")
+    k_cache = torch.zeros(1, Hkv, B * pages_per_seq * page_size, D, dtype=k.dtype, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    order = torch.randperm(B)
+    for b in order.tolist():
+        paged.reserve(torch.tensor(b, device="cuda"), torch.tensor(S, device="cuda"))
+    paged.assign(torch.arange(B, device="cuda"), torch.arange(S, device="cuda").expand(B, S), k, v, k_cache, v_cache)
+    logical = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx >= 0, B, 1, 1, S, device="cuda")
+    physical = paged.convert_logical_block_mask(logical)
+    paged_score = paged.get_score_mod(score_mod) if score_mod is not None else None
+    enable_gqa = q.shape[1] != Hkv
+
+    def run():
+        return flex_attention(q, k_cache, v_cache, score_mod=paged_score, block_mask=physical, enable_gqa=enable_gqa)
+
+    return run
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument("--no-torch-flex", action="store_true", help="skip torch's compiled flex_attention")
+    parser.add_argument("--cases", type=int, default=len(CASES), help="run the first N cases")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gym.benchmark_decode times GPU kernels: it needs a CUDA device", file=sys.stderr)
+        return 2
+    import triton
+
+    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "cuda": torch.version.cuda, "python": platform.python_version(), "dtype": "bfloat16"}
+    env["copy_GBps"] = round(copy_bandwidth(), 1)
+    print(f"{env['device']}: copy bandwidth {env['copy_GBps']} GB/s (read + write)", flush=True)
+    torch_flex = None
+    if not args.no_torch_flex:
+        from gym.benchmark import compile_torch_flex
+
+        torch_flex = compile_torch_flex()
+    rows = []
+    for B, Hq, Hkv, S, D in CASES[: args.cases]:
+        torch.manual_seed(0)
+        q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16)
+        kv_bytes = 2 * k.numel() * k.element_size()
+        gqa = Hq != Hkv
+        for variant in VARIANTS:
+            score_mod = score_mod_of(variant, Hq)
+            row = {"variant": variant, "B": B, "Hq": Hq, "Hkv": Hkv, "S": S, "D": D}
+            launches = _decode_launches()
+            ours = lambda: flex_attention(q, k, v, score_mod=score_mod, enable_gqa=gqa)  # noqa: E731
+            out = ours()
+            row["decode_kernel_ran"] = launches is not None and _decode_launches() > launches
+            ms = bench(ours)
+            row["flexattn_ms"] = ms
+            row["flexattn_GBps"] = kv_bytes / ms / 1e6
+            row["flexattn_copy_share"] = row["flexattn_GBps"] / env["copy_GBps"]
+            if torch_flex is not None:
+                try:
+                    theirs = lambda: torch_flex(q, k, v, score_mod=score_mod, enable_gqa=gqa)  # noqa: E731
+                    ref = theirs()
+                    row["torch_flex_ms"] = bench(theirs)
+                    row["speedup_vs_torch_flex"] = row["torch_flex_ms"] / ms
+                    row["max_abs_diff_vs_torch_flex"] = (out.float() - ref.float()).abs().max().item()
+                except Exception as err:  # a compile or memory failure is recorded, not fatal
+                    row["torch_flex_error"] = str(err)[:200]
+            if variant == "noop":
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+                import torch.nn.functional as F
+
+                try:
+                    ke = k.repeat_interleave(Hq // Hkv, dim=1)
+                    ve = v.repeat_interleave(Hq // Hkv, dim=1)
+
+                    def sdpa():
+                        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                            return F.scaled_dot_product_attention(q, ke, ve)
+
+                    row["sdpa_flash_expanded_ms"] = bench(sdpa)
+                    del ke, ve
+                except Exception as err:
+                    row["sdpa_flash_error"] = str(err)[:200]
+            if variant in ("noop", "alibi") and S % 128 == 0:
+                try:
+                    run = paged_case(q, k, v, score_mod)
+                    paged_out = run()
+                    row["paged_ms"] = bench(run)
+                    row["paged_over_contiguous"] = row["paged_ms"] / ms
+                    row["paged_max_abs_diff"] = (paged_out.float() - out.float()).abs().max().item()
+                except Exception as err:
+                    row["paged_error"] = str(err)[:200]
+            print(json.dumps({k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}), flush=True)
+            rows.append(row)
+        del q, k, v
+        torch.cuda.empty_cache()
+    # Host time of a warm call: a problem small enough that the GPU never holds the host back.
+    q = torch.randn(1, 16, 1, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 1024, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    env["flexattn_host_us"] = host_us_per_call(lambda: flex_attention(q, k, v, enable_gqa=True))
+    if torch_flex is not None:
+        env["torch_flex_host_us"] = host_us_per_call(lambda: torch_flex(q, k, v, enable_gqa=True))
+    print(json.dumps(env), flush=True)
+    print("\n| variant | B | Hq:Hkv | S | d | flexattn ms | GB/s | of copy bw | torch flex ms | speed-up | paged / contiguous |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['variant']} | {r['B']} | {r['Hq']}:{r['Hkv']} | {r['S']} | {r['D']} | {r['flexattn_ms']:.3f} | "
+              f"{r['flexattn_GBps']:.0f} | {r['flexattn_copy_share']:.0%} | {r.get('torch_flex_ms', float('nan')):.3f} | "
+              f"{r.get('speedup_vs_torch_flex', float('nan')):.2f}x | {r.get('paged_over_contiguous', float('nan')):.3f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"env": env, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
