@@ -2,6 +2,8 @@
 
 The only caller of the whole pipeline. Backends:
 - TRITON: the generated FlashAttention-2 kernel (CUDA; CPU under ``TRITON_INTERPRET=1``).
+- TRITON_DECODE: the generated split-KV decode kernels (decode.py) for short queries at inference;
+  chosen by AUTO on CUDA for queries of up to ``decode.MAX_AUTO_QUERY_LEN`` rows (see _dispatch_decode).
 - PYTORCH: the blockwise online-softmax path in plain PyTorch (any device, forward and backward).
 The backward (autograd.py) runs the generated Triton backward kernels on the Triton backend and
 the blockwise PyTorch backward on the PyTorch backend.
@@ -27,6 +29,7 @@ from .options import (
     why_ignored,
 )
 from .backward import backward_kernel
+from .decode import MAX_AUTO_QUERY_LEN, decode_kernel, unsupported_reason
 from .runtime import forward_kernel, interpreter_enabled
 from .trace import TracedMod, trace_mod
 
@@ -228,7 +231,12 @@ def _pick_backend(query: torch.Tensor, options: dict) -> str:
     if backend == "AUTO":
         # float64 has no tensor-core path: it runs on the blockwise PyTorch backend, like CPU tensors.
         return "TRITON" if query.is_cuda and query.dtype != torch.float64 else "PYTORCH"
-    if backend == "TRITON":
+    if backend == "TRITON_DECODE" and options.get("FORCE_USE_FLEX_ATTENTION"):
+        raise InvalidInputError(
+            "kernel_options BACKEND='TRITON_DECODE' and FORCE_USE_FLEX_ATTENTION=True contradict each other "
+            "(as in torch): drop one of them"
+        )
+    if backend in ("TRITON", "TRITON_DECODE"):
         if query.dtype == torch.float64:
             raise BackendUnavailableError(
                 "the Triton backend supports float16, bfloat16 and float32; float64 inputs run on "
@@ -236,7 +244,7 @@ def _pick_backend(query: torch.Tensor, options: dict) -> str:
             )
         if query.device.type == "cpu" and not interpreter_enabled():
             raise BackendUnavailableError(
-                "kernel_options={'BACKEND': 'TRITON'} with CPU tensors needs the Triton interpreter: set the "
+                f"kernel_options={{'BACKEND': '{backend}'}} with CPU tensors needs the Triton interpreter: set the "
                 "environment variable TRITON_INTERPRET=1 before importing flexattn (slow; meant for testing), "
                 "or move the tensors to a CUDA device"
             )
@@ -244,6 +252,27 @@ def _pick_backend(query: torch.Tensor, options: dict) -> str:
             raise BackendUnavailableError(
                 f"the Triton backend runs on CUDA devices, got {query.device}; use BACKEND='PYTORCH'"
             )
+    return backend
+
+
+def _dispatch_decode(backend: str, options: dict, query: torch.Tensor, block_mask: BlockMask, needs_grad: bool,
+                     need_max: bool) -> str:
+    """The Triton backend's choice between the forward kernel and the decode kernels.
+
+    AUTO picks the decode kernels for queries of up to MAX_AUTO_QUERY_LEN rows (provisional, to be
+    set by measurement) that fit one query block of the mask, when no gradient and no max_scores
+    are needed and FORCE_USE_FLEX_ATTENTION is not set. A forced TRITON_DECODE still runs the
+    forward kernel (and so the Triton backward) when gradients are needed: the decode kernels
+    write no state for a backward. Calls that need max_scores also take the forward kernel, which
+    writes them; the decode kernels do not.
+    """
+    if backend == "TRITON":
+        if (query.shape[2] <= MAX_AUTO_QUERY_LEN and not needs_grad and not need_max
+                and options.get("BACKEND", "AUTO") == "AUTO" and not options.get("FORCE_USE_FLEX_ATTENTION")
+                and unsupported_reason(query, block_mask) is None):
+            return "TRITON_DECODE"
+    elif backend == "TRITON_DECODE" and (needs_grad or need_max):
+        return "TRITON"
     return backend
 
 
@@ -270,6 +299,11 @@ class _Call(NamedTuple):
 
 
 def _run_forward(call: _Call, q, k, v, score_captured, need_lse, need_max):
+    if call.backend == "TRITON_DECODE":
+        kernel = decode_kernel(call.score, call.mask, tanh_approx=_use_tanh_approx(q, call.options))
+        out, lse = kernel(q, k, v, call.block_mask, call.scale, score_captured, call.mask_captured,
+                          need_lse=need_lse, options=call.options)
+        return out, lse, None
     if call.backend == "TRITON":
         kernel = forward_kernel(call.score, call.mask, tanh_approx=_use_tanh_approx(q, call.options))
         return kernel(
@@ -311,7 +345,8 @@ def flex_attention(
         scale: defaults to ``1 / sqrt(E)``.
         enable_gqa: allow Hq to be a multiple of Hkv (query head h reads key/value head h // (Hq / Hkv)).
         return_lse: deprecated (as in torch); use ``return_aux=AuxRequest(lse=True)``.
-        kernel_options: ``FlexKernelOptions``; ``{"BACKEND": "PYTORCH"}`` forces the blockwise PyTorch path.
+        kernel_options: ``FlexKernelOptions``; ``{"BACKEND": "PYTORCH"}`` forces the blockwise PyTorch path,
+            ``{"BACKEND": "TRITON_DECODE"}`` the split-KV decode kernels (short queries, inference).
         return_aux: ``AuxRequest(lse=..., max_scores=...)`` (flexattn's or torch's) returns
             ``(out, AuxOutput)``.
 
@@ -369,14 +404,15 @@ def flex_attention(
     if backend == "PYTORCH":  # the Triton launcher keeps device copies of its own
         score_captured = _fixed_on_device(score, score_captured, query.device)
         mask_captured = _fixed_on_device(mask, mask_captured, query.device)
-    call = _Call(backend, block_mask, scale, score, mask, mask_captured, options, wide)
     need_lse = bool(return_lse or (return_aux is not None and return_aux.lse))
     need_max = bool(return_aux is not None and return_aux.max_scores)
-
     needs_grad = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad
         or any(t.requires_grad for t in score_captured)
     )
+    if backend in ("TRITON", "TRITON_DECODE"):
+        backend = _dispatch_decode(backend, options, query, block_mask, needs_grad, need_max)
+    call = _Call(backend, block_mask, scale, score, mask, mask_captured, options, wide)
     if needs_grad:
         from .autograd import FlexAttentionFunction  # imports this module
 

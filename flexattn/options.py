@@ -22,14 +22,21 @@ class FlexKernelOptions(TypedDict, total=False):
     Like torch's, these options carry no backward-compatibility promise yet.
     """
 
-    BACKEND: Literal["AUTO", "TRITON", "PYTORCH"]
-    """Which implementation runs. ``AUTO`` (default): the Triton kernel for CUDA tensors, the
-    blockwise PyTorch path otherwise. ``TRITON``: the fused kernel, or an error saying why it cannot
-    run (on CPU tensors it needs ``TRITON_INTERPRET=1``). ``PYTORCH``: the blockwise online-softmax
-    path in plain PyTorch (any device, forward and backward)."""
+    BACKEND: Literal["AUTO", "TRITON", "TRITON_DECODE", "PYTORCH"]
+    """Which implementation runs. ``AUTO`` (default): the Triton kernels for CUDA tensors (the
+    split-KV decode kernels for queries of up to 16 rows when no gradient is needed, the forward
+    kernel otherwise), the blockwise PyTorch path for other devices. ``TRITON``: the fused forward
+    kernel, or an error saying why it cannot run (on CPU tensors it needs ``TRITON_INTERPRET=1``).
+    ``TRITON_DECODE``: the split-KV decode kernels (flash-decoding: the KV sequence split across
+    programs, all query heads of a GQA group in one tile), for queries that fit in one query block
+    of the BlockMask; an error otherwise. Calls that need gradients or ``max_scores`` run the
+    forward kernel instead (the decode kernels are for inference). ``PYTORCH``: the blockwise
+    online-softmax path in plain PyTorch (any device, forward and backward)."""
 
     BLOCK_M: int
-    """Query rows per Triton program. Must divide the BlockMask's query block size."""
+    """Query rows per Triton program. Must divide the BlockMask's query block size. The decode
+    kernels ignore it (their tile holds a GQA group's query rows); they take ``BLOCK_N``,
+    ``num_warps`` and ``num_stages``."""
 
     BLOCK_N: int
     """Key columns per inner-loop step. Must divide the BlockMask's key block size."""
@@ -72,6 +79,15 @@ class FlexKernelOptions(TypedDict, total=False):
     GPUs (relative error about 2^-11). Default: on for float16/bfloat16 inputs on NVIDIA GPUs, where
     that error is below the inputs' own rounding; off (an exact tanh) for float32 and elsewhere."""
 
+    DECODE_NUM_SPLITS: int
+    """Decode kernels only (flexattn's own key): how many programs share each row's key blocks.
+    Default: enough for about four programs per SM, with at least 512 keys each (one or two under
+    the interpreter)."""
+
+    FORCE_USE_FLEX_ATTENTION: bool
+    """``True``: never pick the decode kernels automatically; short queries run the forward kernel
+    (torch's name and meaning). Cannot be combined with ``BACKEND='TRITON_DECODE'``."""
+
     CHECK_INDICES: bool
     """Debug mode: before running, evaluate the score_mod and mask_mod with torch over every
     ``(b, h, q_idx, kv_idx)`` of the call (tile by tile, on the query's device) and raise an
@@ -112,9 +128,6 @@ class FlexKernelOptions(TypedDict, total=False):
     WRITE_DQ: bool
     """Ignored (a choice inside torch's backward kernel: flexattn's dQ kernel always writes dQ)."""
 
-    FORCE_USE_FLEX_ATTENTION: bool
-    """Ignored: flexattn has no separate decoding kernel to choose against."""
-
     kpack: int
     """Ignored (ROCm)."""
 
@@ -140,7 +153,7 @@ class AuxOutput(NamedTuple):
     max_scores: Optional[torch.Tensor] = None
 
 
-_BACKENDS = ("AUTO", "TRITON", "PYTORCH")
+_BACKENDS = ("AUTO", "TRITON", "TRITON_DECODE", "PYTORCH")
 
 
 def resolve_backend_name(kernel_options: Optional[dict]) -> str:
@@ -168,7 +181,6 @@ IGNORED_BECAUSE = {
     "ROWS_GUARANTEED_SAFE": "fully masked rows are always guarded",
     "BLOCKS_ARE_CONTIGUOUS": "read from the BlockMask itself",
     "WRITE_DQ": "flexattn's dQ kernel always writes dQ",
-    "FORCE_USE_FLEX_ATTENTION": "one kernel for every length",
     "kpack": _ROCM, "matrix_instr_nonkdim": _ROCM, "waves_per_eu": _ROCM,
 }
 
