@@ -184,6 +184,17 @@ def main(argv=None) -> int:
     k = torch.randn(1, 2, 1024, 64, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     env["flexattn_host_us"] = host_us_per_call(lambda: flex_attention(q, k, v, enable_gqa=True))
+    # The same step captured in a CUDA graph (warmed up first, on a side stream), replayed.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            flex_attention(q, k, v, enable_gqa=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        flex_attention(q, k, v, enable_gqa=True)
+    env["flexattn_graph_replay_host_us"] = host_us_per_call(graph.replay)
     if torch_flex is not None:
         env["torch_flex_host_us"] = host_us_per_call(lambda: torch_flex(q, k, v, enable_gqa=True))
     print(json.dumps(env), flush=True)
