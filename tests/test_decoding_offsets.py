@@ -88,28 +88,33 @@ def test_offset_mods_match_the_reference_at_absolute_positions(backend):
     assert rel_err(out, expected) < 1e-5
 
 
+def near(b, h, q_idx, kv_idx):
+    """Not causal: a query also sees later keys, so only the valid lengths keep stale slots out."""
+    return (q_idx - kv_idx).abs() < 60
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_per_batch_offsets_and_valid_lengths(backend):
     B, H, S, E = 3, 2, 160, 16
     q_full, k, v = (torch.randn(B, H, S, E) for _ in range(3))
     offsets = torch.tensor([5, 100, 150], dtype=torch.int32)
-    lengths = offsets + 1  # each sequence has written its keys up to its own query
+    lengths = torch.tensor([40, 101, 160], dtype=torch.int32)
     cache_k, cache_v = k.clone(), v.clone()
     for b in range(B):  # slots past a sequence's length hold stale keys that must be ignored
         cache_k[b, :, int(lengths[b]):] = 30.0
         cache_v[b, :, int(lengths[b]):] = 1e4
     q = step_queries(q_full, offsets[:, None].long())
-    mask = offset_mask_mod(causal, offsets, lengths)
+    mask = offset_mask_mod(near, offsets, lengths)
     score = offset_score_mod(alibi, offsets)
     bm = create_block_mask(mask, B, None, 1, S, device=CPU, BLOCK_SIZE=32)
     out = flex_attention(q, cache_k, cache_v, score_mod=score, block_mask=bm, kernel_options=backend)
-    expected = full_sequence_rows(q_full, k, v, offsets[:, None].long(), alibi, causal, lengths)
+    expected = full_sequence_rows(q_full, k, v, offsets[:, None].long(), alibi, near, lengths)
     assert rel_err(out, expected) < 1e-5
     # The score_mod alone also hides the stale slots (-inf past the length), with no mask at all.
-    score_only = offset_score_mod(lambda s, b, h, q_idx, kv_idx: torch.where(q_idx >= kv_idx, s, -float("inf")),
+    score_only = offset_score_mod(lambda s, b, h, q_idx, kv_idx: torch.where(near(b, h, q_idx, kv_idx), s, -float("inf")),
                                   offsets, lengths)
     out = flex_attention(q, cache_k, cache_v, score_mod=score_only, kernel_options=PYTORCH)
-    expected = full_sequence_rows(q_full, k, v, offsets[:, None].long(), None, causal, lengths)
+    expected = full_sequence_rows(q_full, k, v, offsets[:, None].long(), None, near, lengths)
     assert rel_err(out, expected) < 1e-5
 
 
@@ -225,7 +230,7 @@ def test_row_slicing_with_a_tensor_matches_torch():
 
     ours = create_block_mask(sliding_window, 2, 2, 512, 512, device=CPU, BLOCK_SIZE=128)
     theirs = tfa.create_block_mask(sliding_window, 2, 2, 512, 512, device=CPU)
-    rows = torch.tensor([3, -4])  # negative counts from the end, as in torch
+    rows = torch.tensor([3, -3])  # negative counts from the end, as in torch
     mine, torch_rows = ours[:, :, rows], theirs[:, :, rows]
     assert mine.seq_lengths == torch_rows.seq_lengths == (512, 512)
     for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):

@@ -81,7 +81,7 @@ def reference(q, k, v, lengths, score_mod=None, mask_mod=None):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("variant", ["causal", "alibi", "document"])
-@pytest.mark.parametrize("page_size, block", [(64, 64), (32, 64), (128, 64)], ids=["page=block", "page<block", "page>block"])
+@pytest.mark.parametrize("page_size, block", [(64, 64), (32, 64), (128, 64)], ids=["page_eq_block", "page_lt_block", "page_gt_block"])
 def test_paged_equals_contiguous(backend, variant, page_size, block):
     lengths = [70, 200, 33]  # not block multiples, very different
     rows = [3, 0, 1]  # page-table rows that are not 0..B-1
@@ -146,6 +146,41 @@ def test_paged_decode_loop_one_trace(backend):
             traces = flexattn.trace.trace_count
         assert flexattn.trace.trace_count == traces, "a decoding step must not retrace the mods"
         pos += 1
+
+
+def test_paged_mods_alone_mask_other_sequences_and_stale_slots():
+    """get_score_mod / get_mask_mod without a converted mask: every physical page is visited, and the
+    mods alone must hide pages of other sequences and slots past each valid length."""
+    lengths, rows = [50, 90], [1, 0]
+    B, S = 2, 90
+    q, k, v = (torch.randn(B, H, 8, E), torch.randn(B, H, S, E), torch.randn(B, H, S, E))
+    paged = PagedAttention(8, 32, 2, device=CPU)
+    k_cache, v_cache = fill_cache(paged, rows, lengths, 8 * 32, k, v, chunk=32)
+    kv_len, batch_idx = torch.tensor(lengths), torch.tensor(rows)
+
+    def everything(score, b, h, q_idx, kv_idx):
+        return score
+
+    out = flex_attention(q, k_cache, v_cache, score_mod=paged.get_score_mod(everything, kv_len, batch_idx=batch_idx),
+                         kernel_options=PYTORCH)
+    expected = reference(q, k, v, lengths)
+    assert rel_err(out, expected) < 1e-5
+    physical_mask = create_block_mask(paged.get_mask_mod(None, kv_len, batch_idx=batch_idx), B, None, 8, 8 * 32,
+                                      device=CPU, BLOCK_SIZE=32)
+    out = flex_attention(q, k_cache, v_cache, block_mask=physical_mask, kernel_options=PYTORCH)
+    assert rel_err(out, expected) < 1e-5
+
+
+def test_keys_past_the_logical_kv_len_are_masked():
+    # A mask for 100 keys over a sequence that owns 128 slots: slots 100..127 hold stale keys.
+    paged = PagedAttention(4, 64, 1, device=CPU)
+    q, k, v = torch.randn(1, H, 4, E), torch.randn(1, H, 128, E), torch.randn(1, H, 128, E)
+    k_cache, v_cache = fill_cache(paged, [0], [128], 4 * 64, k, v)
+    logical = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, None, None, 4, 100, device=CPU,
+                                BLOCK_SIZE=64)
+    out = flex_attention(q, k_cache, v_cache, block_mask=paged.convert_logical_block_mask(logical),
+                         kernel_options=PYTORCH)
+    assert rel_err(out, reference(q, k, v, [100])) < 1e-5
 
 
 def test_converted_torch_block_mask_is_ours():
