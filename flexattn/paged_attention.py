@@ -330,7 +330,8 @@ class PagedAttention:
             block_mask: logical mask ``[B or 1, H, ROWS, ...]`` with its mask_mod (flexattn's or torch's),
                 e.g. a decoding step's from :func:`flexattn.decode_block_mask`.
             batch_idx: int tensor ``[B]``, the page-table row of each batch entry (default: row b for
-                batch b).
+                batch b; a mask of batch 1 is then converted for every row, giving batch
+                ``max_batch_size``).
             kv_len: valid length per sequence (int tensor ``[B]`` or 0-d), or None.
 
         Each listed key block is replaced by the physical block(s) holding it; blocks in pages the
@@ -349,7 +350,10 @@ class PagedAttention:
         block = kv_block // split
         mask_batch, heads, rows = bm.kv_num_blocks.shape
         batch_rows = self._batch_rows(batch_idx, mask_batch)
-        batch = mask_batch if batch_rows is None else batch_rows.shape[0]
+        # A mask of batch 1 applies to every sequence; without batch_idx it is converted for every row
+        # of the page table (converted for row 0 only and broadcast, other sequences would visit
+        # row 0's pages: torch's behaviour, and a wrong result).
+        batch = (self.max_batch_size if mask_batch == 1 else mask_batch) if batch_rows is None else batch_rows.shape[0]
         if mask_batch not in (1, batch):
             raise InvalidInputError(
                 f"convert_logical_block_mask: the BlockMask has batch {mask_batch} and batch_idx has {batch} entries; "
@@ -368,9 +372,12 @@ class PagedAttention:
         if bm.full_kv_num_blocks is not None:
             full = _ordered_to_dense(bm.full_kv_num_blocks, bm.full_kv_indices, cols).bool()
             visited = visited | full
-        if split > 1:
-            visited = visited.repeat_interleave(split, dim=-1)
-            full = None if full is None else full.repeat_interleave(split, dim=-1)
+        if split > 1:  # each logical block becomes `split` one-page blocks (expand: no sync, fixed shape)
+            def split_cols(tile_map: torch.Tensor) -> torch.Tensor:
+                return tile_map.unsqueeze(-1).expand(*tile_map.shape, split).flatten(-2)
+
+            visited = split_cols(visited)
+            full = None if full is None else split_cols(full)
         visited = visited.expand(batch, heads, rows, cols * split)
         logical_cols = torch.arange(cols * split, device=self.device)
 

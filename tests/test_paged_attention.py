@@ -183,6 +183,17 @@ def test_keys_past_the_logical_kv_len_are_masked():
     assert rel_err(out, reference(q, k, v, [100])) < 1e-5
 
 
+def test_a_batch_one_mask_is_converted_for_every_row():
+    paged = PagedAttention(4, 64, 3, device=CPU)
+    paged.reserve(0, 64)
+    paged.reserve(2, 128)
+    logical = create_block_mask(causal, None, None, 128, 128, device=CPU, BLOCK_SIZE=64)
+    converted = paged.convert_logical_block_mask(logical)
+    assert converted.kv_num_blocks.shape == (3, 1, 2)  # not row 0's pages broadcast to every sequence
+    assert converted.to_dense()[:, 0].tolist() == [
+        [[1, 0, 0, 0], [1, 0, 0, 0]], [[0, 0, 0, 0], [0, 0, 0, 0]], [[0, 1, 0, 0], [0, 1, 1, 0]]]
+
+
 def test_converted_torch_block_mask_is_ours():
     import torch.nn.attention.flex_attention as tfa
 
@@ -259,3 +270,31 @@ def test_method_names_and_arguments_follow_torch():
                 if p.kind != p.KEYWORD_ONLY]
         theirs = list(inspect.signature(getattr(TorchPaged, name)).parameters.values())
         assert [p.name for p in ours] == [p.name for p in theirs], name
+
+
+@pytest.mark.gpu
+def test_decode_step_path_has_no_host_sync():
+    """decode_block_mask, convert_logical_block_mask, assign and the offset mods never wait for the GPU."""
+    device = torch.device("cuda")
+    paged = PagedAttention(64, 64, 4, device=device)
+    for row in range(4):
+        paged.reserve(row, 1000)
+    k_cache = torch.randn(1, H, 64 * 64, E, device=device)
+    v_cache = torch.randn(1, H, 64 * 64, E, device=device)
+    logical = create_block_mask(causal, None, None, 1024, 1024, device=device, BLOCK_SIZE=128)
+    rows = torch.tensor([2, 0, 3, 1], device=device)
+    pos = torch.tensor([5, 300, 700, 999], device=device)
+    k_val, v_val = torch.randn(4, H, 1, E, device=device), torch.randn(4, H, 1, E, device=device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        paged.assign(rows, pos[:, None], k_val, v_val, k_cache, v_cache)
+        step = decode_block_mask(logical, pos, kv_lengths=pos + 1)
+        step = paged.convert_logical_block_mask(step, rows, pos + 1)
+        score = paged.get_score_mod(offset_score_mod(alibi, pos), batch_idx=rows)
+        sliced = logical[:, :, pos[0] // 128]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    q = torch.randn(4, H, 1, E, device=device)
+    out = flex_attention(q, k_cache, v_cache, score_mod=score, block_mask=step)
+    assert torch.isfinite(out).all() and sliced.kv_num_blocks.shape == (1, 1, 1)
