@@ -7,8 +7,10 @@ The public API is a drop-in for ``torch.nn.attention.flex_attention``::
 
 from .api import flex_attention
 from .block_mask import BlockMask, create_block_mask, create_mask
+from .decoding import decode_block_mask, offset_mask_mod, offset_score_mod
 from .mods import and_masks, noop_mask, or_masks
 from .options import AuxOutput, AuxRequest, FlexKernelOptions
+from .paged_attention import OutOfPagesError, PagedAttention
 
 # The names the FlexAttention paper uses.
 and_mask = and_masks
@@ -19,12 +21,17 @@ __all__ = [
     "AuxRequest",
     "BlockMask",
     "FlexKernelOptions",
+    "OutOfPagesError",
+    "PagedAttention",
     "and_mask",
     "and_masks",
     "create_block_mask",
     "create_mask",
+    "decode_block_mask",
     "flex_attention",
     "noop_mask",
+    "offset_mask_mod",
+    "offset_score_mod",
     "or_mask",
     "or_masks",
 ]

@@ -159,16 +159,16 @@ def _sliced_rows_mask_mod(b, h, q_idx, kv_idx):
         "This BlockMask was made by selecting query-block rows (block_mask[b, h, rows]), so query "
         "index 0 of the new mask is no longer query index 0 of the original: the original mask_mod "
         "would be evaluated at the wrong positions, and flexattn does not guess the offset.\n"
-        "Set the mask_mod yourself, shifting the query index to where your queries really are:\n"
+        "Build the step's mask with the query offset instead (docs/decoding.md):\n"
         "\n  Incorrect:\n"
         "    step_mask = base_mask[:, :, pos // base_mask.BLOCK_SIZE[0]]\n"
         "    flex_attention(q, k, v, block_mask=step_mask)    # q_idx 0 is taken as position 0\n"
         "\n  Correct:\n"
-        "    # pos: the position of the first query you pass (e.g. the decoding step)\n"
+        "    # pos: the absolute position of the first query you pass (an int, or a tensor you update)\n"
+        "    step_mask = flexattn.decode_block_mask(base_mask, pos, q_len=q.shape[2])\n"
+        "\n  or by hand, as with torch:\n"
         "    step_mask = base_mask[:, :, pos // base_mask.BLOCK_SIZE[0]]\n"
-        "    def shifted(b, h, q_idx, kv_idx):\n"
-        "        return base_mask.mask_mod(b, h, q_idx + pos, kv_idx)   # base_mask's, not step_mask's\n"
-        "    step_mask.mask_mod = shifted\n"
+        "    step_mask.mask_mod = flexattn.offset_mask_mod(base_mask.mask_mod, pos)  # base_mask's, not step_mask's\n"
         "    step_mask.seq_lengths = (q_len, kv_len)             # the lengths you will call it with\n"
     )
 
@@ -443,7 +443,8 @@ class BlockMask:
         return B * H * q_len * kv_len
 
     def _num_cols(self) -> int:
-        widths = [self.kv_indices.shape[-1]]
+        # Tables may be narrower than the key blocks (a paged mask lists a few of many pages).
+        widths = [self.kv_indices.shape[-1], _cdiv(self.seq_lengths[1], self.BLOCK_SIZE[1])]
         if self.full_kv_indices is not None:
             widths.append(self.full_kv_indices.shape[-1])
         return max(widths)
@@ -543,7 +544,14 @@ class BlockMask:
 
         The mask_mod follows the selection when only batches and heads are selected (new batch i
         reads the original batch picked at position i). Selecting query-block rows shifts query
-        positions, so the new mask gets a mask_mod that raises and explains how to set a shifted one.
+        positions, so the new mask gets a mask_mod that raises and explains how to set a shifted one
+        (torch does the same); :func:`flexattn.decode_block_mask` builds a decoding step's mask,
+        shifted mask_mod included, in one call.
+
+        Tensor indices on an accelerator are used without reading them back (no host sync, so
+        ``bm[:, :, pos // Q_BLOCK]`` with a device tensor ``pos`` fits in a captured decoding step):
+        an out-of-range one then fails in the device's index check instead of raising IndexError
+        here. A bool index needs ``nonzero`` (a sync and a data-dependent shape).
         """
         index = index if isinstance(index, tuple) else (index,)
         if len(index) > 3:
@@ -569,11 +577,16 @@ class BlockMask:
         else:
             mask_mod = _reindexed_mask_mod(self.mask_mod, batch_map, head_map)
 
-        partial = pick(self._partial_map())
-        full = pick(self._full_map())
+        # Pick first, then densify only what was picked: a decoding step picks one row of a mask
+        # whose dense map can hold millions of tiles.
         num_blocks, indices = pick(self.kv_num_blocks), pick(self.kv_indices)
         full_num, full_indices = pick(self.full_kv_num_blocks), pick(self.full_kv_indices)
-        q_tables = _transposed_tables(partial, full) if self.q_indices is not None else [None] * 4
+        q_tables: list[Optional[torch.Tensor]] = [None] * 4
+        if self.q_indices is not None:
+            cols = self._num_cols()
+            partial = _ordered_to_dense(num_blocks, indices, cols)
+            full = None if full_num is None else _ordered_to_dense(full_num, full_indices, cols)
+            q_tables = _transposed_tables(partial, full)
         return BlockMask(
             self.seq_lengths, num_blocks, indices, full_num, full_indices, *q_tables,
             BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=mask_mod,
@@ -827,32 +840,41 @@ def _transposed_tables(partial_map: torch.Tensor, full_map: Optional[torch.Tenso
 
 
 def _selection(index, size: int, device: torch.device, name: str) -> Optional[torch.Tensor]:
-    """One position of a BlockMask index -> the chosen positions (int64), or None for "all"."""
+    """One position of a BlockMask index -> the chosen positions (int64), or None for "all".
+
+    Built on ``device`` without host-to-device copies, and without reading a device tensor back
+    (see BlockMask.__getitem__): a decoding step can slice rows with a tensor it never syncs on.
+    """
     if isinstance(index, slice):
         chosen = range(size)[index]
         if chosen == range(size):
             return None
-        return torch.tensor(list(chosen), dtype=torch.long, device=device)
+        return torch.arange(chosen.start, chosen.stop, chosen.step, dtype=torch.long, device=device)
     if isinstance(index, torch.Tensor):
         if index.dtype == torch.bool:
             if index.shape != (size,):
                 raise IndexError(f"a bool index for the {name} dim must have shape ({size},), got {tuple(index.shape)}")
             return index.to(device).nonzero().flatten()
-        if index.dtype.is_floating_point or index.dim() > 1:
+        if index.dtype.is_floating_point or index.dtype.is_complex or index.dim() > 1:
             raise IndexError(
                 f"a tensor index for the {name} dim must be a 0-d or 1-d integer tensor, "
                 f"got {index.dtype} {tuple(index.shape)}"
             )
         chosen = index.to(device=device, dtype=torch.long).reshape(-1)
-    else:
-        try:
-            position = operator.index(index)
-        except TypeError:
-            raise IndexError(f"cannot index the {name} dim of a BlockMask with {index!r}") from None
-        chosen = torch.tensor([position], dtype=torch.long, device=device)
-    if chosen.numel() and bool(((chosen < -size) | (chosen >= size)).any()):
-        raise IndexError(f"index {index!r} is out of range for the {name} dim of size {size}")
-    return chosen % size  # negative positions count from the end
+        if chosen.device.type != "cpu":
+            # Checking the range here would wait for the device. Wrap negatives only, so an index
+            # out of range stays out of range and index_select's own device-side check rejects it.
+            return torch.where(chosen < 0, chosen + size, chosen)
+        if chosen.numel() and bool(((chosen < -size) | (chosen >= size)).any()):
+            raise IndexError(f"index {index.tolist()!r} is out of range for the {name} dim of size {size}")
+        return chosen % size  # negative positions count from the end
+    try:
+        position = operator.index(index)
+    except TypeError:
+        raise IndexError(f"cannot index the {name} dim of a BlockMask with {index!r}") from None
+    if not -size <= position < size:
+        raise IndexError(f"index {position} is out of range for the {name} dim of size {size}")
+    return torch.full((1,), position % size, dtype=torch.long, device=device)
 
 
 def _as_map(chosen: Optional[torch.Tensor], size: int) -> Optional[torch.Tensor]:
