@@ -102,6 +102,8 @@ class PagedAttention:
                 "in int32, so the cache must hold fewer than 2**31 slots"
             )
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device is None else torch.device(device)
+        self.page_table = torch.empty(0, device=device)
+        device = self.page_table.device  # "cuda" names the current device as tensors do ("cuda:0"), so checks compare equal
         self.device = device
         shape = (self.max_batch_size, self.n_pages)
         self.page_table = torch.full(shape, -1, dtype=PAGE_INDEX_DTYPE, device=device)
