@@ -155,10 +155,12 @@ class DecodeConfig(NamedTuple):
 
 
 # (head dim up to, 16-bit inputs): a memory-bound loop wants deep pipelines of K/V tiles. d64: as
-# first written, 86-91% of the copy bandwidth on the H100 (docs/benchmarks.md). d128: from a sweep on
-# the H100 (bf16, GQA 12:2 32k and 16:2 16k at B=8, 16:2 128k at B=1; eager do_bench timings): 8 warps
-# and 4 stages at 64 keys per tile took 0.125-0.138 ms, 0.079 ms and 0.115 ms against 0.19, 0.20 and
-# 0.23 ms for 4 warps and 3 stages. Other GPUs and fp32 are not swept.
+# first written, 86-91% of the copy bandwidth on the H100 (docs/benchmarks.md). d128: a sweep on the
+# H100 (bf16; GQA 12:2 at 32k and 16:2 at 16k with B=8, 16:2 at 128k with B=1) ranked 8 warps and 4
+# stages first in each case (0.125 ms with 32-key tiles and 0.138 with 128; 0.079 with 64; 0.115 with
+# 64, tied with 4 warps and 3 stages) against 0.19, 0.20 and 0.23 ms for the first defaults. Those
+# were eager timings of ~0.1 ms kernels that include host time: the ranking is the evidence, not the
+# values. Other GPUs and fp32 are not swept.
 _GPU_DECODE_DEFAULTS = {
     (64, True): DecodeConfig(128, 4, 3),
     (128, True): DecodeConfig(64, 8, 4),
