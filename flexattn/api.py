@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from . import blockwise
-from .block_mask import BlockMask, arity_mistake, as_block_mask, torch_counterpart
+from .block_mask import BlockMask, _sliced_rows_mask_mod, arity_mistake, as_block_mask, torch_counterpart
 from .errors import BackendUnavailableError, InvalidInputError
 from .index_bounds import index_bounds, index_dtype
 from .index_check import check_indices
@@ -103,11 +103,15 @@ def _validate_block_mask(block_mask: BlockMask, query, key) -> None:
                 "[batch, heads, seq_len, head_dim], as torch's does: pass q.transpose(1, 2), k.transpose(1, 2) "
                 "and v.transpose(1, 2), and transpose the output back with out.transpose(1, 2)"
             )
-        fix = (
-            "call block_mask.adjust(new_q_len, new_kv_len) to crop it"
-            if mask_q >= L and mask_kv >= S
-            else "create a new block mask for these lengths"
-        )
+        if block_mask.mask_mod is _sliced_rows_mask_mod:
+            # Rows cut out of a full-length mask for a decoding step: cropping would keep the wrong
+            # query positions; the step's mask needs the offset.
+            fix = ("for a decoding step, build it with flexattn.decode_block_mask(full_mask, offset, q_len=...), "
+                   "which also shifts the mask_mod to the step's positions")
+        elif mask_q >= L and mask_kv >= S:
+            fix = "call block_mask.adjust(new_q_len, new_kv_len) to crop it"
+        else:
+            fix = "create a new block mask for these lengths"
         raise InvalidInputError(
             f"block_mask was built for Q_LEN={mask_q}, KV_LEN={mask_kv} but query has seq_len {L} and key has "
             f"seq_len {S}; {fix}"

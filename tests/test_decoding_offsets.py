@@ -243,3 +243,15 @@ def test_row_slicing_with_a_tensor_matches_torch():
         mine.mask_mod(*(torch.tensor(0),) * 4)
     with pytest.raises(IndexError, match="out of range"):
         ours[:, :, torch.tensor([4])]
+
+
+def test_row_sliced_mask_with_the_wrong_lengths_points_to_decode_block_mask():
+    from flexattn.errors import InvalidInputError
+
+    full = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 256, 256, device="cpu",
+                             BLOCK_SIZE=64)
+    step = full[:, :, 2]  # seq_lengths stay (256, 256), as in torch
+    q = torch.randn(1, 2, 1, 16)
+    k = v = torch.randn(1, 2, 256, 16)
+    with pytest.raises(InvalidInputError, match="decode_block_mask"):
+        flex_attention(q, k, v, block_mask=step)
