@@ -288,6 +288,16 @@ class BlockMask:
         cache[name] = (*tables, _versions(*tables), self.BLOCK_SIZE, self.seq_lengths, value)
         return value
 
+    def preset_derived(self, name: str, value: Any) -> None:
+        """Store ``value`` as ``derived(name)`` without computing it, stamped like a computed one: for
+        masks whose builder knows the value by construction (decode_block_mask's launch tables). A
+        table replaced or changed in place later fails the stamp and is computed, as always."""
+        cache = self.__dict__.get("_derived")
+        if cache is None:
+            cache = self.__dict__["_derived"] = {}
+        tables = (self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices)
+        cache[name] = (*tables, _versions(*tables), self.BLOCK_SIZE, self.seq_lengths, value)
+
     # ---------------------------------------------------------------------------- torch interop
 
     def as_tuple(self, flatten: bool = True) -> tuple:

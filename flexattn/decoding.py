@@ -313,10 +313,17 @@ def decode_block_mask(
     mask_mod = offset_mask_mod(bm.mask_mod, offset_t, lengths_t)
     if full is None:
         num, idx = _dense_to_ordered(visited)
-        return BlockMask((q_len, kv_len), num, idx, None, None, None, None, None, None,
+        step = BlockMask((q_len, kv_len), num, idx, None, None, None, None, None, None,
                          BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=mask_mod)
-    full = full[..., :step_cols] & visited & (col_start + kv_block <= limit)
-    num, idx = _dense_to_ordered(visited & ~full)
-    full_num, full_idx = _dense_to_ordered(full)
-    return BlockMask((q_len, kv_len), num, idx, full_num, full_idx, None, None, None, None,
-                     BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=mask_mod)
+    else:
+        full = full[..., :step_cols] & visited & (col_start + kv_block <= limit)
+        num, idx = _dense_to_ordered(visited & ~full)
+        full_num, full_idx = _dense_to_ordered(full)
+        step = BlockMask((q_len, kv_len), num, idx, full_num, full_idx, None, None, None, None,
+                         BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=mask_mod)
+    # Its tables come from dense maps, ascending and in range: the kernels' launch tables need no
+    # checking, so the step costs no host sync there either (runtime.preset_launch_tables).
+    from .runtime import preset_launch_tables
+
+    preset_launch_tables(step)
+    return step

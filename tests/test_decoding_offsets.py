@@ -255,3 +255,32 @@ def test_row_sliced_mask_with_the_wrong_lengths_points_to_decode_block_mask():
     k = v = torch.randn(1, 2, 256, 16)
     with pytest.raises(InvalidInputError, match="decode_block_mask"):
         flex_attention(q, k, v, block_mask=step)
+
+
+def test_decode_step_masks_skip_the_launch_table_checks(monkeypatch):
+    """decode_block_mask's masks carry their launch tables (built from dense maps, valid by
+    construction), so a step never runs the checks that cost a host sync on a GPU; a table changed
+    in place afterwards is checked again."""
+    import flexattn.runtime as runtime
+
+    calls = []
+    real = runtime._compute_launch_tables
+    monkeypatch.setattr(runtime, "_compute_launch_tables", lambda bm: calls.append(bm) or real(bm))
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    B, H, S, E = 2, 2, 256, 16
+    full = create_block_mask(causal, None, None, S, S, device="cpu", BLOCK_SIZE=64)
+    k, v = torch.randn(B, H, S, E), torch.randn(B, H, S, E)
+    pos = torch.tensor([37, 200])
+    for backend in ("TRITON_DECODE", "TRITON", "PYTORCH"):
+        step = decode_block_mask(full, pos, kv_lengths=pos + 1)
+        q = torch.randn(B, H, 1, E)
+        out = flex_attention(q, k, v, block_mask=step, kernel_options={"BACKEND": backend})
+        expected = reference_attention(q.double(), k.double(), v.double(), mask_mod=step.mask_mod)[0]
+        assert rel_err(out, expected) < 1e-5, backend
+    assert not [bm for bm in calls if bm.seq_lengths == (1, S)]
+    step.kv_num_blocks[0, 0, 0] = 0  # changed in place: the stamp fails and the checks run again
+    flex_attention(torch.randn(B, H, 1, E), k, v, block_mask=step, kernel_options={"BACKEND": "TRITON"})
+    assert [bm for bm in calls if bm is step]
