@@ -5,6 +5,8 @@ The public API is a drop-in for ``torch.nn.attention.flex_attention``::
     from flexattn import flex_attention, create_block_mask
 """
 
+__version__ = "0.1.0"  # the same as pyproject.toml's (tests/test_api.py checks)
+
 from .api import flex_attention
 from .block_mask import BlockMask, create_block_mask, create_mask
 from .decoding import decode_block_mask, offset_mask_mod, offset_score_mod

@@ -138,6 +138,34 @@ class FlexKernelOptions(TypedDict, total=False):
     """Ignored (ROCm)."""
 
 
+def _with_option_docs(cls: type) -> type:
+    """Append each option's description to the class docstring, so ``help(FlexKernelOptions)`` and
+    IDEs show them: Python keeps no docstrings for TypedDict keys, so they are read from this file."""
+    import ast
+    import inspect
+
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError, SyntaxError):  # no source (a frozen build): the class doc alone
+        return cls
+    body = tree.body[0].body
+    lines = ["", "Options:", ""]
+    for node, following in zip(body, body[1:]):
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        if not (isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            continue
+        lines.append(f"{node.target.id}: {ast.unparse(node.annotation)}")
+        lines.extend("    " + line for line in inspect.cleandoc(following.value.value).splitlines())
+        lines.append("")
+    cls.__doc__ = inspect.cleandoc(cls.__doc__ or "") + "\n" + "\n".join(lines)
+    return cls
+
+
+FlexKernelOptions = _with_option_docs(FlexKernelOptions)
+
+
 class AuxRequest(NamedTuple):
     """Which auxiliary outputs ``flex_attention(..., return_aux=AuxRequest(...))`` returns."""
 

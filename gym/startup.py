@@ -85,7 +85,19 @@ def run_child(code: str, env: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+
+    argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Measures in fresh subprocesses on the local CUDA GPU; prints JSON.",
+    ).parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gym.startup times flexattn's kernels on a CUDA GPU, and this machine has none; on a CPU, "
+              "`python -m pytest -q` runs every kernel in Triton's interpreter instead", file=sys.stderr)
+        return 2
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")

@@ -315,3 +315,37 @@ def test_error_return_lse_and_return_aux_together():
     q, k, v = qkv()
     with pytest.raises(InvalidInputError, match="either return_lse or return_aux"):
         flex_attention(q, k, v, return_lse=True, return_aux=AuxRequest(lse=True))
+
+
+def test_version_matches_pyproject():
+    import re
+
+    import flexattn
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml")) as f:
+        declared = re.search(r'^version = "([^"]+)"', f.read(), re.M).group(1)
+    assert flexattn.__version__ == declared
+
+
+def test_help_of_kernel_options_describes_every_option():
+    from flexattn import FlexKernelOptions
+
+    doc = FlexKernelOptions.__doc__
+    for key in FlexKernelOptions.__annotations__:
+        assert f"\n{key}: " in doc, key
+    assert "Query rows per Triton program" in doc  # BLOCK_M's own description
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_gym_startup_says_it_needs_a_gpu():
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    helped = subprocess.run([sys.executable, "-m", "gym.startup", "--help"], cwd=root, env=env,
+                            capture_output=True, text=True)
+    assert helped.returncode == 0 and "usage" in helped.stdout
+    ran = subprocess.run([sys.executable, "-m", "gym.startup"], cwd=root, env=env, capture_output=True, text=True)
+    assert ran.returncode == 2 and "CUDA GPU" in ran.stderr
