@@ -33,9 +33,10 @@ from . import lowering
 from .block_mask import BlockMask, _dense_to_ordered, _ordered_to_dense
 from .codegen import BackwardSpec, load_kernel_module, render_backward
 from .errors import InvalidInputError, ResourceError
-from .index_bounds import index_bounds, lowering_variant
+from .index_bounds import index_bounds
 from .runtime import (
-    LaunchConfig, _empty, _fit_to_mask, _import_triton, _input_precision, _install_tma_allocator, _is_out_of_resources,
+    LaunchConfig, _empty, _fit_to_mask, _input_precision, _install_tma_allocator, _is_out_of_resources, cached_kernel,
+    lowering_variants,
     _lower, _next_pow2, _tma_compatible, interpreter_enabled, launch_tables, max_shared_memory, triton_cdiv,
     tuned_configs,
 )
@@ -265,10 +266,7 @@ class BackwardKernel:
     def compiled(self, bounds=None) -> CompiledBackward:
         """The kernels for calls within ``bounds``; lowering the score_mod's gradient here raises the
         lowering's error (naming the op and the line) before any kernel runs."""
-        variants = (
-            lowering_variant(self.score, bounds) if self.score is not None and bounds is not None else None,
-            lowering_variant(self.mask, bounds) if self.mask is not None and bounds is not None else None,
-        )
+        variants = lowering_variants(self.score, self.mask, bounds)
         compiled = self._compiled.get(variants)
         if compiled is None:
             compiled = self._compiled[variants] = self._compile(variants)
@@ -487,19 +485,8 @@ class BackwardKernel:
 
 
 _kernels: "OrderedDict[tuple, BackwardKernel]" = OrderedDict()  # see [Note] Cache keys in runtime.py
-_KERNELS_KEPT = 256
 
 
 def backward_kernel(score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool = False) -> BackwardKernel:
     """The backward kernels for these traced mods, built on first use and kept (the latest 256)."""
-    key = (score, mask, tanh_approx)
-    kernel = _kernels.get(key)
-    if kernel is None:
-        _import_triton()
-        kernel = BackwardKernel(score, mask, tanh_approx=tanh_approx)
-        _kernels[key] = kernel
-        if len(_kernels) > _KERNELS_KEPT:
-            _kernels.popitem(last=False)
-    else:
-        _kernels.move_to_end(key)
-    return kernel
+    return cached_kernel(_kernels, BackwardKernel, score, mask, tanh_approx)

@@ -36,11 +36,11 @@ import torch
 from .block_mask import BlockMask
 from .codegen import _environment, load_kernel_module
 from .errors import InvalidInputError, ResourceError
-from .index_bounds import index_bounds, lowering_variant
+from .index_bounds import index_bounds
 from .lowering import LoweredMod
 from .runtime import (
-    _empty, _import_triton, _input_precision, _is_out_of_resources, _lower, _next_pow2, _tile, interpreter_enabled,
-    launch_tables, max_shared_memory, triton_cdiv,
+    _empty, _input_precision, _is_out_of_resources, _lower, _next_pow2, _tile, interpreter_enabled,
+    cached_kernel, launch_tables, lowering_variants, max_shared_memory, triton_cdiv,
 )
 from .trace import TracedMod
 
@@ -234,10 +234,7 @@ class DecodeKernel:
         self.last_plan: Optional[_DecodePlan] = None  # what the latest launch used (tests and debugging read it)
 
     def compiled(self, bounds=None) -> CompiledDecode:
-        variants = (
-            lowering_variant(self.score, bounds) if self.score is not None and bounds is not None else None,
-            lowering_variant(self.mask, bounds) if self.mask is not None and bounds is not None else None,
-        )
+        variants = lowering_variants(self.score, self.mask, bounds)
         compiled = self._compiled.get(variants)
         if compiled is None:
             compiled = self._compiled[variants] = self._compile(variants)
@@ -398,19 +395,8 @@ def _smaller_plan(plan: _DecodePlan) -> Optional[_DecodePlan]:
 
 
 _kernels: "OrderedDict[tuple, DecodeKernel]" = OrderedDict()  # see [Note] Cache keys in runtime.py
-_KERNELS_KEPT = 256
 
 
 def decode_kernel(score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool = False) -> DecodeKernel:
     """The decode kernels for these traced mods, built on first use and kept (the latest 256)."""
-    key = (score, mask, tanh_approx)
-    kernel = _kernels.get(key)
-    if kernel is None:
-        _import_triton()
-        kernel = DecodeKernel(score, mask, tanh_approx=tanh_approx)
-        _kernels[key] = kernel
-        if len(_kernels) > _KERNELS_KEPT:
-            _kernels.popitem(last=False)
-    else:
-        _kernels.move_to_end(key)
-    return kernel
+    return cached_kernel(_kernels, DecodeKernel, score, mask, tanh_approx)

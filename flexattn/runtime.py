@@ -457,10 +457,7 @@ class ForwardKernel:
 
     def compiled(self, bounds=None) -> CompiledForward:
         """The kernel for calls within ``bounds`` (an IndexBounds); None: correct at any lengths."""
-        variants = (
-            lowering_variant(self.score, bounds) if self.score is not None and bounds is not None else None,
-            lowering_variant(self.mask, bounds) if self.mask is not None and bounds is not None else None,
-        )
+        variants = lowering_variants(self.score, self.mask, bounds)
         compiled = self._compiled.get(variants)
         if compiled is None:
             compiled = self._compiled[variants] = self._compile(variants)
@@ -831,14 +828,32 @@ def _import_triton() -> ModuleType:
         ) from err
 
 
-def forward_kernel(score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool = False) -> ForwardKernel:
-    """The forward kernel for these traced mods, built on first use and kept (the latest 256)."""
+def lowering_variants(score: Optional[TracedMod], mask: Optional[TracedMod], bounds) -> tuple:
+    """The (score_mod, mask_mod) lowering variants for calls within ``bounds`` (an IndexBounds); None
+    entries mean "correct at any lengths". Every kernel family keys its compiled sources by this."""
+    if bounds is None:
+        return (None, None)
+    return (lowering_variant(score, bounds) if score is not None else None,
+            lowering_variant(mask, bounds) if mask is not None else None)
+
+
+def cached_kernel(table: OrderedDict, family: type, score: Optional[TracedMod], mask: Optional[TracedMod],
+                  tanh_approx: bool):
+    """``family(score, mask, tanh_approx=...)`` from ``table``, built on first use and kept (the latest
+    _KERNELS_KEPT), for every kernel family (forward, backward, decode). The key holds the TracedMods
+    themselves (see [Note] Cache keys)."""
     key = (score, mask, tanh_approx)
-    kernel = _kernels.get(key)
+    kernel = table.get(key)
     if kernel is None:
         _import_triton()
-        kernel = ForwardKernel(score, mask, tanh_approx=tanh_approx)
-        _kernels[key] = kernel
-        if len(_kernels) > _KERNELS_KEPT:
-            _kernels.popitem(last=False)
+        kernel = table[key] = family(score, mask, tanh_approx=tanh_approx)
+        if len(table) > _KERNELS_KEPT:
+            table.popitem(last=False)
+    else:
+        table.move_to_end(key)
     return kernel
+
+
+def forward_kernel(score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool = False) -> ForwardKernel:
+    """The forward kernel for these traced mods, built on first use and kept (the latest 256)."""
+    return cached_kernel(_kernels, ForwardKernel, score, mask, tanh_approx)
