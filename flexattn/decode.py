@@ -130,14 +130,16 @@ def _groups_share_tables(block_mask: BlockMask, group: int) -> bool:
     return block_mask.derived(f"decode_groups_share_tables_{group}", compute)
 
 
-# Splits: enough programs for WAVES programs per SM, but at least MIN_KEYS_PER_SPLIT keys each so a
-# program's loop still streams (both provisional: to be measured on the GPU).
-WAVES = 4
-MIN_KEYS_PER_SPLIT = 512
-MAX_SPLITS = 128
+# Splits, from a sweep on the H100 (bf16, CUDA-graph timings; docs/benchmarks.md): about two programs
+# per SM was best or within 3% of it in every swept case, with at least MIN_KEYS_PER_SPLIT keys per
+# split so a program's loop still streams, and at most MAX_MERGED_PER_ROW // Ev splits: the merge
+# reads splits x Ev floats per row, and more splits than that cost more in the merge than they gain.
+WAVES = 2
+MAX_MERGED_PER_ROW = 8192
+MIN_KEYS_PER_SPLIT = {64: 512, 128: 1024, 256: 1024}
 
 
-def choose_num_splits(device: torch.device, programs: int, kv_len: int, kv_block: int) -> int:
+def choose_num_splits(device: torch.device, programs: int, kv_len: int, kv_block: int, head_dim: int = 64) -> int:
     """Splits of each program's key blocks, from the cache's length (not the mask's content, so a
     plan stays the same while a mask grows step by step)."""
     max_blocks = triton_cdiv(kv_len, kv_block)
@@ -145,7 +147,9 @@ def choose_num_splits(device: torch.device, programs: int, kv_len: int, kv_block
         return max(1, min(2, max_blocks))  # the interpreter runs programs one by one: few are faster
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     wanted = triton_cdiv(WAVES * sms, programs)
-    return max(1, min(wanted, kv_len // MIN_KEYS_PER_SPLIT, max_blocks, MAX_SPLITS))
+    bucket = next((d for d in (64, 128) if head_dim <= d), 256)
+    max_splits = max(1, MAX_MERGED_PER_ROW // _next_pow2(head_dim))
+    return max(1, min(wanted, kv_len // MIN_KEYS_PER_SPLIT[bucket], max_blocks, max_splits))
 
 
 class DecodeConfig(NamedTuple):
@@ -154,21 +158,21 @@ class DecodeConfig(NamedTuple):
     num_stages: int
 
 
-# (head dim up to, 16-bit inputs): a memory-bound loop wants deep pipelines of K/V tiles. d64: as
-# first written, 86-91% of the copy bandwidth on the H100 (docs/benchmarks.md). d128: a sweep on the
-# H100 (bf16; GQA 12:2 at 32k and 16:2 at 16k with B=8, 16:2 at 128k with B=1) ranked 8 warps and 4
-# stages first in each case (0.125 ms with 32-key tiles and 0.138 with 128; 0.079 with 64; 0.115 with
-# 64, tied with 4 warps and 3 stages) against 0.19, 0.20 and 0.23 ms for the first defaults. Those
-# were eager timings of ~0.1 ms kernels that include host time: the ranking is the evidence, not the
-# values. Other GPUs and fp32 are not swept.
+# (head dim up to, 16-bit inputs): a memory-bound loop wants deep pipelines of K/V tiles. d64: 87-92%
+# of the copy bandwidth on the H100 at B=8 (docs/benchmarks.md). d128: CUDA-graph-timed sweeps on the
+# H100 (bf16; GQA 12:2 at 32k and 16:2 at 16k with B=8, 16:2 at 128k with B=1; 13 tile/warp/stage
+# choices) put 64-key tiles with 4 warps first or within 1% of first, with stages 2 to 4 alike, and
+# 32- or 16-key tiles 5-50% slower; 2 stages use the least shared memory. Other GPUs and fp32 are not
+# swept.
 _GPU_DECODE_DEFAULTS = {
     (64, True): DecodeConfig(128, 4, 3),
-    (128, True): DecodeConfig(64, 8, 4),
+    (128, True): DecodeConfig(64, 4, 2),
     (256, True): DecodeConfig(32, 4, 2),
     (64, False): DecodeConfig(64, 4, 3),
     (128, False): DecodeConfig(32, 4, 3),
     (256, False): DecodeConfig(16, 4, 2),
 }
+MERGE_ROWS = 4
 MAX_BLOCK_M_GPU = 64  # rows of one partial program; more heads x queries are cut into row tiles
 
 
@@ -352,7 +356,7 @@ class DecodeKernel:
         programs = Hq // heads * row_tiles
         splits = options.get("DECODE_NUM_SPLITS")
         if splits is None:
-            splits = choose_num_splits(q.device, B * programs, S, sparse_kv)
+            splits = choose_num_splits(q.device, B * programs, S, sparse_kv, Ev)
         elif isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
             raise InvalidInputError(f"kernel_options['DECODE_NUM_SPLITS'] must be an int >= 1, got {splits!r}")
         ev_p2 = max(16, _next_pow2(Ev))
@@ -372,11 +376,14 @@ class DecodeKernel:
         grid = (splits, programs, B)
         merge_grid, merge_constexprs = None, {}
         if splits > 1:
-            merge_m = min(block_m, 16)
+            # Few rows per merge program and a chunk of splits per step: about 8K float32 partial
+            # outputs in flight per program (see the merge kernel's loop).
+            merge_m = min(block_m, MERGE_ROWS)
+            split_chunk = min(_next_pow2(splits), max(1, 8192 // (merge_m * ev_p2)))
             merge_grid = (triton_cdiv(min(block_m, rows), merge_m), programs, B)
             merge_constexprs = dict(
                 NUM_HEADS_Q=Hq, QUERY_LEN=L, HEADS=heads, ROW_TILES=row_tiles, NUM_SPLITS=splits,
-                NUM_SPLITS_P2=_next_pow2(splits), V_HEAD_DIM=Ev, V_HEAD_DIM_P2=ev_p2, BLOCK_M=block_m,
+                NUM_SPLITS_P2=_next_pow2(splits), SPLIT_CHUNK=split_chunk, V_HEAD_DIM=Ev, V_HEAD_DIM_P2=ev_p2, BLOCK_M=block_m,
                 MERGE_M=merge_m, OUTPUT_LSE=need_lse, num_warps=4,
             )
         return _DecodePlan(grid, merge_grid, B * programs * splits * block_m, constexprs, merge_constexprs, compiled)

@@ -111,6 +111,16 @@ def test_gqa_ratios(ratio, q_len):
     assert plan.constexprs["HEADS"] == ratio and plan.grid[1] == Hkv
 
 
+def test_many_splits_merge_in_chunks():
+    # 70 splits: the merge kernel combines them 32 at a time (three steps, the last one partial), and
+    # a few splits own no block at all (132 blocks over 70 splits).
+    S = 2100
+    q, k, v = qkv(1, 4, 2, 2, S, E=64)
+    score_mod, mask_mod = shifted(generate_alibi_bias(4, DEVICE), causal_mask, S - 2)
+    plan = check_decode(q, k, v, score_mod, mask_mod, block_size=16, splits=70)
+    assert plan.merge_constexprs["SPLIT_CHUNK"] < 70 < 2 * plan.merge_constexprs["SPLIT_CHUNK"] + 32
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_dtypes_and_odd_head_dims(dtype):
     q, k, v = qkv(2, 4, 2, 2, 300, E=48, Ev=40, dtype=dtype)
