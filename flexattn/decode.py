@@ -158,15 +158,16 @@ class DecodeConfig(NamedTuple):
     num_stages: int
 
 
-# (head dim up to, 16-bit inputs): a memory-bound loop wants deep pipelines of K/V tiles. d64: 87-92%
+# (head dim up to, 16-bit inputs): a memory-bound loop wants deep pipelines of K/V tiles. d64: 90-93%
 # of the copy bandwidth on the H100 at B=8 (docs/benchmarks.md). d128: CUDA-graph-timed sweeps on the
-# H100 (bf16; GQA 12:2 at 32k and 16:2 at 16k with B=8, 16:2 at 128k with B=1; 13 tile/warp/stage
-# choices) put 64-key tiles with 4 warps first or within 1% of first, with stages 2 to 4 alike, and
-# 32- or 16-key tiles 5-50% slower; 2 stages use the least shared memory. Other GPUs and fp32 are not
-# swept.
+# H100 (bf16; GQA 12:2 at 32k and 16:2 at 16k with B=8, 16:2 at 128k with B=1; 14 tile/warp/stage
+# choices) put 128-key tiles with 4 warps and 2 stages within 1% of the best at B=8 and 12% ahead of
+# 64-key tiles at B=1; stages 2 to 4 alike; 32- or 16-key tiles 5-50% slower. K/V tiles through
+# tensor descriptors were 1-3% slower than pointer loads in every case (not kept). Other GPUs and
+# fp32 are not swept.
 _GPU_DECODE_DEFAULTS = {
     (64, True): DecodeConfig(128, 4, 3),
-    (128, True): DecodeConfig(64, 4, 2),
+    (128, True): DecodeConfig(128, 4, 2),
     (256, True): DecodeConfig(32, 4, 2),
     (64, False): DecodeConfig(64, 4, 3),
     (128, False): DecodeConfig(32, 4, 3),
