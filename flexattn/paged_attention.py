@@ -412,5 +412,12 @@ class PagedAttention:
         if full is not None:
             full_num, full_idx = to_physical(full)
         mask_mod = self.get_mask_mod(bm.mask_mod, kv_len_t, batch_idx=batch_rows, _limit=logical_kv_len)
-        return BlockMask((q_len, self.n_pages * self.page_size), num, idx, full_num, full_idx, None, None, None, None,
-                         BLOCK_SIZE=(q_block, block), mask_mod=mask_mod)
+        physical = BlockMask((q_len, self.n_pages * self.page_size), num, idx, full_num, full_idx, None, None, None,
+                             None, BLOCK_SIZE=(q_block, block), mask_mod=mask_mod)
+        # Built from dense maps over physical blocks each row owns once: ascending (the constructor
+        # sorts) and in range by construction, so the launch tables skip the checks' host sync and a
+        # paged decoding step never waits for the GPU (runtime.preset_launch_tables).
+        from .runtime import preset_launch_tables
+
+        preset_launch_tables(physical)
+        return physical

@@ -296,5 +296,19 @@ def test_decode_step_path_has_no_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     q = torch.randn(4, H, 1, E, device=device)
-    out = flex_attention(q, k_cache, v_cache, score_mod=score, block_mask=step)
+    out = flex_attention(q, k_cache, v_cache, score_mod=score, block_mask=step)  # first call: compiles
     assert torch.isfinite(out).all() and sliced.kv_num_blocks.shape == (1, 1, 1)
+
+    # The next step, end to end: new positions, a new step mask, its paged conversion and the decode
+    # launch itself, with no host sync anywhere.
+    pos2 = pos + 1
+    q2 = torch.randn(4, H, 1, E, device=device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        paged.assign(rows, pos2[:, None], k_val, v_val, k_cache, v_cache)
+        step2 = paged.convert_logical_block_mask(decode_block_mask(logical, pos2, kv_lengths=pos2 + 1), rows, pos2 + 1)
+        out2 = flex_attention(q2, k_cache, v_cache, score_mod=score, block_mask=step2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out2).all()
