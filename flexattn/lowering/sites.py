@@ -27,6 +27,7 @@ __all__ = ["describe_site"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _FLEXATTN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_VARIANTS_DIR = os.path.join(_FLEXATTN_DIR, "variants") + os.sep
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ def _is_plumbing(path: str) -> bool:
 
 
 def _is_ours(path: str) -> bool:
+    # The catalogue's mods (flexattn/variants) are mods like a user's: an error names their lines.
+    if path.startswith(_VARIANTS_DIR):
+        return False
     return path.startswith(_FLEXATTN_DIR) or path.startswith("<frozen")
 
 
