@@ -4,11 +4,13 @@ and a learnable per-head temperature."""
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
 from ._registry import Instance, Variant
 from .causal import causal_mask
+from .documents import document_ids, generate_document_mask
 
 
 def alibi_slopes(num_heads: int, device="cpu") -> torch.Tensor:
@@ -140,13 +142,17 @@ def graph_distances(num_nodes: int, edges: torch.Tensor, max_distance: int) -> t
     return distance
 
 
-def generate_graphormer_bias(distance: torch.Tensor, table: torch.Tensor):
+def generate_graphormer_bias(distance: torch.Tensor, table: torch.Tensor, nodes_per_graph: Optional[int] = None):
     """Graphormer's spatial encoding: the tokens are a graph's nodes, and a learnable scalar per
     (shortest-path distance, head) is added: ``table[distance[q_idx, kv_idx], h]``.
 
     Inputs: ``distance`` (int tensor ``[N, N]``, captured: the clipped shortest-path lengths,
     e.g. from :func:`graph_distances`), ``table`` (float ``[max_distance + 2, H]``, learnable).
-    One graph: Q_LEN == KV_LEN == N. Source: "Do Transformers Really Perform Bad for Graph
+    One graph: Q_LEN == KV_LEN == N. For many small graphs packed in one sequence (molecules),
+    pass ``nodes_per_graph = n`` and ``distance`` as ``[N, n]``: row i holds node i's distances to
+    the nodes of its own graph (graph g holds nodes ``g n .. g n + n - 1``), the bias reads
+    ``distance[q_idx, kv_idx % n]``, and a mask must keep pairs inside one graph
+    (:func:`generate_document_mask` with ``inner=None``). Source: "Do Transformers Really Perform Bad for Graph
     Representation?" (Graphormer, Ying et al., NeurIPS 2021).
 
     A path 0-1-2-3-4-5 with a chord 0-5, distances clipped at 2 (table = distance):
@@ -161,8 +167,12 @@ def generate_graphormer_bias(distance: torch.Tensor, table: torch.Tensor):
     369630
     """
 
-    def graphormer(score, b, h, q_idx, kv_idx):
-        return score + table[distance[q_idx, kv_idx], h]
+    if nodes_per_graph is None:
+        def graphormer(score, b, h, q_idx, kv_idx):
+            return score + table[distance[q_idx, kv_idx], h]
+    else:
+        def graphormer(score, b, h, q_idx, kv_idx):
+            return score + table[distance[q_idx, kv_idx % nodes_per_graph], h]
 
     return graphormer
 
@@ -202,14 +212,21 @@ def _t5(B, H, Q, KV, device):
 
 
 def _graphormer(B, H, Q, KV, device):
-    # A ring of KV nodes with a random chord from each, distances clipped at 8.
+    # Molecule-sized graphs of 64 nodes (the last one smaller) packed in the sequence, each a ring
+    # with a random chord from every node; distances clipped at 8. Memory stays O(KV * 64).
+    per_graph, max_distance = 64, 8
     gen = torch.Generator().manual_seed(3)
-    nodes = torch.arange(KV)
-    edges = torch.cat([torch.stack([nodes, (nodes + 1) % KV], 1),
-                       torch.stack([nodes, torch.randint(0, KV, (KV,), generator=gen)], 1)])
-    distance = graph_distances(KV, edges, 8).to(device)
-    table = torch.randn(10, H, device=device).requires_grad_()
-    return Instance(generate_graphormer_bias(distance, table), None, learnable=(table,))
+    distance = torch.full((KV, per_graph), max_distance + 1, dtype=torch.int32)
+    for start in range(0, KV, per_graph):
+        n = min(per_graph, KV - start)
+        nodes = torch.arange(n)
+        edges = torch.cat([torch.stack([nodes, (nodes + 1) % n], 1),
+                           torch.stack([nodes, torch.randint(0, n, (n,), generator=gen)], 1)])
+        distance[start:start + n, :n] = graph_distances(n, edges, max_distance)
+    graph = document_ids([min(per_graph, KV - s) for s in range(0, KV, per_graph)], device)
+    table = torch.randn(max_distance + 2, H, device=device).requires_grad_()
+    score_mod = generate_graphormer_bias(distance.to(device), table, nodes_per_graph=per_graph)
+    return Instance(score_mod, generate_document_mask(graph, inner=None), learnable=(table,))
 
 
 def _temperature(B, H, Q, KV, device):
@@ -225,9 +242,9 @@ VARIANTS = [
     Variant("t5_bias", _t5, "causal, plus a learnable T5 bias over 32 relative-position buckets", family="both",
             tags=frozenset({"causal", "bias", "learnable"}), factories=(generate_t5_bias, t5_bucket)),
     Variant("graphormer", _graphormer,
-            "a ring graph with chords; learnable bias per shortest-path distance (clipped at 8) and head",
-            family="score", square_only=True, decode=False, tags=frozenset({"graph", "bias", "learnable"}),
-            factories=(generate_graphormer_bias, graph_distances)),
+            "graphs of 64 nodes packed (rings with chords); learnable bias per shortest-path distance and head",
+            family="both", square_only=True, decode=False, tags=frozenset({"graph", "bias", "learnable"}),
+            factories=(generate_graphormer_bias, graph_distances, generate_document_mask)),
     Variant("head_temperature", _temperature, "causal, scores divided by a learnable per-head temperature",
             family="both", tags=frozenset({"causal", "learnable"}), factories=(generate_head_temperature,)),
 ]
