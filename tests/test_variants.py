@@ -25,7 +25,8 @@ B, H, E, EV = 2, 2, 16, 24
 SQUARE = 192  # one sequence: 12 x 16 for the 2-D layouts, 4 x 6 x 8 for the 3-D one
 Q_LEN, KV_LEN = 96, 160  # entries that take any Q_LEN, KV_LEN: neither a multiple of 128
 FWD_TOL = 2e-5  # fp32 inputs against the float64 reference, norm-wise relative
-GRAD_TOL = 1e-4  # gradients of learnable tables sum over many pairs in fp32
+GRAD_TOL = 2e-5  # dq, dk, dv (measured ~3e-7 here)
+LEARNABLE_TOL = 1e-4  # a learnable table's gradient sums dS over many pairs, whose terms cancel (~3e-6 here)
 
 BACKENDS = ["PYTORCH", "TRITON"]
 NAMES = list(CATALOGUE)
@@ -91,9 +92,9 @@ def test_gradients(name, backend):
         actual = torch.autograd.grad(out, [q, k, v] + learnable, grad_out)
 
     names = ["dq", "dk", "dv"] + [f"d(learnable {i})" for i in range(len(learnable))]
-    for label, got, want in zip(names, actual, expected):
+    for i, (label, got, want) in enumerate(zip(names, actual, expected)):
         assert got.shape == want.shape and not torch.isnan(got).any(), label
-        assert rel_err(got, want) < GRAD_TOL, label
+        assert rel_err(got, want) < (GRAD_TOL if i < 3 else LEARNABLE_TOL), label
 
 
 # ---------------------------------------------------------------------------------------------
