@@ -144,9 +144,7 @@ def test_docstring_pictures(module):
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
     tests = [t for t in doctest.DocTestFinder().find(module, extraglobs=globs) if t.examples]
     assert tests, f"{module.__name__} has no docstring examples"
-    for test in tests:
-        runner.run(test, out=lambda text: None)
-    failed = [t.name for t in tests if runner._name2ft.get(t.name, (0, 0))[0]]
+    failed = [test.name for test in tests if runner.run(test, out=lambda text: None).failed]
     assert not failed, f"docstring examples whose output changed (re-render the pictures): {failed}"
 
 

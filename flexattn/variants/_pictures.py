@@ -29,16 +29,20 @@ def _grid(fn: Callable, with_score: bool, b: int, h: int, Q_LEN: int, KV_LEN: in
         return torch.vmap(torch.vmap(pair, in_dims=(None, 0)), in_dims=(0, None))(q, kv)
 
 
-def picture(mask_mod: Callable, Q_LEN: int, KV_LEN: int, b: int = 0, h: int = 0) -> str:
+def picture(mask_mod: Optional[Callable], Q_LEN: int, KV_LEN: int, b: int = 0, h: int = 0) -> str:
     """The mask at ``(b, h)`` as text: one line per query (top: q_idx 0), one character per key
     (left: kv_idx 0), ``#`` where the query attends to the key and ``-`` where it does not.
+    ``mask_mod=None`` (no mask) keeps every pair.
 
     >>> print(picture(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, 3, 4))
     #---
     ##--
     ###-
     """
-    kept = _grid(mask_mod, False, b, h, Q_LEN, KV_LEN).bool()
+    if mask_mod is None:
+        kept = torch.ones(Q_LEN, KV_LEN, dtype=torch.bool)
+    else:
+        kept = _grid(mask_mod, False, b, h, Q_LEN, KV_LEN).bool()
     return "\n".join("".join(KEEP if x else DROP for x in row) for row in kept.tolist())
 
 

@@ -28,7 +28,11 @@ def document_ids_from_offsets(offsets: torch.Tensor) -> torch.Tensor:
 
 
 def split_lengths(total: int, num_docs: int, seed: int = 0) -> list[int]:
-    """Deterministic uneven document lengths that add up to ``total``."""
+    """Deterministic uneven document lengths that add up to ``total`` (at most ``total`` documents,
+    none when ``total`` is 0)."""
+    if total <= 0:
+        return []
+    num_docs = max(1, min(num_docs, total))
     gen = torch.Generator().manual_seed(seed)
     cuts = torch.randperm(total - 1, generator=gen)[: num_docs - 1].add(1).sort().values.tolist()
     bounds = [0] + cuts + [total]
@@ -150,7 +154,8 @@ def _packed(B, H, Q, KV, device):
 def _shared_prefix(B, H, Q, KV, device):
     # A prompt of a quarter of the sequence, then 3 continuations of uneven lengths.
     prompt = max(1, KV // 4)
-    return Instance(None, generate_shared_prefix_mask(branch_ids(prompt, split_lengths(KV - prompt, 3, seed=2), device)))
+    continuations = split_lengths(KV - prompt, 3, seed=2)
+    return Instance(None, generate_shared_prefix_mask(branch_ids(prompt, continuations, device)))
 
 
 VARIANTS = [

@@ -59,9 +59,9 @@ def generate_text_to_image_mask(last_image: torch.Tensor, image_of_key: torch.Te
 
 
 def _flamingo(B, H, Q, KV, device):
-    # 4 images of KV_LEN/4 tokens (the last one takes the remainder); the first comes after Q/8
-    # text tokens, the others every Q/4 tokens, so the first rows see no image at all.
-    images = 4
+    # 4 images of KV_LEN/4 tokens (the last one takes the remainder; fewer images when KV_LEN < 4);
+    # the first comes after Q/8 text tokens, the others every Q/4, so the first rows see no image.
+    images = max(1, min(4, KV))
     per_image = max(1, KV // images)
     last_image, image_of_key = interleaved_layout(Q, [Q // 8 + i * (Q // 4) for i in range(images)], per_image, device)
     image_of_key = torch.cat([image_of_key, image_of_key.new_full((KV - image_of_key.numel(),), images - 1)])[:KV]

@@ -17,7 +17,7 @@ side not above a quarter of it (:func:`tile_for`).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -59,7 +59,7 @@ def _morton_key(coords: torch.Tensor) -> torch.Tensor:
     return key
 
 
-def layout_coordinates(canvas: Sequence[int], order: str = "row", tile: Sequence[int] = None, device="cpu"):
+def layout_coordinates(canvas: Sequence[int], order: str = "row", tile: Optional[Sequence[int]] = None, device="cpu"):
     """The coordinates of the token at each sequence position, for an image (``canvas = (H, W)``)
     or a video (``(F, H, W)``) flattened in the given ``order``: ``"row"`` (row-major),
     ``"tiled"`` (tiles of ``tile`` row-major, row-major inside each; edge tiles may be partial) or
