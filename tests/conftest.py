@@ -6,7 +6,7 @@ import zlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)  # so tests can `import gym` (the shared variant catalogue)
+    sys.path.insert(0, ROOT)  # so tests import this checkout's flexattn, not an installed copy
 
 # Kernels' outputs start as NaN in tests, so an element a kernel never writes cannot pass.
 os.environ.setdefault("FLEXATTN_POISON_OUTPUTS", "1")

@@ -11,7 +11,7 @@ import flexattn
 from flexattn import AuxRequest, create_block_mask, flex_attention
 from flexattn.errors import InvalidInputError, ModTraceError, UnsupportedOpError
 from flexattn.reference import reference_attention
-from gym.catalogue import causal_mask, generate_alibi_bias
+from flexattn.variants import causal_mask, generate_alibi_bias
 
 import os
 

@@ -21,7 +21,7 @@ import torch.nn.attention.flex_attention as torch_flex
 import flexattn.block_mask as block_mask_module
 from flexattn import BlockMask, create_block_mask, create_mask
 from flexattn.errors import InvalidInputError
-from gym.catalogue import (
+from flexattn.variants import (
     causal_mask,
     document_ids,
     generate_document_mask,

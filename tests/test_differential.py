@@ -34,7 +34,7 @@ from torch.nn.attention.flex_attention import or_masks as torch_or_masks
 
 from flexattn import AuxRequest, create_block_mask, flex_attention
 from flexattn.reference import reference_attention
-from gym.catalogue import CATALOGUE, split_lengths
+from flexattn.variants import CATALOGUE, split_lengths
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # On a CPU the Triton backend needs the interpreter (tests/conftest.py sets it when there is no GPU).
@@ -90,7 +90,7 @@ def _catalogue_case(name: str) -> Case:
     def build(shape: Shape, _):
         return CATALOGUE[name].build(shape.B, shape.H, shape.L, shape.S, DEVICE)
 
-    return Case(f"catalogue/{name}", build, square=name == "document_mask")
+    return Case(f"catalogue/{name}", build, square=CATALOGUE[name].square_only)
 
 
 def _graphormer_spatial(shape: Shape, seed: int):

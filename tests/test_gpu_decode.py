@@ -11,7 +11,7 @@ from numerics import rel_err
 import flexattn.decode
 from flexattn import AuxRequest, create_block_mask, flex_attention
 from flexattn.reference import reference_attention
-from gym.catalogue import CATALOGUE, causal_mask, generate_sliding_window
+from flexattn.variants import CATALOGUE, causal_mask, generate_sliding_window
 
 pytestmark = pytest.mark.gpu
 

@@ -36,7 +36,7 @@ from flexattn.lowering import (
     register_lowering,
 )
 from flexattn.trace import GetItemToIndex, trace_mod
-from gym.catalogue import CATALOGUE, causal_mask, generate_alibi_bias
+from flexattn.variants import CATALOGUE, causal_mask, generate_alibi_bias
 
 TEMPLATES = pathlib.Path(__file__).resolve().parents[1] / "flexattn" / "templates"
 

@@ -20,7 +20,7 @@ from flexattn.errors import UnsupportedOpError
 from flexattn.lowering import LOWERINGS, IndexBounds, lower, lowering_variant
 from flexattn.reference import reference_attention
 from flexattn.trace import trace_mod
-from gym.catalogue import causal_mask
+from flexattn.variants import causal_mask
 from numerics import rel_err
 from test_lowering import INTERPRETED, check, lowered_of
 

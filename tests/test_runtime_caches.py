@@ -15,7 +15,7 @@ import flexattn.runtime as rt
 from flexattn import BlockMask, create_block_mask, flex_attention
 from flexattn.errors import InvalidInputError
 from flexattn.reference import reference_attention
-from gym.catalogue import causal_mask
+from flexattn.variants import causal_mask
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),

@@ -14,7 +14,7 @@ import flexattn.runtime as rt
 from flexattn import api, create_block_mask, flex_attention
 from flexattn.errors import BackendUnavailableError, InvalidInputError
 from flexattn.reference import reference_attention
-from gym.catalogue import causal_mask
+from flexattn.variants import causal_mask
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_interpreter = pytest.mark.skipif(

@@ -13,7 +13,7 @@ from numerics import rel_err
 import flexattn
 from flexattn import AuxOutput, BlockMask, create_block_mask, flex_attention
 from flexattn.reference import reference_attention
-from gym.catalogue import causal_mask
+from flexattn.variants import causal_mask
 
 interpreter = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 BACKENDS = [

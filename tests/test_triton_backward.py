@@ -25,7 +25,7 @@ from numerics import expect_triton_backward, rel_err
 from flexattn import AuxRequest, create_block_mask, flex_attention
 from flexattn.errors import InvalidInputError
 from flexattn.reference import reference_attention
-from gym.catalogue import CATALOGUE, causal_mask
+from flexattn.variants import CATALOGUE, causal_mask
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON = {"BACKEND": "TRITON"}

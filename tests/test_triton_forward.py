@@ -13,7 +13,7 @@ from numerics import rel_err
 import flexattn
 from flexattn import AuxRequest, create_block_mask, flex_attention
 from flexattn.reference import reference_attention
-from gym.catalogue import CATALOGUE, causal_mask, generate_alibi_bias, generate_sliding_window
+from flexattn.variants import CATALOGUE, causal_mask, generate_alibi_bias, generate_sliding_window
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON = {"BACKEND": "TRITON"}

@@ -3,114 +3,112 @@ the CLI and the docs walk.
 
 A *factory* (``generate_alibi_bias``, ``generate_sliding_window``, ...) is the public building block:
 it returns a ``score_mod`` or ``mask_mod`` a user passes to ``flex_attention`` / ``create_block_mask``.
+Its docstring says the idea, its inputs, where it comes from, and shows its picture at a tiny size
+(:func:`picture` for masks, :func:`bias_picture` for biases; tests re-render every one).
 A registry entry (:class:`Variant`) wraps factories into a runnable case at given sizes
 (:meth:`Variant.make` -> :class:`Instance`), so every entry can be run, checked against the float64
 reference, timed and drawn the same way.
+
+One module per family: :mod:`.causal` (full, causal, prefix LM), :mod:`.windows` (sliding, dilated,
+Longformer), :mod:`.documents` (packed documents, shared prefix), :mod:`.blocks` (chunked, block
+diffusion), :mod:`.multimodal` (text-to-image cross-attention), :mod:`.spatial` (NATTEN and
+sliding-tile attention in 2-D and 3-D), :mod:`.biases` (ALiBi, soft-cap, T5, Graphormer,
+temperature) and :mod:`.sinks` (attention sinks). To add a variant, write its factory in the family
+module (or a new one), add a ``Variant`` to that module's ``VARIANTS``, and list the module below;
+tests/test_variants.py then runs it on every backend.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+import dataclasses
 
-import torch
-
-from ..block_mask import BlockMask, create_block_mask
-from ..reference import reference_attention
-
-
-@dataclass
-class Instance:
-    """One variant built at one size: its mods and the tensors they read.
-
-    ``learnable`` lists captured tensors that require grad (their gradients are part of the check).
-    ``sinks`` is a per-query-head extra logit (attention sinks); when set, :meth:`attend` and
-    :meth:`reference` fold it in through the log-sum-exp, and it is learnable too.
-    """
-
-    score_mod: Optional[Callable] = None
-    mask_mod: Optional[Callable] = None
-    learnable: tuple = ()
-    sinks: Optional[torch.Tensor] = None
-
-    def block_mask(self, B, H, Q_LEN: int, KV_LEN: int, device) -> Optional[BlockMask]:
-        if self.mask_mod is None:
-            return None
-        return create_block_mask(self.mask_mod, B, H, Q_LEN, KV_LEN, device=device)
-
-    def attend(self, q, k, v, block_mask=None, kernel_options=None, enable_gqa=False) -> torch.Tensor:
-        """The variant through ``flexattn.flex_attention``."""
-        from ..api import flex_attention
-
-        if self.sinks is None:
-            return flex_attention(q, k, v, score_mod=self.score_mod, block_mask=block_mask,
-                                  enable_gqa=enable_gqa, kernel_options=kernel_options)
-        out, lse = flex_attention(q, k, v, score_mod=self.score_mod, block_mask=block_mask,
-                                  enable_gqa=enable_gqa, kernel_options=kernel_options, return_lse=True)
-        return _fold_sinks(out, lse, self.sinks)
-
-    def reference(self, q, k, v, enable_gqa=False) -> torch.Tensor:
-        """The float64 oracle for :meth:`attend` (inputs are promoted by the caller)."""
-        out, lse, _ = reference_attention(q, k, v, score_mod=self.score_mod, mask_mod=self.mask_mod,
-                                          enable_gqa=enable_gqa)
-        if self.sinks is None:
-            return out
-        return _fold_sinks(out, lse, self.sinks.to(lse.dtype))
-
-
-def _fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    # A sink is one more logit in each row's softmax with a zero value vector: it only grows the
-    # denominator, from exp(lse) to exp(lse) + exp(sink), so the output shrinks by sigmoid(lse - sink).
-    weight = torch.sigmoid(lse - sinks.view(1, -1, 1).to(lse.dtype))
-    return (out * weight.unsqueeze(-1).to(out.dtype)).to(out.dtype)
-
-
-@dataclass(frozen=True)
-class Variant:
-    """A registry entry.
-
-    ``make(B, H, Q_LEN, KV_LEN, device)`` builds an :class:`Instance`. ``square_only``: the variant
-    needs Q_LEN == KV_LEN (a packed sequence). ``decode``: it makes sense with a short query against
-    a long cache. ``paper``: one of the FlexAttention paper's benchmark variants.
-    """
-
-    name: str
-    make: Callable[..., Instance]
-    summary: str
-    family: str = "mask"  # "mask", "score" or "both": what the variant contributes
-    square_only: bool = False
-    decode: bool = True
-    paper: bool = False
-    tags: frozenset = field(default_factory=frozenset)
-
-    def build(self, B, H, Q_LEN, KV_LEN, device="cpu") -> tuple:
-        """``(score_mod, mask_mod)`` at these sizes (for callers that need only the mods)."""
-        inst = self.make(B, H, Q_LEN, KV_LEN, device)
-        return inst.score_mod, inst.mask_mod
-
-
-from ._paper import (  # noqa: E402  (the registry's entries need the classes above)
-    CATALOGUE,
-    causal_mask,
-    document_ids,
+from . import biases, blocks, causal, documents, multimodal, sinks, spatial, windows
+from ._pictures import bias_picture, picture
+from ._registry import Instance, Variant, apply_sinks
+from .biases import (
+    alibi_slopes,
     generate_alibi_bias,
-    generate_document_mask,
-    generate_prefix_lm,
-    generate_sliding_window,
+    generate_graphormer_bias,
+    generate_head_temperature,
+    generate_t5_bias,
     generate_tanh_softcap,
+    graph_distances,
+    t5_bucket,
+)
+from .blocks import generate_block_diffusion_mask, generate_chunked_causal
+from .causal import causal_mask, full_mask, generate_prefix_lm
+from .documents import (
+    branch_ids,
+    document_ids,
+    document_ids_from_offsets,
+    generate_document_mask,
+    generate_packed_document_mask,
+    generate_shared_prefix_mask,
     split_lengths,
 )
+from .multimodal import generate_text_to_image_mask, interleaved_layout
+from .sinks import generate_sinks
+from .spatial import generate_natten_mask, generate_sliding_tile_mask, grid_2d, grid_3d, layout_coordinates, tile_for
+from .windows import generate_dilated_sliding_window, generate_longformer_mask, generate_sliding_window
+
+FAMILY_MODULES = (causal, windows, documents, blocks, multimodal, spatial, biases, sinks)
+
+# The paper's seven first, in the paper's order (the benchmark's tables follow it), then the rest by family.
+_PAPER_ORDER = ("noop", "causal", "alibi", "sliding_window", "prefix_lm", "softcap", "document_mask")
+
+
+def _collect() -> dict:
+    entries = {}
+    for module in FAMILY_MODULES:
+        for variant in module.VARIANTS:
+            if variant.name in entries:
+                raise RuntimeError(f"two catalogue entries are named {variant.name!r}")
+            entries[variant.name] = dataclasses.replace(variant, module=module.__name__)
+    ordered = {name: entries.pop(name) for name in _PAPER_ORDER}
+    ordered.update(entries)
+    return ordered
+
+
+CATALOGUE: dict[str, Variant] = _collect()
 
 __all__ = [
     "CATALOGUE",
+    "FAMILY_MODULES",
     "Instance",
     "Variant",
+    "alibi_slopes",
+    "apply_sinks",
+    "bias_picture",
+    "branch_ids",
     "causal_mask",
     "document_ids",
+    "document_ids_from_offsets",
+    "full_mask",
     "generate_alibi_bias",
+    "generate_block_diffusion_mask",
+    "generate_chunked_causal",
+    "generate_dilated_sliding_window",
     "generate_document_mask",
+    "generate_graphormer_bias",
+    "generate_head_temperature",
+    "generate_longformer_mask",
+    "generate_natten_mask",
+    "generate_packed_document_mask",
     "generate_prefix_lm",
+    "generate_shared_prefix_mask",
+    "generate_sinks",
+    "generate_sliding_tile_mask",
     "generate_sliding_window",
+    "generate_t5_bias",
     "generate_tanh_softcap",
+    "generate_text_to_image_mask",
+    "graph_distances",
+    "grid_2d",
+    "grid_3d",
+    "interleaved_layout",
+    "layout_coordinates",
+    "picture",
     "split_lengths",
+    "t5_bucket",
+    "tile_for",
 ]
