@@ -37,7 +37,7 @@ def failures(report: dict) -> list[dict]:
 def table(report: dict) -> tuple[list[str], list[list[str]], list[str]]:
     """``(headers, rows of cells, footnotes)``. GPU columns appear when any row has GPU timings."""
     rows = report["rows"]
-    gpu = any("sdpa" in row or "torch_flex" in row for row in rows)
+    gpu = _has_gpu_columns(rows)
     headers = ["variant", "sparsity", "fwd err", "grad err", "fwd ms", "bwd ms", "backend"]
     if gpu:
         headers += ["x SDPA fwd", "x SDPA bwd", "x torch fwd", "x torch bwd"]
@@ -88,8 +88,12 @@ def describe(report: dict) -> str:
     return (f"flexattn {env['flexattn']} on {env['device']} ({env['device_name']}), torch {env['torch']}, "
             f"triton {env['triton']}; B={sizes['B']} H={sizes['H']} L={sizes['L']} D={sizes['D']} {sizes['dtype']}. "
             "err: norm-wise relative error against the float64 reference (grad err: the largest over "
-            f"q, k, v and learnable tensors), tolerance {_tolerance(report)}; ms: median of warm calls; "
-            "x: baseline time / flexattn time.")
+            f"q, k, v and learnable tensors), tolerance {_tolerance(report)}; ms: median of warm calls"
+            + ("; x: baseline time / flexattn time." if _has_gpu_columns(report["rows"]) else "."))
+
+
+def _has_gpu_columns(rows: list[dict]) -> bool:
+    return any("sdpa" in row or "torch_flex" in row for row in rows)
 
 
 def _tolerance(report: dict) -> str:
