@@ -138,6 +138,8 @@ def _cmd_gym(args, parser) -> int:
 
     headers, cells, footnotes = table(report)
     out = Console()
+    if not out.is_terminal:  # a log or a pipe: the whole table, not one squeezed into 80 columns
+        out = Console(width=max(out.width, 200))
     grid = Table(title=f"flexattn gym: {len(names)} variants on {device}", title_justify="left")
     for i, header in enumerate(headers):
         grid.add_column(header, justify="left" if i in (0, len(headers) - 1) or header == "backend" else "right",
