@@ -173,6 +173,11 @@ def _cmd_show(args, parser) -> int:
     print(f"BlockMask at Q_LEN = KV_LEN = {L} (batch 0, head 0), {bq}x{bkv} blocks, sparsity {bm.sparsity():.1f}%: "
           "█ full (mask_mod skipped), ░ partial (mask_mod runs), blank: never computed")
     print(text_picture(bm))
+    token_picture = getattr(importlib.import_module("flexattn.variants"), "picture", None)
+    if token_picture is not None and inst.mask_mod is not None and L <= 64:
+        # Shorter than a block: one picture cell per token says more than a single block.
+        print("token by token (# attends, - does not):")
+        print(token_picture(inst.mask_mod, L, L))
     if inst.mask_mod is None:
         print("(no mask_mod: every block is full)")
     if inst.score_mod is not None or inst.sinks is not None:

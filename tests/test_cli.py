@@ -130,6 +130,15 @@ def test_show_prints_the_block_mask_and_writes_a_png(tmp_path, capsys):
     assert width > height > 100  # two pictures side by side
 
 
+def test_show_of_a_short_sequence_draws_token_by_token(capsys):
+    import flexattn.variants
+
+    assert main(["show", "causal", "--seq", "16", "--no-png"]) == 0
+    printed = capsys.readouterr().out
+    if hasattr(flexattn.variants, "picture"):  # the variants' own token picture, where it exists
+        assert "\n" + "\n".join("#" * (i + 1) + "-" * (15 - i) for i in range(16)) in printed
+
+
 def test_block_map_has_full_partial_and_empty_blocks_where_causal_puts_them():
     bm, tokens = variant_mask(CATALOGUE["causal"].make(1, 1, 512, 512, "cpu"), 512, 512)
     blocks = block_map(bm)

@@ -72,8 +72,10 @@ def write_png(path: Path, title: str, tokens: torch.Tensor, bm: BlockMask) -> Pa
     L, KV = tokens.shape
     bq, bkv = bm.BLOCK_SIZE
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 5.2))
-    left.imshow(tokens.cpu().numpy(), cmap=ListedColormap(["white", "#222222"]), vmin=0, vmax=1,
-                interpolation="nearest", extent=(0, KV, L, 0))
+    # Antialiased: a long mask is shrunk to a few hundred pixels, and nearest-pixel sampling would
+    # drop thin lines (a window's edge) at random; blending shows them grey.
+    left.imshow(tokens.cpu().float().numpy(), cmap="Greys", vmin=0, vmax=1, interpolation="antialiased",
+                extent=(0, KV, L, 0))
     left.set_title(f"token mask ({L} x {KV}): dark = attends")
     right.imshow(blocks.numpy(), cmap=ListedColormap([_COLOURS[EMPTY], _COLOURS[PARTIAL], _COLOURS[FULL]]),
                  vmin=0, vmax=2, interpolation="nearest", extent=(0, KV, L, 0))
@@ -89,6 +91,6 @@ def write_png(path: Path, title: str, tokens: torch.Tensor, bm: BlockMask) -> Pa
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
