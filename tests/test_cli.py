@@ -110,7 +110,7 @@ def test_gym_on_the_gpu_times_sdpa_and_torch_flex(tmp_path, capsys):
     for row in rows:
         assert row["backend"] == "triton" and row["backend_bwd"] == "triton"
         assert row["sdpa"]["fwd_ms"] > 0 and row["sdpa"]["bwd_ms"] > 0
-        assert row["torch_flex"]["fwd_ms"] > 0 or row["torch_flex"]["error"]
+        assert row["torch_flex"]["error"] is None and row["torch_flex"]["bwd_ms"] > 0  # torch runs both
     assert rows[0]["sdpa"]["kind"] == "same" and rows[1]["sdpa"]["kind"] == "dense"  # causal vs ALiBi
     assert "x SDPA fwd" in capsys.readouterr().out
 
