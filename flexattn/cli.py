@@ -108,6 +108,7 @@ def _cmd_gym(args, parser) -> int:
 
     _require("rich", "gym", "its table and progress bar")
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
@@ -145,6 +146,7 @@ def _cmd_gym(args, parser) -> int:
         grid.add_column(header, justify="left" if i in (0, len(headers) - 1) or header == "backend" else "right",
                         no_wrap=i == 0)  # names stay whole; numbers' headers may wrap
     for line in cells:
+        line = [escape(cell) for cell in line]  # a name or message with [brackets] is text, not markup
         grid.add_row(*[f"[red]{cell}[/red]" if cell.startswith("FAIL") else cell for cell in line])
     out.print(grid)
     for note in footnotes:

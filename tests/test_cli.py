@@ -288,3 +288,25 @@ def test_the_console_script_runs_the_main_job_and_reports_errors(tmp_path):
     bad = subprocess.run([script, "show", "nope"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unknown variant 'nope'" in bad.stderr
+
+
+def test_the_gpu_table_gives_speed_ups_and_says_why_a_baseline_is_missing():
+    from flexattn.gym.report import DENSE_MARK, table, to_markdown
+
+    base = {"summary": "", "sparsity": 50.0, "fwd_err": 1e-3, "grad_err": 2e-3, "backend": "triton",
+            "backend_bwd": "triton", "tolerance": 3e-2, "ok": True, "fwd_ms": 1.0, "bwd_ms": 2.0}
+    rows = [
+        {**base, "variant": "causal", "sdpa": {"kind": "same", "fwd_ms": 1.5, "bwd_ms": 3.0, "error": None},
+         "torch_flex": {"fwd_ms": 1.2, "bwd_ms": 2.2, "error": None}},
+        {**base, "variant": "t5_bias", "sdpa": {"kind": "dense", "fwd_ms": 2.0, "bwd_ms": 5.0, "error": None},
+         "torch_flex": {"fwd_ms": 1.1, "bwd_ms": None, "error": "RuntimeError: captured buffers need grad"}},
+    ]
+    report = {"env": {"flexattn": "0", "device": "cuda", "device_name": "GPU", "torch": "2.11", "triton": "3.6"},
+              "sizes": {"B": 1, "H": 16, "L": 4096, "D": 64, "dtype": "bfloat16"}, "rows": rows}
+    headers, cells, notes = table(report)
+    assert headers[7:11] == ["x SDPA fwd", "x SDPA bwd", "x torch fwd", "x torch bwd"]
+    assert cells[0][7:11] == ["1.50x", "1.50x", "1.20x", "1.10x"]
+    assert cells[1][7:10] == ["2.00x" + DENSE_MARK, "2.50x" + DENSE_MARK, "1.10x"]
+    assert cells[1][10] == "n/a [1]" and notes[0].startswith("[1] torch's compiled flex_attention cannot run t5_bias")
+    assert "captured buffers need grad" in notes[0] and any(note.startswith(DENSE_MARK) for note in notes)
+    assert "| t5_bias | 50.0% |" in to_markdown(report)
