@@ -338,14 +338,16 @@ def test_help_of_kernel_options_describes_every_option():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
-def test_gym_startup_says_it_needs_a_gpu():
+def test_gym_startup_says_it_needs_a_gpu(tmp_path):
     import subprocess
     import sys
 
+    # Installed with flexattn (flexattn.gym), so it runs from any directory, not only the checkout's root.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root}
-    helped = subprocess.run([sys.executable, "-m", "gym.startup", "--help"], cwd=root, env=env,
+    helped = subprocess.run([sys.executable, "-m", "flexattn.gym.startup", "--help"], cwd=tmp_path, env=env,
                             capture_output=True, text=True)
     assert helped.returncode == 0 and "usage" in helped.stdout
-    ran = subprocess.run([sys.executable, "-m", "gym.startup"], cwd=root, env=env, capture_output=True, text=True)
+    ran = subprocess.run([sys.executable, "-m", "flexattn.gym.startup"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True)
     assert ran.returncode == 2 and "CUDA GPU" in ran.stderr

@@ -1,6 +1,6 @@
 """Sweep flexattn forward launch configurations on the local GPU (how runtime defaults were chosen).
 
-    PYTHONPATH=. python -m gym.sweep --head-dims 64 128 --variants noop causal alibi
+    python -m flexattn.gym.sweep --head-dims 64 128 --variants noop causal alibi
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import sys
 import torch
 
 import flexattn
-from gym.benchmark import KV_BYTES, bench, block_density
-from gym.catalogue import CATALOGUE
+from flexattn.gym.benchmark import KV_BYTES, bench, block_density
+from flexattn.variants import CATALOGUE
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, USE_TMA, WARP_SPECIALIZE)
 CONFIGS = [

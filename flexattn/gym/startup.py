@@ -1,6 +1,6 @@
 """First-call latency and warm-call host overhead of flexattn on the local GPU.
 
-    PYTHONPATH=. python -m gym.startup            # runs the measurements in fresh subprocesses
+    python -m flexattn.gym.startup            # runs the measurements in fresh subprocesses
 
 First call: a fresh Python process imports torch and flexattn (not counted), then times one call
 with a new score_mod and mask_mod: trace, lower, render, Triton compile and run, synchronised.
@@ -25,7 +25,7 @@ CHILD = r"""
 import time, json, sys
 import torch
 import flexattn
-from gym.catalogue import generate_alibi_bias, causal_mask
+from flexattn.variants import generate_alibi_bias, causal_mask
 torch.cuda.init(); torch.empty(1, device="cuda")
 q, k, v = (torch.randn(4, 16, 4096, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 alibi = generate_alibi_bias(16, "cuda")
@@ -48,7 +48,7 @@ OVERHEAD = r"""
 import time, json
 import torch
 import flexattn
-from gym.catalogue import generate_alibi_bias, causal_mask
+from flexattn.variants import generate_alibi_bias, causal_mask
 q, k, v = (torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 alibi = generate_alibi_bias(1, "cuda")
 bm = flexattn.create_block_mask(causal_mask, None, None, 128, 128, device="cuda")
@@ -95,11 +95,14 @@ def main(argv=None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("gym.startup times flexattn's kernels on a CUDA GPU, and this machine has none; on a CPU, "
+        print("flexattn.gym.startup times flexattn's kernels on a CUDA GPU, and this machine has none; on a CPU, "
               "`python -m pytest -q` runs every kernel in Triton's interpreter instead", file=sys.stderr)
         return 2
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # The children import this very flexattn (an installed one or a checkout), whatever their cwd.
+    import flexattn
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(flexattn.__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     with tempfile.TemporaryDirectory() as cache:
         env["FLEXATTN_CACHE_DIR"] = os.path.join(cache, "flexattn")

@@ -1,10 +1,10 @@
 """Training benchmark: forward and backward in the FlexAttention paper's setup, side by side in one process.
 
-    PYTHONPATH=. python -m gym.benchmark --mode bwd --out bench_bwd.json
-    TRITON_INTERPRET=1 PYTHONPATH=. python -m gym.benchmark --mode bwd --smoke     # CPU: code paths only
+    python -m flexattn.gym.benchmark --mode bwd --out bench_bwd.json
+    TRITON_INTERPRET=1 python -m flexattn.gym.benchmark --mode bwd --smoke     # CPU: code paths only
 
 bf16, 16k tokens, 16 heads, batch chosen so that K (and V) are 128 MiB each: B = 4 at d = 64 and
-B = 2 at d = 128 (issue 9; the forward mode uses 256 MiB). The seven catalogue variants. For each,
+B = 2 at d = 128 (issue 9; the forward mode uses 256 MiB). The paper's seven variants. For each,
 in one process: flexattn, torch's flex_attention under torch.compile(dynamic=False) with a torch
 BlockMask from torch's create_block_mask over the same mods, and SDPA (flash and cuDNN where they
 express the variant; the memory-efficient kernel with a dense boolean mask where only a mask does).
@@ -54,7 +54,7 @@ import torch
 
 import flexattn
 from flexattn.reference import reference_attention
-from gym.catalogue import CATALOGUE
+from flexattn.variants import CATALOGUE
 
 TRAIN_KV_BYTES = 128 * 2**20  # K (and V) bytes per case: B = 4 at d = 64, B = 2 at d = 128, 16 heads, 16k
 BWD_FLOP_FACTOR = 2.5  # backward FLOPs per forward FLOP: five matmuls against the forward's two
@@ -222,7 +222,7 @@ def _git_commit() -> Optional[str]:
 
 
 def _run_case(name: str, B: int, H: int, L: int, D: int, dtype, device, options, torch_flex, bench, args) -> dict:
-    from gym.benchmark import block_density, dense_mask_sdpa, sdpa_fn
+    from flexattn.gym.benchmark import block_density, dense_mask_sdpa, sdpa_fn
 
     S = L
     torch.manual_seed(0)
@@ -331,7 +331,7 @@ def _below_targets(rows: list[dict]) -> list[str]:
 
 
 def run(args) -> int:
-    """The training benchmark for ``gym.benchmark``'s parsed arguments (``--mode bwd``)."""
+    """The training benchmark for ``flexattn.gym.benchmark``'s parsed arguments (``--mode bwd``)."""
     import triton
 
     cuda = torch.cuda.is_available()
@@ -352,7 +352,7 @@ def run(args) -> int:
     torch_flex, torch_flex_how = None, "skipped (--no-torch-flex)"
     if not args.no_torch_flex:
         if cuda:
-            from gym.benchmark import compile_torch_flex
+            from flexattn.gym.benchmark import compile_torch_flex
 
             torch_flex, torch_flex_how = compile_torch_flex(), "torch.compile(flex_attention, dynamic=False)"
         else:

@@ -1,1 +1,0 @@
-"""The gym: attention variants in use, the benchmark and the demo."""

@@ -1,0 +1,312 @@
+"""The ``flexattn`` command: gym, show, kernel, bench and list through ``main(argv)`` in-process, every
+error path (one line, naming the argument and what is valid, exit status 2), and once through the
+installed console script and ``python -m``."""
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flexattn.cli import main
+from flexattn.gym import job
+from flexattn.gym.picture import EMPTY, FULL, PARTIAL, block_map, variant_mask
+from flexattn.variants import CATALOGUE, Instance, Variant
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def keep_threads():
+    # `flexattn gym` sets torch to one thread on a CPU, as a user's process would want; not the suite's.
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+# -- list ---------------------------------------------------------------------------------------------
+
+
+def test_list_names_every_variant_with_its_summary(capsys):
+    assert main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(CATALOGUE)
+    for line, (name, variant) in zip(lines, CATALOGUE.items()):
+        assert line.startswith(name + " ") and variant.summary in line
+
+
+# -- gym ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU table (the GPU one has speed-up columns)")
+def test_gym_checks_and_times_the_chosen_variants(tmp_path, capsys, keep_threads):
+    out = tmp_path / "results"
+    assert main(["gym", "--only", "causal,alibi", "--seq", "256", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "causal" in printed and "alibi" in printed and "all 2 variants within tolerance" in printed
+    assert str(out) + ".json" in printed.replace("\n", "")  # says where the results went
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert [row["variant"] for row in report["rows"]] == ["causal", "alibi"]
+    assert report["sizes"]["L"] == 256 and report["env"]["device"] == "cpu"
+    for row in report["rows"]:
+        assert row["ok"] and row["backend"] == "pytorch"
+        assert 0 < row["fwd_err"] < 1e-5 and 0 < row["grad_err"] < 1e-5  # fp32 vs float64: small, not zero
+        assert row["fwd_ms"] > 0 and row["bwd_ms"] > 0
+    assert report["rows"][0]["sparsity"] > 0  # causal skips the blocks above the diagonal
+    markdown = (tmp_path / "results.md").read_text()
+    assert "| variant | sparsity | fwd err | grad err |" in markdown and "| alibi |" in markdown
+
+
+def test_gym_exits_non_zero_when_an_error_exceeds_its_tolerance(tmp_path, capsys, keep_threads, monkeypatch):
+    # fp32 errors against float64 are ~1e-7: a tolerance far below that must fail the run.
+    monkeypatch.setitem(job.TOLERANCE, torch.float32, 1e-12)
+    assert main(["gym", "--device", "cpu", "--only", "causal", "--seq", "128", "--out", str(tmp_path / "r")]) == 1
+    printed = capsys.readouterr().out
+    assert "FAIL" in printed and "1 of 1 variants FAILED: causal" in printed
+    assert json.loads((tmp_path / "r.json").read_text())["rows"][0]["ok"] is False
+
+
+def test_gym_reports_a_variant_that_raises_and_goes_on(tmp_path, capsys, keep_threads, monkeypatch):
+    def broken(B, H, Q, KV, device):
+        raise RuntimeError("this variant cannot be built")
+
+    monkeypatch.setitem(CATALOGUE, "broken", Variant("broken", broken, "raises when built"))
+    assert main(["gym", "--device", "cpu", "--only", "broken,causal", "--seq", "128",
+                 "--out", str(tmp_path / "r")]) == 1
+    printed = capsys.readouterr().out
+    assert "this variant cannot be built" in printed  # its footnote
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [row["ok"] for row in rows] == [False, True]
+
+
+def test_gym_counts_a_missing_learnable_gradient_as_a_failure(keep_threads):
+    # A learnable tensor the output does not depend on through flexattn but does through the
+    # reference: flexattn's gradient is None where the reference has one, an infinite error.
+    bias = torch.randn(4, requires_grad=True)
+
+    def make(B, H, Q, KV, device):
+        class Inst(Instance):
+            def reference(self, q, k, v, enable_gqa=False):
+                return super().reference(q, k, v) + bias.sum().to(q.dtype) * 0.01
+
+        return Inst(None, None, learnable=(bias,))
+
+    row = job.run_variant("bias", Variant("bias", make, "test"), job.GymSizes(1, 1, 64, 16, torch.float32), "cpu")
+    assert row["ok"] is False and row["grad_err"] == float("inf")
+
+
+@pytest.mark.gpu
+def test_gym_on_the_gpu_times_sdpa_and_torch_flex(tmp_path, capsys):
+    assert main(["gym", "--only", "causal,alibi", "--seq", "2048", "--out", str(tmp_path / "r")]) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    for row in rows:
+        assert row["backend"] == "triton" and row["backend_bwd"] == "triton"
+        assert row["sdpa"]["fwd_ms"] > 0 and row["sdpa"]["bwd_ms"] > 0
+        assert row["torch_flex"]["error"] is None and row["torch_flex"]["bwd_ms"] > 0  # torch runs both
+    assert rows[0]["sdpa"]["kind"] == "same" and rows[1]["sdpa"]["kind"] == "dense"  # causal vs ALiBi
+    assert "x SDPA fwd" in capsys.readouterr().out
+
+
+# -- show ---------------------------------------------------------------------------------------------
+
+
+def test_show_prints_the_block_mask_and_writes_a_png(tmp_path, capsys):
+    png = tmp_path / "causal.png"
+    assert main(["show", "causal", "--seq", "512", "--png", str(png)]) == 0
+    printed = capsys.readouterr().out
+    assert "causal" in printed and "█" in printed and "░" in printed and f"wrote {png}" in printed
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    height, width = matplotlib.image.imread(str(png)).shape[:2]
+    assert width > height > 100  # two pictures side by side
+
+
+def test_show_of_a_short_sequence_draws_token_by_token(capsys):
+    import flexattn.variants
+
+    assert main(["show", "causal", "--seq", "16", "--no-png"]) == 0
+    printed = capsys.readouterr().out
+    if hasattr(flexattn.variants, "picture"):  # the variants' own token picture, where it exists
+        assert "\n" + "\n".join("#" * (i + 1) + "-" * (15 - i) for i in range(16)) in printed
+
+
+def test_block_map_has_full_partial_and_empty_blocks_where_causal_puts_them():
+    bm, tokens = variant_mask(CATALOGUE["causal"].make(1, 1, 512, 512, "cpu"), 512, 512)
+    blocks = block_map(bm)
+    rows = blocks.shape[0]
+    expected = torch.full((rows, rows), EMPTY)
+    expected[torch.ones(rows, rows, dtype=torch.bool).tril(-1)] = FULL
+    expected[torch.eye(rows, dtype=torch.bool)] = PARTIAL
+    assert torch.equal(blocks, expected)
+    assert torch.equal(tokens, torch.ones(512, 512, dtype=torch.bool).tril())
+
+
+def test_show_without_a_mask_draws_every_block_full(tmp_path, capsys):
+    assert main(["show", "softcap", "--seq", "256", "--no-png"]) == 0
+    assert "no mask_mod: every block is full" in capsys.readouterr().out
+    bm, _ = variant_mask(CATALOGUE["softcap"].make(1, 1, 256, 256, "cpu"), 256, 256)
+    assert bool((block_map(bm) == FULL).all())
+
+
+# -- kernel -------------------------------------------------------------------------------------------
+
+
+def test_kernel_prints_the_generated_triton_source(capsys):
+    assert main(["kernel", "alibi", "--seq", "256"]) == 0
+    forward = capsys.readouterr().out
+    assert "@triton.jit" in forward and "def flex_attention_forward" in forward
+    assert "def score_mod" in forward and "slopes" in forward  # ALiBi's captured slopes, loaded in the kernel
+    assert main(["kernel", "alibi", "--seq", "256", "--backward"]) == 0
+    backward = capsys.readouterr().out
+    assert "def flex_attention_backward" in backward and backward != forward
+    assert main(["kernel", "causal", "--seq", "256", "--decode"]) == 0
+    assert "def flex_attention_decode" in capsys.readouterr().out
+
+
+# -- bench --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+@pytest.mark.parametrize("mode", ["fwd", "bwd", "decode"])
+def test_bench_says_it_needs_a_gpu(mode, capsys):
+    assert main(["bench", "--mode", mode]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and len(err.strip().splitlines()) == 1
+
+
+# -- errors and --help --------------------------------------------------------------------------------
+
+NO_GPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["show", "nope"], ["argument NAME", "unknown variant 'nope'", "causal", "alibi"]),
+    (["show", "causl"], ["did you mean 'causal'"]),
+    (["kernel", "nope"], ["argument NAME", "unknown variant", "causal"]),
+    (["gym", "--only", "causal,nope"], ["argument --only", "unknown variant 'nope'", "alibi"]),
+    (["gym", "--only", "causal,,alibi"], ["argument --only", "no empty names"]),
+    (["gym", "--seq", "abc"], ["argument --seq", "from 16 to"]),
+    (["gym", "--seq", "-5"], ["argument --seq", "'-5'"]),
+    (["show", "causal", "--seq", "0"], ["argument --seq", "from 16 to"]),
+    (["kernel", "causal", "--seq", "8"], ["argument --seq", "from 16 to"]),
+    (["show", "causal", "--seq", str(10**9)], ["argument --seq", "131072"]),
+    (["kernel", "causal", "--heads", "0"], ["argument --heads"]),
+    (["gym", "--device", "tpu"], ["argument --device", "'cpu'", "'cuda'"]),
+    (["bench", "--mode", "sideways"], ["argument --mode", "'decode'"]),
+    (["frobnicate"], ["argument COMMAND", "'gym'", "'show'"]),
+    ([], ["COMMAND"]),
+    (["kernel", "causal", "--backward", "--decode"], ["--decode", "--backward"]),
+    (["gym", "--", "--seq", "1"], ["'flexattn bench' only"]),
+    pytest.param(["gym", "--device", "cuda"], ["argument --device", "'cuda' is not available"], marks=NO_GPU_ONLY),
+])
+def test_bad_arguments_give_one_line_and_exit_2(argv, names, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    assert len(captured.err.strip().splitlines()) == 1, captured.err
+    for name in names:
+        assert name in captured.err
+
+
+def test_kernel_decode_of_a_variant_without_a_decoding_form_is_refused(monkeypatch, capsys):
+    monkeypatch.setitem(CATALOGUE, "packed", dataclasses.replace(CATALOGUE["document_mask"], name="packed", decode=False))
+    with pytest.raises(SystemExit) as exited:
+        main(["kernel", "packed", "--decode"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --decode" in err and "packed" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("module, command", [("rich", ["gym", "--only", "causal", "--seq", "128"]),
+                                             ("matplotlib", ["show", "causal", "--seq", "128"])])
+def test_a_missing_extra_says_how_to_install_it(module, command, monkeypatch, capsys, tmp_path, keep_threads):
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ImportError
+    monkeypatch.chdir(tmp_path)
+    assert main(command) == 1
+    err = capsys.readouterr().err
+    assert f"'{module}'" in err and "pip install 'flexattn[gym]'" in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+@pytest.mark.parametrize("command", [[], ["gym"], ["show"], ["kernel"], ["bench"], ["list"]])
+def test_help_everywhere(command, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main([*command, "--help"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: flexattn" + "".join(" " + c for c in command))
+
+
+@pytest.mark.parametrize("module", ["benchmark", "benchmark_decode", "sweep", "sweep_backward", "startup"])
+def test_the_gym_modules_keep_their_help(module, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as exited:
+        importlib.import_module(f"flexattn.gym.{module}").main(["--help"])
+    assert exited.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_the_repository_gym_folder_is_no_package():
+    # A gym/__init__.py would shadow the well-known `gym` package for anyone running from the checkout.
+    assert not os.path.exists(os.path.join(ROOT, "gym", "__init__.py"))
+    assert not os.path.exists(os.path.join(ROOT, "gym", "__main__.py"))
+
+
+# -- from any directory: python -m and the console script --------------------------------------------
+
+
+def test_python_m_flexattn_gym_runs_from_any_directory(tmp_path):
+    ran = subprocess.run([sys.executable, "-m", "flexattn.gym", "--only", "causal", "--seq", "128", "--out", "r"],
+                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["rows"][0]["variant"] == "causal"
+
+
+def _console_script():
+    here = os.path.dirname(sys.executable)
+    return shutil.which("flexattn", path=here + os.pathsep + os.environ.get("PATH", ""))
+
+
+@pytest.mark.skipif(_console_script() is None,
+                    reason="the flexattn console script is not installed (pip install -e '.[gym]')")
+def test_the_console_script_runs_the_main_job_and_reports_errors(tmp_path):
+    script = _console_script()
+    ran = subprocess.run([script, "gym", "--only", "noop,softcap", "--seq", "128", "--out", "r"],
+                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert "all 2 variants within tolerance" in ran.stdout
+    bad = subprocess.run([script, "show", "nope"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unknown variant 'nope'" in bad.stderr
+
+
+def test_the_gpu_table_gives_speed_ups_and_says_why_a_baseline_is_missing():
+    from flexattn.gym.report import DENSE_MARK, table, to_markdown
+
+    base = {"summary": "", "sparsity": 50.0, "fwd_err": 1e-3, "grad_err": 2e-3, "backend": "triton",
+            "backend_bwd": "triton", "tolerance": 3e-2, "ok": True, "fwd_ms": 1.0, "bwd_ms": 2.0}
+    rows = [
+        {**base, "variant": "causal", "sdpa": {"kind": "same", "fwd_ms": 1.5, "bwd_ms": 3.0, "error": None},
+         "torch_flex": {"fwd_ms": 1.2, "bwd_ms": 2.2, "error": None}},
+        {**base, "variant": "t5_bias", "sdpa": {"kind": "dense", "fwd_ms": 2.0, "bwd_ms": 5.0, "error": None},
+         "torch_flex": {"fwd_ms": 1.1, "bwd_ms": None, "error": "RuntimeError: captured buffers need grad"}},
+    ]
+    report = {"env": {"flexattn": "0", "device": "cuda", "device_name": "GPU", "torch": "2.11", "triton": "3.6"},
+              "sizes": {"B": 1, "H": 16, "L": 4096, "D": 64, "dtype": "bfloat16"}, "rows": rows}
+    headers, cells, notes = table(report)
+    assert headers[7:11] == ["x SDPA fwd", "x SDPA bwd", "x torch fwd", "x torch bwd"]
+    assert cells[0][7:11] == ["1.50x", "1.50x", "1.20x", "1.10x"]
+    assert cells[1][7:10] == ["2.00x" + DENSE_MARK, "2.50x" + DENSE_MARK, "1.10x"]
+    assert cells[1][10] == "n/a [1]" and notes[0].startswith("[1] torch's compiled flex_attention cannot run t5_bias")
+    assert "captured buffers need grad" in notes[0] and any(note.startswith(DENSE_MARK) for note in notes)
+    assert "| t5_bias | 50.0% |" in to_markdown(report)
