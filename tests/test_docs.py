@@ -59,6 +59,7 @@ def test_api_reference_covers_every_public_name():
 
 
 def test_worked_example_shows_the_kernel_flexattn_generates_today():
+    pytest.importorskip("triton", reason="the kernel source is rendered and imported as the runtime does")
     gen = _load_script("gen_worked_example")
     page = (DOCS / "worked_example.md").read_text()
     fresh = gen.fill(page, gen.blocks())
