@@ -36,14 +36,15 @@ def _env(extra: dict) -> dict:
     return env
 
 
-def execute_notebook(path: Path = NOTEBOOK, timeout: int = 300):
-    """The notebook executed on the CPU (raises CellExecutionError on the first failing cell)."""
+def execute_notebook(path: Path = NOTEBOOK, timeout: int = 300, *, cpu: bool = True):
+    """The notebook executed (raises CellExecutionError on the first failing cell); ``cpu``: with
+    the GPU hidden, as CI and the committed copy run it."""
     import nbformat
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
     saved = dict(os.environ)
-    os.environ.update(_env(CPU_ENV))  # the kernel process inherits this environment
+    os.environ.update(_env(CPU_ENV if cpu else {"TRITON_INTERPRET": "0"}))  # the kernel process inherits it
     try:
         NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
                        resources={"metadata": {"path": str(ROOT)}}).execute()
@@ -86,6 +87,17 @@ def test_tour_notebook_runs_on_cpu():
     assert "ERROR" not in text
     assert f"checked {len(CATALOGUE)} entries" in text
     assert "no GPU here" in text
+
+
+@pytest.mark.gpu
+def test_tour_notebook_runs_on_gpu():
+    # The same cells on the Triton kernels, with the timing cell's GPU branch.
+    _needs_jupyter()
+    from flexattn.variants import CATALOGUE
+
+    text = _outputs_text(execute_notebook(cpu=False, timeout=600))
+    assert "ERROR" not in text and "device cuda" in text
+    assert f"checked {len(CATALOGUE)} entries" in text and "vs SDPA" in text
 
 
 def test_committed_tour_notebook_holds_outputs_of_todays_catalogue():
