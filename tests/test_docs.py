@@ -1,0 +1,168 @@
+"""The docs cannot rot: generated pages equal a fresh generation, and every relative link resolves.
+
+* docs/api.md is generated from the public docstrings by docs/gen_api.py;
+* docs/worked_example.md's generated blocks (the traced graphs, the lowered expressions, the Triton
+  source of ALiBi + causal) are rebuilt by docs/gen_worked_example.py from flexattn's own stages;
+* every relative link in docs/*.md and README.md points at an existing file (and, for a link with
+  ``#anchor`` into a Markdown file, at an existing heading).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"docs_{name}", DOCS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _first_difference(committed: str, fresh: str) -> str:
+    a, b = committed.splitlines(), fresh.splitlines()
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"line {i + 1}:\n  committed: {x!r}\n  generated: {y!r}"
+    return f"lengths differ: {len(a)} committed lines, {len(b)} generated"
+
+
+def test_api_reference_matches_the_docstrings():
+    gen_api = _load_script("gen_api")
+    committed = (DOCS / "api.md").read_text()
+    fresh = gen_api.render()
+    assert committed == fresh, (
+        "docs/api.md is out of date; run `python docs/gen_api.py` and commit it. First difference at "
+        + _first_difference(committed, fresh)
+    )
+
+
+def test_api_reference_covers_every_public_name():
+    import flexattn
+    import flexattn.variants
+
+    text = (DOCS / "api.md").read_text()
+    for module in (flexattn, flexattn.variants):
+        for name in module.__all__:
+            assert f"### `{module.__name__}.{name}`" in text, f"{module.__name__}.{name} is missing from docs/api.md"
+    for name in flexattn.variants.CATALOGUE:
+        assert f"| `{name}` |" in text, f"catalogue entry {name!r} is missing from docs/api.md"
+    # The options' descriptions come from options.py, through FlexKernelOptions' docstring.
+    assert "BACKEND: Literal" in text and "BLOCK_M: int" in text
+
+
+def test_worked_example_shows_the_kernel_flexattn_generates_today():
+    pytest.importorskip("triton", reason="the kernel source is rendered and imported as the runtime does")
+    gen = _load_script("gen_worked_example")
+    page = (DOCS / "worked_example.md").read_text()
+    fresh = gen.fill(page, gen.blocks())
+    assert page == fresh, (
+        "docs/worked_example.md shows code flexattn no longer generates; run `python docs/gen_worked_example.py`, "
+        "check the prose around the changed blocks, and commit. First difference at " + _first_difference(page, fresh)
+    )
+
+
+def test_worked_example_generator_rejects_unknown_and_missing_blocks():
+    gen = _load_script("gen_worked_example")
+    with pytest.raises(KeyError, match="lacks the blocks"):
+        gen.fill("no blocks at all\n", {"mods": "x\n"})
+    with pytest.raises(KeyError, match="does not generate"):
+        gen.fill("<!-- generated:nope -->\nold\n<!-- /generated:nope -->\n", {})
+    page = "a\n<!-- generated:mods -->\nold\n<!-- /generated:mods -->\nb\n"
+    assert gen.fill(page, {"mods": "new\n"}) == "a\n<!-- generated:mods -->\nnew\n<!-- /generated:mods -->\nb\n"
+
+
+# ------------------------------------------------------------------------------------ links
+
+LINK = re.compile(r"(?<!\!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+FENCE = re.compile(r"^(```|~~~)")
+
+
+def _prose(text: str) -> str:
+    """The text outside fenced code blocks (a link-like string in code is not a link)."""
+    kept, in_fence = [], False
+    for line in text.splitlines():
+        if FENCE.match(line.strip()):
+            in_fence = not in_fence
+            continue
+        if not in_fence:
+            kept.append(line)
+    return "\n".join(kept)
+
+
+def _github_anchor(heading: str) -> str:
+    text = heading.strip().lower()
+    return "".join(c for c in text if c.isalnum() or c in "-_ ").replace(" ", "-")
+
+
+def _anchors(markdown: str) -> set[str]:
+    anchors, counts = set(), {}
+    for line in _prose(markdown).splitlines():
+        match = re.match(r"^#{1,6}\s+(.*)$", line)
+        if not match:
+            continue
+        slug = _github_anchor(match.group(1))
+        n = counts.get(slug, 0)
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+        counts[slug] = n + 1
+    return anchors
+
+
+def broken_links(path: Path, root: Path = ROOT) -> list[str]:
+    problems = []
+    for target in LINK.findall(_prose(path.read_text())):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+            continue
+        file_part, _, anchor = target.partition("#")
+        resolved = path if not file_part else (path.parent / file_part).resolve()
+        if not resolved.exists():
+            problems.append(f"{path.relative_to(root)}: {target} (no file {resolved})")
+            continue
+        if anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved.read_text()):
+            problems.append(f"{path.relative_to(root)}: {target} (no heading #{anchor} in {file_part or path.name})")
+    return problems
+
+
+def _pages() -> list[Path]:
+    return sorted(DOCS.glob("*.md")) + [ROOT / "README.md"]
+
+
+def test_every_relative_link_resolves():
+    problems = [p for page in _pages() for p in broken_links(page)]
+    assert not problems, "broken links:\n" + "\n".join(problems)
+
+
+def test_link_check_finds_a_broken_link(tmp_path):
+    page = tmp_path / "page.md"
+    (tmp_path / "there.md").write_text("# A heading\n")
+    page.write_text(
+        "[ok](there.md) [ok](there.md#a-heading) [web](https://example.com) [missing](nowhere.md)\n"
+        "[bad anchor](there.md#nope)\n```\n[in code](ignored.md)\n```\n"
+    )
+    problems = [p.split(": ", 1)[1] for p in broken_links(page, root=tmp_path)]
+    assert problems == ["nowhere.md (no file " + str(tmp_path / "nowhere.md") + ")",
+                        "there.md#nope (no heading #nope in there.md)"]
+
+
+
+def test_ops_the_docs_call_unsupported_are_still_missing_from_the_table():
+    # docs/limitations.md and docs/adding_an_op.md name these as ops a mod cannot use yet; when one
+    # is added to flexattn/lowering/ops.py, those pages must say so.
+    import torch
+
+    from flexattn.lowering.ops import LOWERINGS, lookup
+
+    text = (DOCS / "limitations.md").read_text() + (DOCS / "adding_an_op.md").read_text()
+    for name in ("sinh", "cosh", "atan2", "logaddexp", "nan_to_num"):
+        assert f"`{name}`" in text or f"aten.{name}" in text, name
+        op = getattr(torch.ops.aten, name)
+        assert lookup(op.default, LOWERINGS) is None and lookup(op, LOWERINGS) is None, (
+            f"aten.{name} is in the lowering table now: update docs/limitations.md and docs/adding_an_op.md"
+        )
