@@ -85,7 +85,7 @@ def max_shared_memory(device: torch.device) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
 
 
-# Defaults from gym/sweep.py on an H200 (docs/benchmarks.md); other GPUs start from the same shapes
+# Defaults from flexattn/gym/sweep.py on an H200 (docs/benchmarks.md); other GPUs start from the same shapes
 # and shrink until shared memory fits. AUTOTUNE searches around them per problem.
 _GPU_DEFAULTS = {  # pointer loads, any GPU
     # (head dim up to, elem bytes): config
@@ -98,7 +98,7 @@ _GPU_DEFAULTS = {  # pointer loads, any GPU
 }
 
 
-# Hopper with tensor descriptors, 16-bit inputs (gym/sweep.py at 16k tokens on an H200): two
+# Hopper with tensor descriptors, 16-bit inputs (flexattn/gym/sweep.py at 16k tokens on an H200): two
 # pipeline stages beat three once the copy engine fetches K/V, and 128-row programs win at d=128.
 _HOPPER_TMA_DEFAULTS = {
     64: LaunchConfig(64, 128, 4, 2, USE_TMA=True),
@@ -296,7 +296,7 @@ def select_config(
     base = _GPU_DEFAULTS[(bucket, 2 if elem <= 2 else 4)]
     sparse_rows = has_mask_mod and blocks_per_row < 8
     if has_mask_mod and elem == 2 and bucket in (64, 128):
-        # Measured on an H200 (gym/sweep.py, gym/benchmark.py): masks whose rows visit few blocks
+        # Measured on an H200 (flexattn/gym/sweep.py, flexattn/gym/benchmark.py): masks whose rows visit few blocks
         # (documents, short windows) want more, smaller programs; dense-row masks (causal, prefix)
         # want 128 query rows per program.
         if sparse_rows:

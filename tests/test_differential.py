@@ -1,6 +1,6 @@
 """Differential test: every variant we know of, one process, a shuffled order, every backend.
 
-Each step builds a variant from its factory (the gym catalogue, attention-gym's masks and mods,
+Each step builds a variant from its factory (the catalogue in flexattn.variants, attention-gym's masks and mods,
 torch's own ``and_masks`` / ``or_masks`` / ``noop_mask``), builds a fresh BlockMask, runs
 ``flex_attention`` through each backend and compares with the float64 reference; then it drops the
 mods and the BlockMask and collects garbage, so the next step's objects can reuse their ``id()``s.
