@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import sys
+import types
 import typing
 from pathlib import Path
 
@@ -128,8 +129,18 @@ def _entry(module_name: str, name: str, obj, aliases: dict) -> list[str]:
     if isinstance(obj, dict):
         out += [f"*a dict of {len(obj)} entries; see the table below*", ""]
         return out
-    out += [f"`{obj!r}`", ""]
+    out += [f"`{_value(obj)}`", ""]
     return out
+
+
+def _value(obj) -> str:
+    # Modules by name: their repr holds the checkout's path, which differs from machine to machine.
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__
+    if isinstance(obj, (tuple, list)):
+        inner = ", ".join(_value(o) for o in obj)
+        return f"({inner}{',' if len(obj) == 1 else ''})" if isinstance(obj, tuple) else f"[{inner}]"
+    return repr(obj)
 
 
 def _anchor(module_name: str, name: str) -> str:

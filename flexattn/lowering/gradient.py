@@ -39,7 +39,7 @@ import torch.fx
 from ..errors import UnsupportedOpError
 from ..trace import CapturedInput, TracedMod
 from .emit import Gather, ModInputs, Val, _Emitter, _numel
-from .index import ADD, print_index
+from .index import print_index
 from .ops import ALIASES, LOWERINGS, TL_DTYPES, lookup, with_options
 from .ranges import CONSERVATIVE_BOUNDS, LoweringVariant, graph_key, lowering_variant
 from .sites import describe_site
@@ -445,13 +445,18 @@ class _GradEmitter(_Emitter):
             if value is None or (value.value is not None and value.value == 0):
                 continue
             g = self.site_gather(site, by_name)
-            address, keep = self.grad_address(site.captured, g)
-            grouped.setdefault((address, keep, site.depends), []).append(self.coerce(value, torch.float32).text)
-        accumulate = tuple(
-            f"accumulate_captured_grad({address}, {' + '.join(f'({v})' if len(values) > 1 else v for v in values)}, "
-            f"{keep}, {depends}, Q_AXIS)"
-            for (address, keep, depends), values in grouped.items()
-        )  # fmt: skip
+            ptr, offset, keep = self.grad_address(site.captured, g)
+            grouped.setdefault((ptr, offset, keep, site.depends), []).append(self.coerce(value, torch.float32).text)
+        accumulate = []
+        for (ptr, offset, keep, depends), values in grouped.items():
+            total = " + ".join(f"({v})" if len(values) > 1 else v for v in values)
+            if depends == DEPENDS_ALL and offset is not None:
+                # See [Note] Few addresses in mod_helpers.py.jinja: the offset goes apart from the base.
+                accumulate.append(f"accumulate_captured_grad_pairs({ptr}, {offset}, {total}, {keep})")
+            else:
+                address = ptr if offset is None else f"{ptr} + ({offset})"
+                accumulate.append(f"accumulate_captured_grad({address}, {total}, {keep}, {depends}, Q_AXIS)")
+        accumulate = tuple(accumulate)
         params = [p for i in range(len(self.traced.captured)) for p in self.params(i)]
         params += [self.grad_param(i) for i in trainable]
         return LoweredScoreGrad(tuple(self.lines), result, accumulate, tuple(params), tuple(self.traced.captured),
@@ -467,9 +472,10 @@ class _GradEmitter(_Emitter):
                 return g
         raise AssertionError(f"no load recorded for the read at {site.node.name}")
 
-    def grad_address(self, i: int, g: Gather) -> tuple[str, str]:
-        """Where the gradient buffer of captured ``i`` (float32, contiguous) holds the element ``g`` read,
-        and when the gradient counts there (``grad_keep`` and the read's in-range checks)."""
+    def grad_address(self, i: int, g: Gather) -> tuple[str, Optional[str], str]:
+        """Where the gradient buffer of captured ``i`` (float32, contiguous) holds the element ``g`` read
+        (its pointer, and the element offset or None for the first element), and when the gradient
+        counts there (``grad_keep`` and the read's in-range checks)."""
         c = self.traced.captured[i]
         contiguous, step = [], 1
         for size in reversed(c.shape):
@@ -479,14 +485,12 @@ class _GradEmitter(_Emitter):
         strides = {self.symbol(p, torch.int32): sympy.Integer(s) for p, s in zip(self.params(i)[1:], contiguous)}
         offset = sympy.expand(g.offset.xreplace(strides))
         ptr = self.grad_param(i)
-        if offset == 0:
-            address = ptr
-        else:
+        text = None
+        if offset != 0:
             wide = g.wide or any(self.sym_dtypes.get(s) == torch.int64 for s in offset.free_symbols)
-            text, prec = print_index(offset, self.names, frozenset(self.strides), dtypes=self.sym_dtypes, wide=wide)
-            address = f"{ptr} + {text if prec > ADD else f'({text})'}"
+            text, _ = print_index(offset, self.names, frozenset(self.strides), dtypes=self.sym_dtypes, wide=wide)
         keep = " & ".join(["grad_keep", *g.checks])
-        return address, keep
+        return ptr, text, keep
 
     # -- errors: name the forward op whose derivative failed, and the way around it ----------------
 
