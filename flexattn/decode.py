@@ -152,6 +152,10 @@ def choose_num_splits(device: torch.device, programs: int, kv_len: int, kv_block
     return max(1, min(wanted, kv_len // MIN_KEYS_PER_SPLIT[bucket], max_blocks, max_splits))
 
 
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
 class DecodeConfig(NamedTuple):
     BLOCK_N: int
     num_warps: int
@@ -173,7 +177,9 @@ _GPU_DECODE_DEFAULTS = {
     (128, False): DecodeConfig(32, 4, 3),
     (256, False): DecodeConfig(16, 4, 2),
 }
-MERGE_ROWS = 4
+MERGE_ROWS = 2
+MERGE_ELEMENTS = 4096  # partial outputs a merge program combines (all its splits, when they fit)
+MERGE_STEP_ELEMENTS = 8192  # at most this many loaded per step of its loop
 MAX_BLOCK_M_GPU = 64  # rows of one partial program; more heads x queries are cut into row tiles
 
 
@@ -377,15 +383,18 @@ class DecodeKernel:
         grid = (splits, programs, B)
         merge_grid, merge_constexprs = None, {}
         if splits > 1:
-            # Few rows per merge program and a chunk of splits per step: about 8K float32 partial
+            # Few rows and a slice of the columns per merge program, so that even batch 1 spreads the
+            # merge over many programs, and a chunk of splits per step: up to 8K float32 partial
             # outputs in flight per program (see the merge kernel's loop).
             merge_m = min(block_m, MERGE_ROWS)
-            split_chunk = min(_next_pow2(splits), max(1, 8192 // (merge_m * ev_p2)))
-            merge_grid = (triton_cdiv(min(block_m, rows), merge_m), programs, B)
+            merge_d = min(ev_p2, max(16, _pow2_floor(MERGE_ELEMENTS // (_next_pow2(splits) * merge_m))))
+            split_chunk = min(_next_pow2(splits), max(1, MERGE_STEP_ELEMENTS // (merge_m * merge_d)))
+            d_chunks = ev_p2 // merge_d
+            merge_grid = (triton_cdiv(min(block_m, rows), merge_m) * d_chunks, programs, B)
             merge_constexprs = dict(
                 NUM_HEADS_Q=Hq, QUERY_LEN=L, HEADS=heads, ROW_TILES=row_tiles, NUM_SPLITS=splits,
                 NUM_SPLITS_P2=_next_pow2(splits), SPLIT_CHUNK=split_chunk, V_HEAD_DIM=Ev, V_HEAD_DIM_P2=ev_p2, BLOCK_M=block_m,
-                MERGE_M=merge_m, OUTPUT_LSE=need_lse, num_warps=4,
+                MERGE_M=merge_m, MERGE_D=merge_d, D_CHUNKS=d_chunks, OUTPUT_LSE=need_lse, num_warps=4,
             )
         return _DecodePlan(grid, merge_grid, B * programs * splits * block_m, constexprs, merge_constexprs, compiled)
 

@@ -112,14 +112,17 @@ def test_gqa_ratios(ratio, q_len):
     assert plan.constexprs["HEADS"] == ratio and plan.grid[1] == Hkv
 
 
-def test_many_splits_merge_in_chunks():
-    # 70 splits: the merge kernel combines them 32 at a time (three steps, the last one partial), and
+def test_many_splits_merge_in_chunks(monkeypatch):
+    # 70 splits merged 16 at a time (five steps, the last one partial; smaller steps than on a GPU,
+    # so that few splits exercise the loop), by programs that each own 16 of the 64 output columns;
     # a few splits own no block at all (132 blocks over 70 splits).
+    monkeypatch.setattr(flexattn.decode, "MERGE_STEP_ELEMENTS", 512)
     S = 2100
     q, k, v = qkv(1, 4, 2, 2, S, E=64)
     score_mod, mask_mod = shifted(generate_alibi_bias(4, DEVICE), causal_mask, S - 2)
     plan = check_decode(q, k, v, score_mod, mask_mod, block_size=16, splits=70)
-    assert plan.merge_constexprs["SPLIT_CHUNK"] < 70 < 2 * plan.merge_constexprs["SPLIT_CHUNK"] + 32
+    merge = plan.merge_constexprs
+    assert merge["SPLIT_CHUNK"] == 16 and merge["D_CHUNKS"] == 4 and merge["MERGE_D"] == 16
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

@@ -128,15 +128,16 @@ def generate_t5_bias(table: torch.Tensor, max_distance: int = 128, bidirectional
 def graph_distances(num_nodes: int, edges: torch.Tensor, max_distance: int) -> torch.Tensor:
     """Shortest-path lengths between all nodes of an undirected graph (int32 ``[N, N]``), clipped:
     pairs further than ``max_distance`` apart, or not connected, get ``max_distance + 1``.
-    ``edges``: int ``[E, 2]``. Breadth-first from all nodes at once (sparse matrix products)."""
+    ``edges``: int ``[E, 2]``. Breadth-first from all nodes at once (matrix products; graphs here
+    have tens to thousands of nodes, where a dense adjacency is cheap)."""
     index = torch.cat([edges, edges.flip(1)]).t().long()
-    adjacency = torch.sparse_coo_tensor(index, torch.ones(index.shape[1]), (num_nodes, num_nodes),
-                                        check_invariants=True).coalesce()
+    adjacency = torch.zeros(num_nodes, num_nodes)
+    adjacency[index[0], index[1]] = 1.0
     distance = torch.full((num_nodes, num_nodes), max_distance + 1, dtype=torch.int32)
     reached = torch.eye(num_nodes, dtype=torch.bool)
     distance[reached] = 0
     for step in range(1, max_distance + 1):
-        grown = torch.sparse.mm(adjacency, reached.float()) > 0
+        grown = (adjacency @ reached.float()) > 0
         distance[grown & ~reached] = step
         reached |= grown
     return distance
