@@ -268,3 +268,30 @@ def test_out_of_resources_at_the_smallest_tile_is_our_error(monkeypatch, one_thr
     _launch_through(monkeypatch, kernel, Never())
     with pytest.raises(ResourceError, match="BACKEND': 'PYTORCH'"):
         flex_attention(q, k, v, kernel_options=TRITON)
+
+
+def test_lowering_variants_are_remembered_per_traced_mods_and_bounds():
+    # runtime.lowering_variants remembers the range analysis per (TracedMods, bounds): an entry must
+    # never answer for other lengths, nor for a mod of the same code over a tensor of another size.
+    import flexattn.lowering as lowering
+    from flexattn.index_bounds import index_bounds
+    from flexattn.trace import trace_mod
+
+    def over(table):
+        def bias(score, b, h, q_idx, kv_idx):
+            return score + table[kv_idx] + (q_idx * 70000 + kv_idx) % 7
+
+        return bias
+
+    short, long = (trace_mod(over(torch.randn(n)), "score_mod")[0] for n in (100, 1 << 20))
+    small, large = index_bounds(1, 1, 64, 64), index_bounds(1, 1, 50000, 50000)
+    seen = {}
+    for _ in range(2):  # the second round answers from memory
+        for traced in (short, long):
+            for bounds in (small, large):
+                got = rt.lowering_variants(traced, None, bounds)
+                assert got == (lowering.lowering_variant(traced, bounds), None)
+                seen[(traced.graph_module.code, traced.captured[0].shape, bounds)] = got
+    assert seen[(short.graph_module.code, (100,), small)] != seen[(short.graph_module.code, (100,), large)]
+    assert len({v for v in seen.values()}) >= 3  # lengths and the table's size both change the answer
+    assert len(rt._VARIANTS) <= rt._VARIANTS_KEPT
