@@ -131,10 +131,12 @@ def _validate_block_mask(block_mask: BlockMask, query, key) -> None:
 
 def _fixed_on_device(traced: Optional[TracedMod], values: list, device: torch.device) -> list:
     """Captured values with the constants a mod builds itself (frozen on the CPU when it was traced)
-    moved to ``device``; the user's own tensors are checked, not moved (_check_captured_devices)."""
+    on ``device`` (TracedMod.fixed_values_on: one copy per device, kept); the user's own tensors are
+    checked, not moved (_check_captured_devices)."""
     if traced is None or device.type == "cpu" or all(c.walk_index is not None for c in traced.captured):
         return values
-    return [v.to(device) if c.walk_index is None else v for c, v in zip(traced.captured, values)]
+    fixed = traced.fixed_values_on(device)
+    return [v if f is None else f for f, v in zip(fixed, values)]
 
 
 def _check_captured_devices(traced: TracedMod, values: list, device: torch.device) -> None:
@@ -405,9 +407,8 @@ def flex_attention(
     backend = _pick_backend(query, options)
     # The PyTorch backend evaluates the mods with vmap: int64 indices where their arithmetic needs it.
     wide = index_dtype(score, mask, bounds=index_bounds(B, Hq, L, S)) if backend == "PYTORCH" else torch.int32
-    if backend == "PYTORCH":  # the Triton launcher keeps device copies of its own
-        score_captured = _fixed_on_device(score, score_captured, query.device)
-        mask_captured = _fixed_on_device(mask, mask_captured, query.device)
+    score_captured = _fixed_on_device(score, score_captured, query.device)
+    mask_captured = _fixed_on_device(mask, mask_captured, query.device)
     need_lse = bool(return_lse or (return_aux is not None and return_aux.lse))
     need_max = bool(return_aux is not None and return_aux.max_scores)
     needs_grad = torch.is_grad_enabled() and (

@@ -36,7 +36,7 @@ from .errors import InvalidInputError, ResourceError
 from .index_bounds import index_bounds
 from .runtime import (
     LaunchConfig, _empty, _fit_to_mask, _input_precision, _install_tma_allocator, _is_out_of_resources, cached_kernel,
-    lowering_variants,
+    lowering_variants, mod_launch_args,
     _lower, _next_pow2, _tma_compatible, interpreter_enabled, launch_tables, max_shared_memory, triton_cdiv,
     tuned_configs,
 )
@@ -333,15 +333,8 @@ class BackwardKernel:
         # -- captured tensors and their gradient buffers ----
         trainable = plan.compiled.spec.score_grad.trainable if plan.compiled.spec.score_grad else ()
         grad_buffers = [torch.zeros(score_captured[i].shape, dtype=torch.float32, device=q.device) for i in trainable]
-        score_args = []
-        for t in score_captured:
-            score_args.append(t if t.device == q.device else t.to(q.device))
-            score_args.extend(t.stride())
-        score_args.extend(grad_buffers)
-        mask_args = []
-        for t in mask_captured:
-            mask_args.append(t if t.device == q.device else t.to(q.device))
-            mask_args.extend(t.stride())
+        score_args = mod_launch_args(score_captured) + grad_buffers
+        mask_args = mod_launch_args(mask_captured)
 
         k_strides, v_strides = k.stride(), v.stride()
         broadcast_kv = Bk == 1 and B > 1

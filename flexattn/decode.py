@@ -40,7 +40,7 @@ from .index_bounds import index_bounds
 from .lowering import LoweredMod
 from .runtime import (
     _empty, _input_precision, _is_out_of_resources, _lower, _next_pow2, _tile, interpreter_enabled,
-    cached_kernel, launch_tables, lowering_variants, max_shared_memory, triton_cdiv,
+    cached_kernel, launch_tables, lowering_variants, max_shared_memory, mod_launch_args, triton_cdiv,
 )
 from .trace import TracedMod
 
@@ -241,7 +241,6 @@ class DecodeKernel:
         self.has_mask_mod = mask is not None
         self._compiled: dict[tuple, CompiledDecode] = {}
         self._plans: "OrderedDict[tuple, _DecodePlan]" = OrderedDict()
-        self._device_copies: dict[tuple, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self.last_plan: Optional[_DecodePlan] = None  # what the latest launch used (tests and debugging read it)
 
     def compiled(self, bounds=None) -> CompiledDecode:
@@ -263,16 +262,6 @@ class DecodeKernel:
             spec=spec, source=source, source_digest=hashlib.sha256(source.encode()).hexdigest()[:16],
             module=load_kernel_module(source, spec.readable_name()), variants=variants,
         )
-
-    def _on_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
-        # As ForwardKernel._on_device: the entry holds t, so its id cannot be reused while it exists.
-        key = (id(t), device)
-        entry = self._device_copies.get(key)
-        if entry is None or entry[0] is not t or entry[1] != t._version:
-            if len(self._device_copies) >= 64:
-                self._device_copies.clear()
-            entry = self._device_copies[key] = (t, t._version, t.to(device))
-        return entry[2]
 
     def __call__(self, q, k, v, block_mask: BlockMask, scale: float, score_captured, mask_captured, *,
                  need_lse: bool, options: dict):
@@ -313,12 +302,8 @@ class DecodeKernel:
         k_strides, v_strides = k.stride(), v.stride()
         if k.shape[0] == 1 and B > 1:  # a key/value batch of 1 broadcast over the queries' batch
             k_strides, v_strides = (0,) + k_strides[1:], (0,) + v_strides[1:]
-        extra = []
-        for present, captured in ((self.has_score_mod, score_captured), (self.has_mask_mod, mask_captured)):
-            if present:
-                for t in captured:
-                    extra.append(t if t.device == q.device else self._on_device(t, q.device))
-                    extra.extend(t.stride())
+        extra = mod_launch_args(score_captured if self.has_score_mod else (),
+                                mask_captured if self.has_mask_mod else ())
         nb, idx, fnb, fidx = tables.kv_num_blocks, tables.kv_indices, tables.full_kv_num_blocks, tables.full_kv_indices
         module = plan.compiled.module
         try:

@@ -20,8 +20,7 @@ Every cache is bounded (least recently used entries go first).
 
 The caches: ``_kernels`` (TracedMod pair, tanh flag), ``ForwardKernel._compiled`` (lowering
 variants), ``ForwardKernel._plans`` (shapes, strides, dtype, device, BlockMask content, flags,
-options), ``ForwardKernel._device_copies`` (the constant tensor itself, held by the entry),
-launch tables and row statistics (on the BlockMask, BlockMask.derived), ``codegen._loaded``
+options), the device copies of a mod's own constants (on the TracedMod, per device), launch tables and row statistics (on the BlockMask, BlockMask.derived), ``codegen._loaded``
 (source digest), the autotune table (source digest, device, shape class, Triton version),
 ``api._dense_masks`` (lengths, device), ``index_bounds._WIDE`` (TracedMods, bounds).
 """
@@ -36,7 +35,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, replace
 from types import ModuleType
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -451,7 +450,6 @@ class ForwardKernel:
         self.has_mask_mod = mask is not None
         self._compiled: dict[tuple, CompiledForward] = {}
         self._plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
-        self._device_copies: dict[tuple, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self.last_constexprs: Optional[dict] = None  # what the latest launch used (tests and debugging read it)
         self.last_compiled: Optional[CompiledForward] = None
 
@@ -516,15 +514,8 @@ class ForwardKernel:
         v_strides = v.stride()
         if k.shape[0] == 1 and B > 1:
             k_strides, v_strides = (0,) + k_strides[1:], (0,) + v_strides[1:]
-        extra = []
-        if self.has_score_mod:
-            for t in score_captured:
-                extra.append(t if t.device == q.device else self._on_device(t, q.device))
-                extra.extend(t.stride())
-        if self.has_mask_mod:
-            for t in mask_captured:
-                extra.append(t if t.device == q.device else self._on_device(t, q.device))
-                extra.extend(t.stride())
+        extra = mod_launch_args(score_captured if self.has_score_mod else (),
+                                mask_captured if self.has_mask_mod else ())
         q_arg, k_arg, v_arg, out_arg = q, k, v, out
         if constexprs["HOST_DESCRIPTORS"]:
             q_arg, k_arg, v_arg, out_arg = _host_descriptors(q, k, v, out, constexprs)
@@ -555,19 +546,6 @@ class ForwardKernel:
             return self(q, k, v, block_mask, scale, score_captured, mask_captured,
                         need_lse=need_lse, need_max=need_max, options=options)
         return out, (lse if need_lse else None), (mx if need_max else None)
-
-    def _on_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
-        # Constants a mod creates itself live on the CPU (they are frozen at trace time); keep one
-        # copy per device instead of copying on every call. The entry holds t itself, so the id in
-        # the key cannot be reused while the entry exists; the version catches in-place changes.
-        # The API checks user tensors' devices, so only those constants come here.
-        key = (id(t), device)
-        entry = self._device_copies.get(key)
-        if entry is None or entry[0] is not t or entry[1] != t._version:
-            if len(self._device_copies) >= 64:
-                self._device_copies.clear()
-            entry = self._device_copies[key] = (t, t._version, t.to(device))
-        return entry[2]
 
     def _plan(self, q, k, v, block_mask, tables, scale, score_captured, mask_captured, need_lse, need_max, options):
         """Grid, constexprs and kernel for one problem: computed once, reused by every later call."""
@@ -852,6 +830,18 @@ def lowering_variants(score: Optional[TracedMod], mask: Optional[TracedMod], bou
     else:
         _VARIANTS.move_to_end(key)
     return variants
+
+
+def mod_launch_args(*captured: Sequence[torch.Tensor]) -> list:
+    """The mods' extra kernel arguments, in the order of their LoweredMod.kernel_params: each
+    captured tensor, then its strides. The tensors are already on the query's device (user tensors
+    are checked by the API, a mod's own constants moved by TracedMod.fixed_values_on)."""
+    args = []
+    for tensors in captured:
+        for t in tensors:
+            args.append(t)
+            args.extend(t.stride())
+    return args
 
 
 def cached_kernel(table: OrderedDict, family: type, score: Optional[TracedMod], mask: Optional[TracedMod],

@@ -94,6 +94,20 @@ class TracedMod:
         """The graph's captured inputs for this call, from the tensors found in the callable now."""
         return [c.fixed_value if c.walk_index is None else walked[c.walk_index] for c in self.captured]
 
+    def fixed_values_on(self, device: torch.device) -> tuple[Optional[torch.Tensor], ...]:
+        """The constants this mod builds itself (frozen on the CPU when it was traced), one per
+        captured input (None for the user's tensors), on ``device``: copied once per device and kept
+        on this object, so no launch copies them again (nor during CUDA-graph capture). The
+        constants are this object's own clones; the version check guards a copy anyway."""
+        device = torch.device(device)
+        copies = self.__dict__.setdefault("_fixed_on_device", {})
+        versions = tuple(None if c.fixed_value is None else c.fixed_value._version for c in self.captured)
+        entry = copies.get(device)
+        if entry is None or entry[0] != versions:
+            values = tuple(None if c.fixed_value is None else c.fixed_value.to(device) for c in self.captured)
+            entry = copies[device] = (versions, values)
+        return entry[1]
+
     def signature_text(self) -> str:
         """A stable text of the graph, for cache keys of generated kernels."""
         return self.graph_module.code

@@ -323,3 +323,30 @@ def test_linearised_index_mod_at_128k_tokens():
     probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
     ref = probs @ v[0, 0].double()
     assert rel_err(out[0, 0, rows], ref) < 2e-2
+
+
+def test_a_mods_own_constant_table_is_read_from_one_device_copy():
+    def table_bias(score, b, h, q_idx, kv_idx):
+        table = torch.tensor([0.5, -1.0, 2.0, 0.25])  # built by the mod, on the CPU
+        return score + table[(q_idx + kv_idx) % 4]
+
+    q, k, v = (torch.randn(2, 4, 300, 64, device="cuda") for _ in range(3))
+    mask = create_block_mask(causal_mask, None, None, 300, 300, device="cuda")
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(q64, k64, v64, score_mod=table_bias, mask_mod=causal_mask)[0]
+    ref.sum().backward()
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        for _ in range(2):  # the second call reuses the device copy
+            assert rel_err(flex_attention(q, k, v, score_mod=table_bias, block_mask=mask), ref) < 1e-4
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        flex_attention(qg, kg, vg, score_mod=table_bias, block_mask=mask).sum().backward()  # the backward reads it too
+        for mine, expected in ((qg.grad, q64.grad), (kg.grad, k64.grad), (vg.grad, v64.grad)):
+            assert rel_err(mine, expected) < 1e-4
+        last = q[:, :, -1:]
+        dec = flex_attention(last, k, v, score_mod=table_bias, kernel_options={"BACKEND": "TRITON_DECODE"})
+        dec_ref = reference_attention(last.double(), k.double(), v.double(), score_mod=table_bias)[0]
+        assert rel_err(dec, dec_ref) < 1e-4
+    finally:
+        torch.set_float32_matmul_precision(old)

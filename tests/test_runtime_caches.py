@@ -295,3 +295,19 @@ def test_lowering_variants_are_remembered_per_traced_mods_and_bounds():
     assert seen[(short.graph_module.code, (100,), small)] != seen[(short.graph_module.code, (100,), large)]
     assert len({v for v in seen.values()}) >= 3  # lengths and the table's size both change the answer
     assert len(rt._VARIANTS) <= rt._VARIANTS_KEPT
+
+
+def test_a_mods_own_constants_are_copied_once_per_device_and_again_after_a_change():
+    from flexattn.trace import trace_mod
+
+    def table_bias(score, b, h, q_idx, kv_idx):
+        table = torch.tensor([0.5, -1.0, 2.0])  # built by the mod: frozen on the CPU at trace time
+        return score + table[h % 3]
+
+    traced, _ = trace_mod(table_bias, "score_mod")
+    (constant,) = [c.fixed_value for c in traced.captured]
+    first = traced.fixed_values_on("meta")
+    assert first[0].device.type == "meta" and first[0].shape == constant.shape
+    assert traced.fixed_values_on(torch.device("meta"))[0] is first[0]  # kept: no copy per launch
+    constant.mul_(2)  # cannot happen through the API (the constant is the TracedMod's own clone)
+    assert traced.fixed_values_on("meta")[0] is not first[0]  # but a changed constant is copied again
