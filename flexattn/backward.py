@@ -21,7 +21,6 @@ walks exactly the blocks the forward walked.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from types import ModuleType
@@ -31,14 +30,13 @@ import torch
 
 from . import lowering
 from .block_mask import BlockMask, _dense_to_ordered, _ordered_to_dense
-from .codegen import BackwardSpec, load_kernel_module, render_backward
+from .codegen import BackwardSpec, render_backward
 from .errors import InvalidInputError, ResourceError
 from .index_bounds import index_bounds
 from .runtime import (
-    LaunchConfig, _empty, _fit_to_mask, _input_precision, _install_tma_allocator, _is_out_of_resources, cached_kernel,
-    lowering_variants, mod_launch_args,
-    _lower, _next_pow2, _tma_compatible, interpreter_enabled, launch_tables, max_shared_memory, triton_cdiv,
-    tuned_configs,
+    KernelFamily, LaunchConfig, _empty, _fit_to_mask, _input_precision, _install_tma_allocator, _is_out_of_resources,
+    _next_pow2, _tma_compatible, cached_kernel, interpreter_enabled, launch_tables, max_shared_memory,
+    mod_launch_args, triton_cdiv, tuned_configs,
 )
 from .trace import TracedMod
 
@@ -253,38 +251,20 @@ def _lower_score_grad(traced: Optional[TracedMod], tanh_approx: bool, variant):
     return lowering.lower_score_grad(traced, prefix="sm_", tanh_approx=tanh_approx, variant=variant)
 
 
-class BackwardKernel:
+class BackwardKernel(KernelFamily):
     """The backward kernels of one pair of traced mods (see [Note] Cache keys in runtime.py): one
-    compiled source per lowering variant, one launch plan per problem."""
+    compiled source per lowering variant, one launch plan per problem. ``compiled`` also lowers the
+    score_mod's gradient, so a gradient that cannot be lowered raises (naming the op and the line)
+    before any kernel runs."""
 
     def __init__(self, score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool):
-        self.score, self.mask, self.tanh_approx = score, mask, tanh_approx
-        self._compiled: dict[tuple, CompiledBackward] = {}
-        self._plans: "OrderedDict[tuple, _BackwardPlan]" = OrderedDict()
+        super().__init__(score, mask, tanh_approx=tanh_approx)
         self.last_config: Optional[BackwardConfig] = None
 
-    def compiled(self, bounds=None) -> CompiledBackward:
-        """The kernels for calls within ``bounds``; lowering the score_mod's gradient here raises the
-        lowering's error (naming the op and the line) before any kernel runs."""
-        variants = lowering_variants(self.score, self.mask, bounds)
-        compiled = self._compiled.get(variants)
-        if compiled is None:
-            compiled = self._compiled[variants] = self._compile(variants)
-        return compiled
-
     def _compile(self, variants: tuple) -> CompiledBackward:
-        spec = BackwardSpec(
-            score_mod=_lower(self.score, "sm_", self.tanh_approx, variants[0]),
-            mask_mod=_lower(self.mask, "mm_", self.tanh_approx, variants[1]),
-            score_grad=_lower_score_grad(self.score, self.tanh_approx, variants[0]),
-            score_name=self.score.name if self.score else "identity",
-            mask_name=self.mask.name if self.mask else "none",
-        )
-        source = render_backward(spec)
-        return CompiledBackward(
-            spec=spec, source=source, source_digest=hashlib.sha256(source.encode()).hexdigest()[:16],
-            module=load_kernel_module(source, spec.readable_name()), variants=variants,
-        )
+        spec = BackwardSpec(**self._lowered_mods(variants),
+                            score_grad=_lower_score_grad(self.score, self.tanh_approx, variants[0]))
+        return self._load(CompiledBackward, spec, render_backward(spec), variants)
 
     def prepare(self, q, k, block_mask) -> None:
         """Lower and compile for this call's lengths now (at the forward), so a mod whose gradient
@@ -308,10 +288,8 @@ class BackwardKernel:
         )
         plan = self._plans.get(plan_key)
         if plan is None:
-            plan = self._plan(q, k, v, grad_out, block_mask, tables, scale, score_captured, mask_captured, options)
-            self._plans[plan_key] = plan
-            if len(self._plans) > _PLANS_PER_KERNEL:
-                self._plans.popitem(last=False)
+            plan = self._remember_plan(plan_key, self._plan(
+                q, k, v, grad_out, block_mask, tables, scale, score_captured, mask_captured, options))
         module = plan.compiled.module
         if plan.dkdv_constexprs["USE_TMA"] and (q.data_ptr() | k.data_ptr() | v.data_ptr() | grad_out.data_ptr()) % 16:
             # Same shapes and strides as the plan's first call, but an unaligned view this time.

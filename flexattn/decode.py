@@ -24,7 +24,6 @@ device, BlockMask table shapes, the group check, flags, options), the group chec
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -34,13 +33,13 @@ from typing import NamedTuple, Optional
 import torch
 
 from .block_mask import BlockMask
-from .codegen import _environment, load_kernel_module
+from .codegen import _environment
 from .errors import InvalidInputError, ResourceError
 from .index_bounds import index_bounds
 from .lowering import LoweredMod
 from .runtime import (
-    _empty, _input_precision, _is_out_of_resources, _lower, _next_pow2, _tile, interpreter_enabled,
-    cached_kernel, launch_tables, lowering_variants, max_shared_memory, mod_launch_args, triton_cdiv,
+    KernelFamily, _empty, _input_precision, _is_out_of_resources, _next_pow2, _tile, interpreter_enabled,
+    cached_kernel, launch_tables, max_shared_memory, mod_launch_args, triton_cdiv,
 )
 from .trace import TracedMod
 
@@ -231,37 +230,17 @@ _PLANS_PER_KERNEL = 256
 # ------------------------------------------------------------------------------------ kernels
 
 
-class DecodeKernel:
+class DecodeKernel(KernelFamily):
     """The decode kernels of one pair of traced mods: one compiled source per lowering variant, one
     launch plan per problem (see [Note] Cache keys in runtime.py)."""
 
     def __init__(self, score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool):
-        self.score, self.mask, self.tanh_approx = score, mask, tanh_approx
-        self.has_score_mod = score is not None
-        self.has_mask_mod = mask is not None
-        self._compiled: dict[tuple, CompiledDecode] = {}
-        self._plans: "OrderedDict[tuple, _DecodePlan]" = OrderedDict()
+        super().__init__(score, mask, tanh_approx=tanh_approx)
         self.last_plan: Optional[_DecodePlan] = None  # what the latest launch used (tests and debugging read it)
 
-    def compiled(self, bounds=None) -> CompiledDecode:
-        variants = lowering_variants(self.score, self.mask, bounds)
-        compiled = self._compiled.get(variants)
-        if compiled is None:
-            compiled = self._compiled[variants] = self._compile(variants)
-        return compiled
-
     def _compile(self, variants: tuple) -> CompiledDecode:
-        spec = DecodeSpec(
-            score_mod=_lower(self.score, "sm_", self.tanh_approx, variants[0]),
-            mask_mod=_lower(self.mask, "mm_", self.tanh_approx, variants[1]),
-            score_name=self.score.name if self.score else "identity",
-            mask_name=self.mask.name if self.mask else "none",
-        )
-        source = render_decode(spec)
-        return CompiledDecode(
-            spec=spec, source=source, source_digest=hashlib.sha256(source.encode()).hexdigest()[:16],
-            module=load_kernel_module(source, spec.readable_name()), variants=variants,
-        )
+        spec = DecodeSpec(**self._lowered_mods(variants))
+        return self._load(CompiledDecode, spec, render_decode(spec), variants)
 
     def __call__(self, q, k, v, block_mask: BlockMask, scale: float, score_captured, mask_captured, *,
                  need_lse: bool, options: dict):
@@ -284,10 +263,7 @@ class DecodeKernel:
         )
         plan = self._plans.get(plan_key)
         if plan is None:
-            plan = self._plan(q, k, v, block_mask, tables, shared, scale, need_lse, options)
-            self._plans[plan_key] = plan
-            if len(self._plans) > _PLANS_PER_KERNEL:
-                self._plans.popitem(last=False)
+            plan = self._remember_plan(plan_key, self._plan(q, k, v, block_mask, tables, shared, scale, need_lse, options))
         self.last_plan = plan
 
         out = _empty((B, Hq, L, Ev), q.dtype, q.device)

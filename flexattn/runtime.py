@@ -440,41 +440,66 @@ class _Plan(NamedTuple):
 _PLANS_PER_KERNEL = 256
 
 
-class ForwardKernel:
-    """The forward kernels of one pair of traced mods: one compiled source per lowering variant,
-    and one launch plan per problem (see [Note] Cache keys)."""
+class KernelFamily:
+    """What the forward, backward and decode kernels of one pair of traced mods share (see [Note]
+    Cache keys): one compiled source per lowering variant (``compiled``, built by the family's
+    ``_compile``) and a bounded table of launch plans, one per problem (``_remember_plan``)."""
 
     def __init__(self, score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool):
         self.score, self.mask, self.tanh_approx = score, mask, tanh_approx
         self.has_score_mod = score is not None
         self.has_mask_mod = mask is not None
-        self._compiled: dict[tuple, CompiledForward] = {}
-        self._plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
-        self.last_constexprs: Optional[dict] = None  # what the latest launch used (tests and debugging read it)
-        self.last_compiled: Optional[CompiledForward] = None
+        self._compiled: dict[tuple, object] = {}
+        self._plans: "OrderedDict[tuple, tuple]" = OrderedDict()
 
-    def compiled(self, bounds=None) -> CompiledForward:
-        """The kernel for calls within ``bounds`` (an IndexBounds); None: correct at any lengths."""
+    def compiled(self, bounds=None):
+        """The kernels for calls within ``bounds`` (an IndexBounds); None: correct at any lengths."""
         variants = lowering_variants(self.score, self.mask, bounds)
         compiled = self._compiled.get(variants)
         if compiled is None:
             compiled = self._compiled[variants] = self._compile(variants)
         return compiled
 
-    def _compile(self, variants: tuple) -> CompiledForward:
-        score_lowered = _lower(self.score, "sm_", self.tanh_approx, variants[0])
-        mask_lowered = _lower(self.mask, "mm_", self.tanh_approx, variants[1])
-        spec = ForwardSpec(
-            score_mod=score_lowered,
-            mask_mod=mask_lowered,
+    def _compile(self, variants: tuple):
+        raise NotImplementedError
+
+    def _lowered_mods(self, variants: tuple) -> dict:
+        """The spec fields every family's template takes: both mods lowered for ``variants``, and
+        their names."""
+        return dict(
+            score_mod=_lower(self.score, "sm_", self.tanh_approx, variants[0]),
+            mask_mod=_lower(self.mask, "mm_", self.tanh_approx, variants[1]),
             score_name=self.score.name if self.score else "identity",
             mask_name=self.mask.name if self.mask else "none",
         )
-        source = render_forward(spec)
-        return CompiledForward(
+
+    @staticmethod
+    def _load(compiled_type: type, spec, source: str, variants: tuple):
+        """``compiled_type`` for a rendered source, imported (codegen.load_kernel_module)."""
+        return compiled_type(
             spec=spec, source=source, source_digest=hashlib.sha256(source.encode()).hexdigest()[:16],
             module=load_kernel_module(source, spec.readable_name()), variants=variants,
         )
+
+    def _remember_plan(self, key: tuple, plan):
+        self._plans[key] = plan
+        if len(self._plans) > _PLANS_PER_KERNEL:  # masks rebuilt with new content must not pile up
+            self._plans.popitem(last=False)
+        return plan
+
+
+class ForwardKernel(KernelFamily):
+    """The forward kernels of one pair of traced mods: one compiled source per lowering variant,
+    and one launch plan per problem (see [Note] Cache keys)."""
+
+    def __init__(self, score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool):
+        super().__init__(score, mask, tanh_approx=tanh_approx)
+        self.last_constexprs: Optional[dict] = None  # what the latest launch used (tests and debugging read it)
+        self.last_compiled: Optional[CompiledForward] = None
+
+    def _compile(self, variants: tuple) -> CompiledForward:
+        spec = ForwardSpec(**self._lowered_mods(variants))
+        return self._load(CompiledForward, spec, render_forward(spec), variants)
 
     # ---------------------------------------------------------------- launch
     def __call__(
@@ -492,11 +517,8 @@ class ForwardKernel:
         )
         plan = self._plans.get(plan_key)
         if plan is None:
-            plan = self._plan(q, k, v, block_mask, tables, scale, score_captured, mask_captured, need_lse,
-                              need_max, options)
-            self._plans[plan_key] = plan
-            if len(self._plans) > _PLANS_PER_KERNEL:  # masks rebuilt with new content must not pile up
-                self._plans.popitem(last=False)
+            plan = self._remember_plan(plan_key, self._plan(
+                q, k, v, block_mask, tables, scale, score_captured, mask_captured, need_lse, need_max, options))
         grid, constexprs, compiled = plan
         if constexprs["USE_TMA"] and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
             # Same shapes and strides as the plan's first call, but an unaligned view this time.
