@@ -30,7 +30,7 @@ import torch
 
 from . import lowering
 from .block_mask import BlockMask, _dense_to_ordered, _ordered_to_dense
-from .codegen import BackwardSpec, render_backward
+from .codegen import KernelSpec
 from .errors import InvalidInputError, ResourceError
 from .index_bounds import index_bounds
 from .runtime import (
@@ -226,7 +226,7 @@ def backward_tables(block_mask: BlockMask) -> BackwardTables:
 
 @dataclass(frozen=True)
 class CompiledBackward:
-    spec: BackwardSpec
+    spec: KernelSpec
     source: str
     source_digest: str
     module: ModuleType
@@ -262,9 +262,9 @@ class BackwardKernel(KernelFamily):
         self.last_config: Optional[BackwardConfig] = None
 
     def _compile(self, variants: tuple) -> CompiledBackward:
-        spec = BackwardSpec(**self._lowered_mods(variants),
-                            score_grad=_lower_score_grad(self.score, self.tanh_approx, variants[0]))
-        return self._load(CompiledBackward, spec, render_backward(spec), variants)
+        spec = KernelSpec("backward", **self._lowered_mods(variants),
+                          score_grad=_lower_score_grad(self.score, self.tanh_approx, variants[0]))
+        return self._load(CompiledBackward, spec, variants)
 
     def prepare(self, q, k, block_mask) -> None:
         """Lower and compile for this call's lengths now (at the forward), so a mod whose gradient

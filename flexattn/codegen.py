@@ -24,7 +24,7 @@ import jinja2
 
 from .lowering import LoweredMod
 
-__all__ = ["ForwardSpec", "render_forward", "BackwardSpec", "render_backward", "cache_dir", "load_kernel_module", "debug_enabled"]
+__all__ = ["FAMILIES", "KernelSpec", "render", "cache_dir", "load_kernel_module", "debug_enabled"]
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 
@@ -51,54 +51,41 @@ def cache_dir() -> Path:
     return path
 
 
-@dataclass(frozen=True)
-class ForwardSpec:
-    """Everything the forward template needs; all other choices are Triton constexprs at launch."""
+# Each kernel family's template and the name of the kernel (or kernel prefix) it defines, and the
+# prefix of its generated files.
+FAMILIES = {
+    "forward": ("forward.py.jinja", "flex_attention_forward", "fwd"),
+    "backward": ("backward.py.jinja", "flex_attention_backward", "bwd"),
+    "decode": ("decode.py.jinja", "flex_attention_decode", "dec"),
+}
 
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """Everything a family's template needs; all other choices are Triton constexprs at launch.
+    ``score_grad`` (a LoweredScoreGrad, backward only) is the score_mod's lowered gradient; the
+    backward also takes the forward's lowered mods, to recompute the scores."""
+
+    family: str  # a key of FAMILIES
     score_mod: Optional[LoweredMod]
     mask_mod: Optional[LoweredMod]
     score_name: str = "identity"
     mask_name: str = "none"
+    score_grad: Optional[object] = None
 
     def readable_name(self) -> str:
-        return f"fwd_{_slug(self.score_name)}_{_slug(self.mask_name)}"
-
-
-@dataclass(frozen=True)
-class BackwardSpec:
-    """Everything the backward template needs: the forward's lowered mods (to recompute the scores)
-    and the score_mod's lowered gradient (``score_grad``, a LoweredScoreGrad or None)."""
-
-    score_mod: Optional[LoweredMod]
-    mask_mod: Optional[LoweredMod]
-    score_grad: Optional[object]
-    score_name: str = "identity"
-    mask_name: str = "none"
-
-    def readable_name(self) -> str:
-        return f"bwd_{_slug(self.score_name)}_{_slug(self.mask_name)}"
+        return f"{FAMILIES[self.family][2]}_{_slug(self.score_name)}_{_slug(self.mask_name)}"
 
 
 def _slug(name: str) -> str:
     return re.sub(r"[^0-9a-zA-Z]+", "_", name).strip("_")[:40] or "mod"
 
 
-def render_forward(spec: ForwardSpec) -> str:
-    template = _environment.get_template("forward.py.jinja")
-    return template.render(
-        kernel_name="flex_attention_forward",
-        description=f"score_mod={spec.score_name}, mask_mod={spec.mask_name}",
-        score_mod=spec.score_mod,
-        mask_mod=spec.mask_mod,
-        score_params=list(spec.score_mod.kernel_params) if spec.score_mod else [],
-        mask_params=list(spec.mask_mod.kernel_params) if spec.mask_mod else [],
-    )
-
-
-def render_backward(spec: BackwardSpec) -> str:
-    template = _environment.get_template("backward.py.jinja")
-    return template.render(
-        kernel_name="flex_attention_backward",
+def render(spec: KernelSpec) -> str:
+    """The kernel module's source: the family's template filled with plain values."""
+    template, kernel_name, _ = FAMILIES[spec.family]
+    return _environment.get_template(template).render(
+        kernel_name=kernel_name,
         description=f"score_mod={spec.score_name}, mask_mod={spec.mask_name}",
         score_mod=spec.score_mod,
         mask_mod=spec.mask_mod,

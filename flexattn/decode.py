@@ -24,7 +24,6 @@ device, BlockMask table shapes, the group check, flags, options), the group chec
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from types import ModuleType
@@ -33,17 +32,16 @@ from typing import NamedTuple, Optional
 import torch
 
 from .block_mask import BlockMask
-from .codegen import _environment
+from .codegen import KernelSpec
 from .errors import InvalidInputError, ResourceError
 from .index_bounds import index_bounds
-from .lowering import LoweredMod
 from .runtime import (
     KernelFamily, _empty, _input_precision, _is_out_of_resources, _next_pow2, _tile, interpreter_enabled,
     cached_kernel, launch_tables, max_shared_memory, mod_launch_args, triton_cdiv,
 )
 from .trace import TracedMod
 
-__all__ = ["DecodeKernel", "decode_kernel", "DecodeSpec", "render_decode", "unsupported_reason", "launches",
+__all__ = ["DecodeKernel", "decode_kernel", "unsupported_reason", "launches",
            "MAX_AUTO_QUERY_LEN"]
 
 launches = 0  # decode calls in this process (tests check that the decode kernels, not the forward, ran)
@@ -54,40 +52,12 @@ launches = 0  # decode calls in this process (tests check that the decode kernel
 MAX_AUTO_QUERY_LEN = 16
 
 
-# ------------------------------------------------------------------------------------ codegen
-
-
-@dataclass(frozen=True)
-class DecodeSpec:
-    """Everything the decode template needs; all other choices are Triton constexprs at launch."""
-
-    score_mod: Optional[LoweredMod]
-    mask_mod: Optional[LoweredMod]
-    score_name: str = "identity"
-    mask_name: str = "none"
-
-    def readable_name(self) -> str:
-        return f"dec_{_slug(self.score_name)}_{_slug(self.mask_name)}"
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^0-9a-zA-Z]+", "_", name).strip("_")[:40] or "mod"
-
-
-def render_decode(spec: DecodeSpec) -> str:
-    return _environment.get_template("decode.py.jinja").render(
-        kernel_name="flex_attention_decode",
-        description=f"score_mod={spec.score_name}, mask_mod={spec.mask_name}",
-        score_mod=spec.score_mod,
-        mask_mod=spec.mask_mod,
-        score_params=list(spec.score_mod.kernel_params) if spec.score_mod else [],
-        mask_params=list(spec.mask_mod.kernel_params) if spec.mask_mod else [],
-    )
+# ------------------------------------------------------------------------------------ compiled kernels
 
 
 @dataclass(frozen=True)
 class CompiledDecode:
-    spec: DecodeSpec
+    spec: KernelSpec
     source: str
     source_digest: str
     module: ModuleType
@@ -239,8 +209,7 @@ class DecodeKernel(KernelFamily):
         self.last_plan: Optional[_DecodePlan] = None  # what the latest launch used (tests and debugging read it)
 
     def _compile(self, variants: tuple) -> CompiledDecode:
-        spec = DecodeSpec(**self._lowered_mods(variants))
-        return self._load(CompiledDecode, spec, render_decode(spec), variants)
+        return self._load(CompiledDecode, KernelSpec("decode", **self._lowered_mods(variants)), variants)
 
     def __call__(self, q, k, v, block_mask: BlockMask, scale: float, score_captured, mask_captured, *,
                  need_lse: bool, options: dict):

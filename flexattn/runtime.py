@@ -41,7 +41,7 @@ import torch
 
 from . import lowering
 from .block_mask import BlockMask, _ascending
-from .codegen import ForwardSpec, cache_dir, load_kernel_module, render_forward
+from .codegen import KernelSpec, cache_dir, load_kernel_module, render
 from .errors import BackendUnavailableError, InvalidInputError, ResourceError
 from .index_bounds import index_bounds, lowering_variant
 from .lowering import LoweredMod
@@ -420,7 +420,7 @@ def _input_precision(dtype: torch.dtype) -> str:
 class CompiledForward:
     """One rendered and imported forward kernel: the mods lowered for one lowering variant."""
 
-    spec: ForwardSpec
+    spec: KernelSpec
     source: str
     source_digest: str
     module: ModuleType
@@ -474,8 +474,9 @@ class KernelFamily:
         )
 
     @staticmethod
-    def _load(compiled_type: type, spec, source: str, variants: tuple):
-        """``compiled_type`` for a rendered source, imported (codegen.load_kernel_module)."""
+    def _load(compiled_type: type, spec: KernelSpec, variants: tuple):
+        """``compiled_type`` for ``spec``: rendered and imported (codegen.load_kernel_module)."""
+        source = render(spec)
         return compiled_type(
             spec=spec, source=source, source_digest=hashlib.sha256(source.encode()).hexdigest()[:16],
             module=load_kernel_module(source, spec.readable_name()), variants=variants,
@@ -498,8 +499,7 @@ class ForwardKernel(KernelFamily):
         self.last_compiled: Optional[CompiledForward] = None
 
     def _compile(self, variants: tuple) -> CompiledForward:
-        spec = ForwardSpec(**self._lowered_mods(variants))
-        return self._load(CompiledForward, spec, render_forward(spec), variants)
+        return self._load(CompiledForward, KernelSpec("forward", **self._lowered_mods(variants)), variants)
 
     # ---------------------------------------------------------------- launch
     def __call__(
