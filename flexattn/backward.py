@@ -33,6 +33,7 @@ from .block_mask import BlockMask, _dense_to_ordered, _ordered_to_dense
 from .codegen import KernelSpec
 from .errors import InvalidInputError, ResourceError
 from .index_bounds import index_bounds
+from .launch import launch
 from .runtime import (
     KernelFamily, LaunchConfig, _empty, _fit_to_mask, _input_precision, _install_tma_allocator, _is_out_of_resources,
     _next_pow2, _tma_compatible, cached_kernel, interpreter_enabled, launch_tables, max_shared_memory,
@@ -302,11 +303,10 @@ class BackwardKernel(KernelFamily):
         delta = _empty((B, Hq, L), torch.float32, q.device)
         dlse = grad_lse.contiguous().float() if grad_lse is not None else delta
         pre_block = plan.preprocess_block
-        module.flex_attention_backward_preprocess[(triton_cdiv(L, pre_block), Hq, B)](
-            out, grad_out, dlse, delta, *out.stride(), *grad_out.stride(), L,
-            V_HEAD_DIM=Ev, V_HEAD_DIM_P2=max(16, _next_pow2(Ev)), BLOCK_M=pre_block,
-            HAS_DLSE=grad_lse is not None,
-        )
+        launch(module.flex_attention_backward_preprocess, (triton_cdiv(L, pre_block), Hq, B),
+               (out, grad_out, dlse, delta, *out.stride(), *grad_out.stride(), L),
+               dict(V_HEAD_DIM=Ev, V_HEAD_DIM_P2=max(16, _next_pow2(Ev)), BLOCK_M=pre_block,
+                    HAS_DLSE=grad_lse is not None))
 
         # -- captured tensors and their gradient buffers ----
         trainable = plan.compiled.spec.score_grad.trainable if plan.compiled.spec.score_grad else ()
@@ -328,21 +328,19 @@ class BackwardKernel(KernelFamily):
         lse = lse.contiguous()
 
         try:
-            module.flex_attention_backward_dkdv[plan.dkdv_grid](
+            launch(module.flex_attention_backward_dkdv, plan.dkdv_grid, (
                 q, k, v, grad_out, lse, delta, dk, dv,
                 bwd_tables.q_num_blocks, bwd_tables.q_indices, bwd_tables.full_q_num_blocks, bwd_tables.full_q_indices,
                 *q.stride(), *k_strides, *v_strides, *grad_out.stride(), *dk.stride(), *dv.stride(),
                 bwd_tables.q_num_blocks.shape[2], bwd_tables.q_indices.shape[3], bwd_tables.full_q_indices.shape[3],
-                L, S, scale, *score_args, *mask_args, **plan.dkdv_constexprs,
-            )
+                L, S, scale, *score_args, *mask_args), plan.dkdv_constexprs)
             nb, idx, fnb, fidx = tables.kv_num_blocks, tables.kv_indices, tables.full_kv_num_blocks, tables.full_kv_indices
-            module.flex_attention_backward_dq[plan.dq_grid](
+            launch(module.flex_attention_backward_dq, plan.dq_grid, (
                 q, k, v, grad_out, lse, delta, dq,
                 nb, idx, fnb, fidx,
                 *q.stride(), *k_strides, *v_strides, *grad_out.stride(), *dq.stride(),
                 nb.shape[2], idx.shape[3], fidx.shape[3],
-                L, S, scale, *score_args, *mask_args, **plan.dq_constexprs,
-            )
+                L, S, scale, *score_args, *mask_args), plan.dq_constexprs)
         except Exception as err:
             if not _is_out_of_resources(err):
                 raise

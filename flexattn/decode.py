@@ -35,6 +35,7 @@ from .block_mask import BlockMask
 from .codegen import KernelSpec
 from .errors import InvalidInputError, ResourceError
 from .index_bounds import index_bounds
+from .launch import launch
 from .runtime import (
     KernelFamily, _empty, _input_precision, _is_out_of_resources, _next_pow2, _tile, interpreter_enabled,
     cached_kernel, launch_tables, max_shared_memory, mod_launch_args, triton_cdiv,
@@ -252,11 +253,10 @@ class DecodeKernel(KernelFamily):
         nb, idx, fnb, fidx = tables.kv_num_blocks, tables.kv_indices, tables.full_kv_num_blocks, tables.full_kv_indices
         module = plan.compiled.module
         try:
-            module.flex_attention_decode_partial[plan.grid](
+            launch(module.flex_attention_decode_partial, plan.grid, (
                 q, k, v, out, lse, acc_s, m_s, l_s, nb, idx, fnb, fidx,
                 *q.stride(), *k_strides, *v_strides, *out.stride(),
-                nb.shape[2], idx.shape[3], fidx.shape[3], k.shape[2], scale, *extra, **plan.constexprs,
-            )
+                nb.shape[2], idx.shape[3], fidx.shape[3], k.shape[2], scale, *extra), plan.constexprs)
         except Exception as err:
             # See [Note] Resource fallback in runtime.py: a smaller tile, kept for this problem.
             if not _is_out_of_resources(err):
@@ -271,9 +271,8 @@ class DecodeKernel(KernelFamily):
             self._plans[plan_key] = smaller
             return self(q, k, v, block_mask, scale, score_captured, mask_captured, need_lse=need_lse, options=options)
         if plan.merge_grid is not None:
-            module.flex_attention_decode_merge[plan.merge_grid](
-                out, lse, acc_s, m_s, l_s, *out.stride(), **plan.merge_constexprs,
-            )
+            launch(module.flex_attention_decode_merge, plan.merge_grid,
+                   (out, lse, acc_s, m_s, l_s, *out.stride()), plan.merge_constexprs)
         launches += 1
         return out, (lse if need_lse else None)
 

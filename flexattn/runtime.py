@@ -44,6 +44,7 @@ from .block_mask import BlockMask, _ascending
 from .codegen import KernelSpec, cache_dir, load_kernel_module, render
 from .errors import BackendUnavailableError, InvalidInputError, ResourceError
 from .index_bounds import index_bounds, lowering_variant
+from .launch import launch
 from .lowering import LoweredMod
 from .trace import TracedMod
 
@@ -543,12 +544,11 @@ class ForwardKernel(KernelFamily):
             q_arg, k_arg, v_arg, out_arg = _host_descriptors(q, k, v, out, constexprs)
         nb, idx, fnb, fidx = tables.kv_num_blocks, tables.kv_indices, tables.full_kv_num_blocks, tables.full_kv_indices
         try:
-            compiled.jit_fn[grid](
+            launch(compiled.jit_fn, grid, (
                 q_arg, k_arg, v_arg, out_arg, lse, mx, nb, idx, fnb, fidx,
                 *q.stride(), *k_strides, *v_strides, *out.stride(),
                 nb.shape[2], idx.shape[3], fidx.shape[3],
-                L, k.shape[2], scale, *extra, **constexprs,
-            )
+                L, k.shape[2], scale, *extra), constexprs)
         except Exception as err:
             # [Note] Resource fallback: a mod with many per-pair gathers (a Graphormer edge bias
             # summed over a path) can need more shared memory than the default tiles allow. The

@@ -356,3 +356,51 @@ def test_a_mods_own_constant_table_is_read_from_one_device_copy():
         assert rel_err(dec.cpu(), dec_ref) < 1e-4
     finally:
         torch.set_float32_matmul_precision(old)
+
+
+def _misaligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """The same values, shape and strides, at an address that is not 16-byte aligned."""
+    buf = torch.empty(t.numel() + 16, dtype=t.dtype, device=t.device)
+    view = buf[1:1 + t.numel()].view(t.shape)
+    view.copy_(t)
+    assert view.data_ptr() % 16 and view.stride() == t.stride()
+    return view
+
+
+def test_direct_launches_stay_correct_when_alignment_and_captured_tensors_change():
+    # flexattn.launch calls a compiled kernel directly once Triton's own launch chose it for the same
+    # specialisation facts. The same shapes and strides must still reach a kernel specialised for
+    # what each call passes: a misaligned view, a new (misaligned) learnable table, a new mask.
+    import flexattn.launch
+
+    B, H, L, D = 1, 4, 320, 64
+    torch.manual_seed(0)
+    bias = torch.randn(H, device="cuda")
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h] * (q_idx - kv_idx)
+
+    mask = create_block_mask(causal_mask, None, None, L, L, device="cuda")
+    before = flexattn.launch.fast_launches
+    for step in range(6):
+        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        dout = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16)
+        if step >= 3:  # same shapes and strides as the earlier steps, new facts
+            q, k, v, dout = (_misaligned_copy(t) for t in (q, k, v, dout))
+        if step == 4:
+            bias = _misaligned_copy(torch.randn(H, device="cuda"))
+        q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+        ref = reference_attention(q64, k64, v64, score_mod=head_bias, mask_mod=causal_mask)[0]
+        ref.backward(dout.double())
+        qg, kg, vg = (t.clone().requires_grad_() if t.data_ptr() % 16 == 0 else _misaligned_copy(t).requires_grad_()
+                      for t in (q, k, v))
+        out = flex_attention(qg, kg, vg, score_mod=head_bias, block_mask=mask)
+        out.backward(dout)
+        assert rel_err(out, ref) < 2e-2, f"step {step}"
+        for mine, expected in ((qg.grad, q64.grad), (kg.grad, k64.grad), (vg.grad, v64.grad)):
+            assert rel_err(mine, expected) < 2e-2, f"step {step}"
+        last = q[:, :, -1:]  # decode: one query row against the cache
+        dec = flex_attention(last, k, v, score_mod=head_bias, kernel_options={"BACKEND": "TRITON_DECODE"})
+        dec_ref = reference_attention(last.double(), k.double(), v.double(), score_mod=head_bias)[0]
+        assert rel_err(dec, dec_ref) < 2e-2, f"step {step}"
+    assert flexattn.launch.fast_launches > before  # the direct path ran

@@ -1,0 +1,49 @@
+"""flexattn.launch: the facts that key its direct launches, and the interpreter's ordinary path. The
+direct path itself needs a GPU (tests/test_gpu.py runs it with changing alignment and tensors)."""
+
+import torch
+
+import flexattn.launch as launch_module
+from flexattn.launch import _facts
+
+
+def test_facts_tell_apart_what_triton_specialises_on():
+    base = torch.zeros(64, dtype=torch.float32)
+    aligned, misaligned = base[:16], base[1:17]
+    assert _facts((aligned,)) != _facts((misaligned,))  # 16-byte alignment
+    assert _facts((aligned,)) != _facts((aligned.to(torch.float16),))  # dtype
+    assert _facts((32,)) != _facts((33,))  # divisible by 16
+    assert _facts((1,)) != _facts((3,))  # equal to 1
+    assert _facts((2**31 + 16,)) != _facts((16,))  # 32-bit range
+    assert _facts((True,)) != _facts((False,)) and _facts((True,)) != _facts((1,))
+    assert _facts((48, 0.5)) == _facts((16, 2.0))  # same facts: the same compiled kernel serves both
+    assert _facts((aligned, object())) is None  # anything else takes Triton's own launch
+
+
+def test_interpreted_kernels_take_the_ordinary_launch(monkeypatch):
+    calls = []
+
+    class Interpreted:  # like triton.runtime.interpreter.InterpretedFunction: no device_caches
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
+
+    before = launch_module.fast_launches
+    for _ in range(2):
+        launch_module.launch(Interpreted(), (2, 1, 1), (torch.zeros(4), 7), {"BLOCK": 16})
+    assert [(grid, len(args), args[1], kwargs) for grid, args, kwargs in calls] == [((2, 1, 1), 2, 7, {"BLOCK": 16})] * 2
+    assert launch_module.fast_launches == before
+
+
+def test_a_profiler_hook_sends_launches_through_triton():
+    from triton import knobs
+
+    from flexattn.launch import _idle
+
+    hook = knobs.runtime.launch_enter_hook
+    assert _idle(hook) and _idle(None)
+    probe = lambda metadata: None  # noqa: E731
+    hook.add(probe)
+    try:
+        assert not _idle(hook)  # a set hook gets Triton's own launch, with its metadata
+    finally:
+        hook.remove(probe)
