@@ -26,22 +26,23 @@ __all__ = ["launch", "fast_launches"]
 fast_launches = 0  # launches that took the direct path (tests check that it runs and stays correct)
 
 _MAX_ENTRIES = 512  # per kernel; cleared when full (a new entry costs one ordinary launch)
-_INT32 = (-(2**31), 2**31)
 
 
 def _facts(args) -> Optional[tuple]:
     """What Triton's specialisation can depend on, per argument; None for an argument of a kind this
-    path does not handle."""
+    path does not handle. Ints first: most arguments are strides and lengths."""
     facts = []
+    append = facts.append
     for a in args:
-        if isinstance(a, torch.Tensor):
-            facts.append((a.dtype, a.data_ptr() & 15 == 0))
-        elif type(a) is int:
-            facts.append((a & 15 == 0, a == 1, _INT32[0] <= a < _INT32[1]))
-        elif type(a) is float:
-            facts.append(float)
-        elif type(a) is bool:
-            facts.append((bool, a))
+        kind = type(a)
+        if kind is int:
+            append((a & 15 == 0, a == 1, -2147483648 <= a <= 2147483647))
+        elif kind is float:
+            append(float)
+        elif isinstance(a, torch.Tensor):
+            append((a.dtype, a.data_ptr() & 15 == 0))
+        elif kind is bool:
+            append((bool, a))
         else:
             return None
     return tuple(facts)
@@ -62,16 +63,12 @@ def _idle(hook) -> bool:
     return hook is None or getattr(hook, "calls", None) == []
 
 
-def _direct_path_available() -> bool:
-    try:
-        from triton import knobs  # noqa: F401
-        from triton.runtime.driver import driver  # noqa: F401
-    except ImportError:  # pragma: no cover - Triton before 3.4 has no knobs; the ordinary launch then
-        return False
-    return True
-
-
-_AVAILABLE = _direct_path_available()
+try:  # Triton 3.4 and later; before, every launch is Triton's own
+    from triton import knobs as _knobs
+    from triton.runtime.driver import driver as _driver
+except ImportError:  # pragma: no cover
+    _knobs = _driver = None
+_AVAILABLE = _knobs is not None
 
 
 def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict) -> None:
@@ -81,10 +78,7 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict) -> None:
     if not _AVAILABLE or not hasattr(jit_fn, "device_caches"):  # the interpreter's function, or an old Triton
         jit_fn[grid](*args, **constexprs)
         return
-    from triton import knobs
-    from triton.runtime.driver import driver
-
-    runtime = knobs.runtime
+    runtime = _knobs.runtime
     if not (_idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook)) or runtime.debug:
         jit_fn[grid](*args, **constexprs)
         return
@@ -92,7 +86,7 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict) -> None:
     if facts is None:
         jit_fn[grid](*args, **constexprs)
         return
-    device = driver.active.get_current_device()
+    device = _driver.active.get_current_device()
     key = (device, facts, tuple(constexprs.items()))
     entries = jit_fn.__dict__.setdefault("_flexattn_entries", {})
     entry = entries.get(key)
@@ -109,7 +103,7 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict) -> None:
         entries[key] = _Entry(kernel, tuple(constexprs[name] for name in rest), device)
         return
     kernel = entry.kernel
-    stream = driver.active.get_current_stream(device)
+    stream = _driver.active.get_current_stream(device)
     grid_1 = grid[1] if len(grid) > 1 else 1
     grid_2 = grid[2] if len(grid) > 2 else 1
     kernel.run(grid[0], grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, None, None, None,
