@@ -11,8 +11,9 @@ Triton specialises on (each tensor's dtype and 16-byte alignment; each int's div
 whether it is 1, whether it fits in 32 bits), the constexprs and the launch options. A later call
 with the same facts calls the compiled kernel's launcher directly, without launch metadata or the
 (empty) launch hooks; any other call, any argument of another kind (a host tensor descriptor), a
-launch hook that is set (a profiler) or the interpreter takes Triton's own path. The facts are a superset of what Triton keys its cache on, so a call can never
-reach a kernel compiled for another specialisation: that would be a wrong number, not a slow one.
+launch hook that is set (a profiler) or the interpreter takes Triton's own path. The facts are a
+superset of what Triton keys its cache on, so a call can never reach a kernel compiled for another
+specialisation: that would be a wrong number, not a slow one.
 """
 
 from __future__ import annotations
@@ -49,12 +50,11 @@ def _facts(args) -> Optional[tuple]:
 
 
 class _Entry:
-    __slots__ = ("kernel", "tail", "device")
+    __slots__ = ("kernel", "tail")
 
-    def __init__(self, kernel, tail: tuple, device: int):
+    def __init__(self, kernel, tail: tuple):
         self.kernel = kernel
         self.tail = tail  # the constexprs' values in signature order (Triton's launcher skips them)
-        self.device = device
 
 
 def _idle(hook) -> bool:
@@ -100,7 +100,7 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict) -> None:
             return
         if len(entries) >= _MAX_ENTRIES:
             entries.clear()
-        entries[key] = _Entry(kernel, tuple(constexprs[name] for name in rest), device)
+        entries[key] = _Entry(kernel, tuple(constexprs[name] for name in rest))
         return
     kernel = entry.kernel
     stream = _driver.active.get_current_stream(device)
