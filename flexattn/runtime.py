@@ -20,9 +20,11 @@ Every cache is bounded (least recently used entries go first).
 
 The caches: ``_kernels`` (TracedMod pair, tanh flag), ``ForwardKernel._compiled`` (lowering
 variants), ``ForwardKernel._plans`` (shapes, strides, dtype, device, BlockMask content, flags,
-options), the device copies of a mod's own constants (on the TracedMod, per device), launch tables and row statistics (on the BlockMask, BlockMask.derived), ``codegen._loaded``
-(source digest), the autotune table (source digest, device, shape class, Triton version),
-``api._dense_masks`` (lengths, device), ``index_bounds._WIDE`` (TracedMods, bounds).
+options), the device copies of a mod's own constants (on the TracedMod, per device), launch
+tables and row statistics (on the BlockMask, BlockMask.derived), ``codegen._loaded`` (source
+digest), the autotune table (source digest, device, shape class, Triton version),
+``api._dense_masks`` (lengths, device), ``index_bounds._WIDE`` (TracedMods, bounds), and the
+direct launches of ``launch.py`` (on each Triton kernel: device, specialisation facts, constexprs).
 """
 
 from __future__ import annotations
