@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from fractions import Fraction
 from types import ModuleType
 from typing import NamedTuple, Optional
 
@@ -42,7 +43,7 @@ from .runtime import (
 )
 from .trace import TracedMod
 
-__all__ = ["DecodeKernel", "decode_kernel", "unsupported_reason", "launches",
+__all__ = ["DecodeKernel", "decode_kernel", "unsupported_reason", "launches", "balanced_splits",
            "MAX_AUTO_QUERY_LEN"]
 
 launches = 0  # decode calls in this process (tests check that the decode kernels, not the forward, ran)
@@ -104,9 +105,11 @@ def _groups_share_tables(block_mask: BlockMask, group: int) -> bool:
 # per SM was best or within 3% of it in every swept case, with at least MIN_KEYS_PER_SPLIT keys per
 # split so a program's loop still streams, and at most MAX_MERGED_PER_ROW // Ev splits: the merge
 # reads splits x Ev floats per row, and more splits than that cost more in the merge than they gain.
+# Within that, the count whose programs spread evenly over the SMs (see balanced_splits).
 WAVES = 2
 MAX_MERGED_PER_ROW = 8192
 MIN_KEYS_PER_SPLIT = {64: 512, 128: 1024, 256: 1024}
+MIN_FILL = 0.75  # of WAVES programs per SM: the fewest programs balanced_splits may choose
 
 
 def choose_num_splits(device: torch.device, programs: int, kv_len: int, kv_block: int, head_dim: int = 64) -> int:
@@ -119,7 +122,23 @@ def choose_num_splits(device: torch.device, programs: int, kv_len: int, kv_block
     wanted = triton_cdiv(WAVES * sms, programs)
     bucket = next((d for d in (64, 128) if head_dim <= d), 256)
     max_splits = max(1, MAX_MERGED_PER_ROW // _next_pow2(head_dim))
-    return max(1, min(wanted, kv_len // MIN_KEYS_PER_SPLIT[bucket], max_blocks, max_splits))
+    cap = max(1, min(wanted, kv_len // MIN_KEYS_PER_SPLIT[bucket], max_blocks, max_splits))
+    return balanced_splits(programs, cap, sms)
+
+
+def balanced_splits(programs: int, cap: int, sms: int) -> int:
+    """The split count, at most ``cap``, whose programs x splits spread most evenly over ``sms`` SMs,
+    among those that still give at least MIN_FILL x WAVES programs per SM (else ``cap``).
+
+    A step lasts as long as its busiest SM: 272 programs on 132 SMs put three on 8 SMs and two on the
+    rest, and took 7% longer than 256 programs on the H100 (16 head groups, 17 splits against 16;
+    docs/benchmarks.md). Ties go to more splits."""
+    floor = MIN_FILL * WAVES * sms
+    candidates = [s for s in range(1, cap + 1) if programs * s >= floor]
+    if not candidates:
+        return cap
+    # Fraction: equal balances (256/264 and 384/396) must compare equal, so the tie rule decides.
+    return max(candidates, key=lambda s: (Fraction(programs * s, sms * triton_cdiv(programs * s, sms)), s))
 
 
 def _pow2_floor(n: int) -> int:

@@ -140,10 +140,37 @@ def test_split_counts(splits):
     assert (plan.merge_grid is None) == (splits == 1)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the split count follows its SMs (tested above)")
 def test_default_split_count_under_the_interpreter():
     q, k, v = qkv(1, 2, 2, 1, 300)
     plan = check_decode(q, k, v, None, None)
     assert plan.constexprs["NUM_SPLITS"] == 2
+
+
+@pytest.mark.parametrize("groups, cap, expected", [
+    (16, 17, 16),   # 272 programs would put three on 8 of 132 SMs: 256 put at most two on each
+    (128, 3, 3),    # 384 programs, as even as 256, and more splits on a tie
+    (2, 128, 128),  # 66 splits (one program per SM) fall under the fewest programs allowed
+    (2, 64, 64),    # the cap allows fewer programs than the SMs: take it
+    (24, 11, 11),   # 264 programs: two per SM exactly
+])
+def test_split_count_spreads_programs_evenly(groups, cap, expected):
+    assert flexattn.decode.balanced_splits(groups, cap, 132) == expected
+
+
+def test_split_count_is_never_less_even_than_the_cap():
+    sms = 132
+    def busiest_share(s, groups):  # programs over the slots of the busiest SM's count
+        return groups * s / (sms * -(-groups * s // sms))
+    for groups in range(1, 300, 7):
+        for cap in range(1, 140, 5):
+            s = flexattn.decode.balanced_splits(groups, cap, sms)
+            assert 1 <= s <= cap
+            if groups * cap >= flexattn.decode.MIN_FILL * flexattn.decode.WAVES * sms:
+                assert busiest_share(s, groups) >= busiest_share(cap, groups)
+                assert groups * s >= flexattn.decode.MIN_FILL * flexattn.decode.WAVES * sms
+            else:
+                assert s == cap
 
 
 def test_per_batch_masks_and_valid_lengths():
@@ -212,6 +239,7 @@ def test_tables_changed_in_place_are_seen():
     assert torch.equal(before[:, :2], after[:, :2])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="row tiles are 64 rows on a GPU, 128 under the interpreter")
 def test_many_rows_are_cut_into_row_tiles():
     # 16 query heads x 16 queries on one key/value head: 256 rows, two tiles of 128 under the interpreter.
     q, k, v = qkv(1, 16, 1, 16, 150, E=16)
