@@ -71,21 +71,19 @@ except ImportError:  # pragma: no cover
 _AVAILABLE = _knobs is not None
 
 
-def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict) -> None:
+def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict):
     """``jit_fn[grid](*args, **constexprs)``, directly through the compiled kernel's launcher when a
-    launch with the same specialisation facts already went through Triton."""
+    launch with the same specialisation facts already went through Triton. Returns the compiled
+    kernel that ran (None under the interpreter), whose ``n_spills`` callers may read."""
     global fast_launches
     if not _AVAILABLE or not hasattr(jit_fn, "device_caches"):  # the interpreter's function, or an old Triton
-        jit_fn[grid](*args, **constexprs)
-        return
+        return jit_fn[grid](*args, **constexprs)
     runtime = _knobs.runtime
     if not (_idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook)) or runtime.debug:
-        jit_fn[grid](*args, **constexprs)
-        return
+        return jit_fn[grid](*args, **constexprs)
     facts = _facts(args)
     if facts is None:
-        jit_fn[grid](*args, **constexprs)
-        return
+        return jit_fn[grid](*args, **constexprs)
     device = _driver.active.get_current_device()
     key = (device, facts, tuple(constexprs.items()))
     entries = jit_fn.__dict__.setdefault("_flexattn_entries", {})
@@ -94,14 +92,14 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict) -> None:
         kernel = jit_fn[grid](*args, **constexprs)
         names = getattr(jit_fn, "arg_names", None)
         if kernel is None or names is None or len(names) < len(args):
-            return
+            return kernel
         rest = names[len(args):]
         if any(name not in constexprs for name in rest):  # a parameter left to its default: not handled here
-            return
+            return kernel
         if len(entries) >= _MAX_ENTRIES:
             entries.clear()
         entries[key] = _Entry(kernel, tuple(constexprs[name] for name in rest))
-        return
+        return kernel
     kernel = entry.kernel
     stream = _driver.active.get_current_stream(device)
     grid_1 = grid[1] if len(grid) > 1 else 1
@@ -109,3 +107,4 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict) -> None:
     kernel.run(grid[0], grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, None, None, None,
                *args, *entry.tail)
     fast_launches += 1
+    return kernel

@@ -438,6 +438,7 @@ class _Plan(NamedTuple):
     grid: tuple[int, int, int]
     constexprs: dict
     compiled: CompiledForward
+    check_compiled: bool = False  # default tiles not yet seen compiled: see [Note] Tiles the compiler made costly
 
 
 _PLANS_PER_KERNEL = 256
@@ -522,7 +523,7 @@ class ForwardKernel(KernelFamily):
         if plan is None:
             plan = self._remember_plan(plan_key, self._plan(
                 q, k, v, block_mask, tables, scale, score_captured, mask_captured, need_lse, need_max, options))
-        grid, constexprs, compiled = plan
+        grid, constexprs, compiled = plan.grid, plan.constexprs, plan.compiled
         if constexprs["USE_TMA"] and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
             # Same shapes and strides as the plan's first call, but an unaligned view this time.
             constexprs = {**constexprs, "USE_TMA": False, "HOST_DESCRIPTORS": False, "WARP_SPECIALIZE": False}
@@ -546,7 +547,7 @@ class ForwardKernel(KernelFamily):
             q_arg, k_arg, v_arg, out_arg = _host_descriptors(q, k, v, out, constexprs)
         nb, idx, fnb, fidx = tables.kv_num_blocks, tables.kv_indices, tables.full_kv_num_blocks, tables.full_kv_indices
         try:
-            launch(compiled.jit_fn, grid, (
+            kernel = launch(compiled.jit_fn, grid, (
                 q_arg, k_arg, v_arg, out_arg, lse, mx, nb, idx, fnb, fidx,
                 *q.stride(), *k_strides, *v_strides, *out.stride(),
                 nb.shape[2], idx.shape[3], fidx.shape[3],
@@ -569,6 +570,9 @@ class ForwardKernel(KernelFamily):
             self._plans[plan_key] = smaller
             return self(q, k, v, block_mask, scale, score_captured, mask_captured,
                         need_lse=need_lse, need_max=need_max, options=options)
+        if plan.check_compiled and constexprs is plan.constexprs:
+            self._plans[plan_key] = _plan_after_compile(plan, kernel, L, q.element_size(),
+                                                        self.has_score_mod or self.has_mask_mod)
         return out, (lse if need_lse else None), (mx if need_max else None)
 
     def _plan(self, q, k, v, block_mask, tables, scale, score_captured, mask_captured, need_lse, need_max, options):
@@ -615,7 +619,9 @@ class ForwardKernel(KernelFamily):
             WARP_SPECIALIZE=warp_specialize,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        return _Plan((triton_cdiv(L, cfg.BLOCK_M), Hq, B), constexprs, compiled)
+        chosen_here = not (_OPTION_KEYS & options.keys() or options.get("AUTOTUNE"))
+        return _Plan((triton_cdiv(L, cfg.BLOCK_M), Hq, B), constexprs, compiled,
+                     check_compiled=chosen_here and q.device.type == "cuda" and not interpreter_enabled())
 
     # ---------------------------------------------------------------- configs
     def _config(self, q, k, v, block_mask, stats, compiled, scale, score_captured, mask_captured, options,
@@ -712,6 +718,55 @@ def _smaller_plan(plan: "_Plan", L: int) -> Optional["_Plan"]:
     c.update(USE_TMA=False, HOST_DESCRIPTORS=False, WARP_SPECIALIZE=False, EVEN_M=L % c["BLOCK_M"] == 0)
     grid = (triton_cdiv(L, c["BLOCK_M"]),) + tuple(plan.grid[1:])
     return plan._replace(grid=grid, constexprs=c)
+
+
+# [Note] Tiles the compiler made costly. Default tiles are chosen before the mods are compiled, and
+# a mod that gathers per pair can make them slow in two ways the compiler reports once the first
+# call has run (correct, if slow). Later calls of the problem then get a cheaper plan, one step per
+# call, until neither holds; tiles pinned by kernel_options or chosen by AUTOTUNE are kept.
+# 1. Spills: more than SPILL_LIMIT_BYTES of local memory per thread halves the key tile, then the
+#    query tile (not below 32).
+# 2. Staged gathers: shared memory beyond the query tile and one key/value tile per stage by
+#    STAGED_GATHER_BYTES or more means the software pipeliner buffers the mods' gathered tiles
+#    too: one stage fewer, down to one.
+# H100 census of the 22 catalogue entries at their defaults (bf16, 4k tokens, d=64 and 128; Triton
+# 3.6; flexattn/gym/tile_census.py, docs/benchmarks.md): five kernels changed, all faster: Longformer
+# d=64 (132 bytes spilled) 1.27 -> 0.33 ms, Graphormer d=64 (248) 0.55 -> 0.21, T5 d=64 (169 KB of
+# shared memory against 104 KB of tiles) 10.8 -> 3.5, T5 d=128 (292 bytes) 7.4 -> 1.9, Graphormer
+# d=128 (177 KB against 112) 0.80 -> 0.17. Twelve d=128 kernels spill 2 to 62 bytes and stay: half
+# the key tile made eight of them 16-35% slower. Every other kernel was within 5 KB of its tiles.
+SPILL_LIMIT_BYTES = 100
+STAGED_GATHER_BYTES = 32 * 1024
+
+
+def spilled_bytes(kernel) -> int:
+    """Bytes of local memory per thread of a compiled Triton kernel (0 when unknown: the interpreter)."""
+    return getattr(kernel, "n_spills", 0) or 0
+
+
+def _tile_bytes(c: dict, elem_bytes: int) -> int:
+    """The query tile and one key and value tile per pipeline stage, as the forward stages them."""
+    kv = c["BLOCK_N"] * (c["QK_HEAD_DIM_P2"] + c["V_HEAD_DIM_P2"]) * max(1, c["num_stages"])
+    return (c["BLOCK_M"] * c["QK_HEAD_DIM_P2"] + kv) * elem_bytes
+
+
+def _plan_after_compile(plan: "_Plan", kernel, L: int, elem_bytes: int, has_mods: bool) -> "_Plan":
+    """The next plan for a problem whose default tiles just ran compiled as ``kernel`` (see [Note]
+    Tiles the compiler made costly): a cheaper one, or the same one marked as seen."""
+    c = dict(plan.constexprs)
+    if spilled_bytes(kernel) > SPILL_LIMIT_BYTES and (c["BLOCK_N"] > 32 or c["BLOCK_M"] > 32):
+        if c["BLOCK_N"] > 32:
+            c["BLOCK_N"] //= 2
+        else:
+            c["BLOCK_M"] //= 2
+        c["EVEN_M"] = L % c["BLOCK_M"] == 0
+        grid = (triton_cdiv(L, c["BLOCK_M"]),) + tuple(plan.grid[1:])
+        return plan._replace(grid=grid, constexprs=c)
+    shared = getattr(getattr(kernel, "metadata", None), "shared", 0) or 0
+    if has_mods and c["num_stages"] > 1 and shared - _tile_bytes(c, elem_bytes) >= STAGED_GATHER_BYTES:
+        c["num_stages"] = c["NUM_STAGES"] = c["num_stages"] - 1
+        return plan._replace(constexprs=c)
+    return plan._replace(check_compiled=False)
 
 
 def _tma_layout_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

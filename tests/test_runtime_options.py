@@ -183,3 +183,62 @@ def test_interpreter_without_numpy_says_so():
     done = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
     assert "raised: triton is installed but importing it failed" in done.stdout, done.stdout + done.stderr[-2000:]
     assert "pip install numpy" in done.stdout
+
+
+# ---- [Note] Tiles the compiler made costly: the plan after the first compiled launch ----
+
+def _default_plan(BLOCK_M=64, BLOCK_N=128, stages=3, L=1000):
+    constexprs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_stages=stages, NUM_STAGES=stages, EVEN_M=L % BLOCK_M == 0,
+                      QK_HEAD_DIM_P2=64, V_HEAD_DIM_P2=64, num_warps=4)
+    return rt._Plan((-(-L // BLOCK_M), 16, 4), constexprs, None, check_compiled=True)
+
+
+def _compiled(spills=0, shared=0):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(n_spills=spills, metadata=SimpleNamespace(shared=shared))
+
+
+def test_a_spilling_default_tile_gets_half_the_key_tile_then_half_the_query_tile():
+    plan = _default_plan()
+    tiles = 2 * (64 * 64 + 3 * 128 * 128)  # within the staged tiles: only the spills count here
+    after = rt._plan_after_compile(plan, _compiled(spills=132, shared=tiles), 1000, 2, has_mods=True)
+    assert (after.constexprs["BLOCK_M"], after.constexprs["BLOCK_N"]) == (64, 64)
+    assert after.check_compiled and after.grid == plan.grid and plan.constexprs["BLOCK_N"] == 128
+    after = rt._plan_after_compile(_default_plan(BLOCK_N=32), _compiled(spills=132), 1000, 2, has_mods=True)
+    assert (after.constexprs["BLOCK_M"], after.constexprs["BLOCK_N"]) == (32, 32)
+    assert after.grid == (32, 16, 4) and after.constexprs["EVEN_M"] is False
+    # Nothing smaller than 32 x 32: the plan is kept and marked as seen.
+    smallest = _default_plan(BLOCK_M=32, BLOCK_N=32)
+    after = rt._plan_after_compile(smallest, _compiled(spills=500), 1000, 2, has_mods=True)
+    assert after.constexprs == smallest.constexprs and not after.check_compiled
+
+
+def test_a_few_spilled_bytes_keep_the_tile():
+    # The H100 census: 2 to 62 bytes at d=128 cost less than half the key tile does.
+    after = rt._plan_after_compile(_default_plan(), _compiled(spills=rt.SPILL_LIMIT_BYTES), 1000, 2, has_mods=True)
+    assert after.constexprs["BLOCK_N"] == 128 and not after.check_compiled
+
+
+def test_staged_gathers_cost_a_pipeline_stage_for_mods_only():
+    plan = _default_plan(BLOCK_M=64, BLOCK_N=64, stages=3)
+    tiles = rt._tile_bytes(plan.constexprs, 2)
+    staged = _compiled(shared=tiles + rt.STAGED_GATHER_BYTES)
+    after = rt._plan_after_compile(plan, staged, 1000, 2, has_mods=True)
+    assert after.constexprs["num_stages"] == after.constexprs["NUM_STAGES"] == 2 and after.check_compiled
+    # Without mods the extra memory is the kernel's own (descriptors, the output tile): kept.
+    assert not rt._plan_after_compile(plan, staged, 1000, 2, has_mods=False).check_compiled
+    # Within the tiles: kept.
+    near = _compiled(shared=tiles + rt.STAGED_GATHER_BYTES - 1)
+    assert rt._plan_after_compile(plan, near, 1000, 2, has_mods=True).constexprs["num_stages"] == 3
+    # One stage is the floor.
+    one = _default_plan(stages=1)
+    assert not rt._plan_after_compile(one, _compiled(shared=1 << 20), 1000, 2, has_mods=True).check_compiled
+
+
+@needs_interpreter
+def test_the_interpreter_never_replans_after_compiling():
+    q, k, v = qkv()
+    flex_attention(q, k, v, block_mask=create_block_mask(causal_mask, None, None, 128, 128), kernel_options=TRITON)
+    kernel = list(rt._kernels.values())[-1]
+    assert kernel._plans and not any(plan.check_compiled for plan in kernel._plans.values())

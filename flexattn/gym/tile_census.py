@@ -1,0 +1,112 @@
+"""Forward tile census: every catalogue entry's default kernel, what the compiler made of it, and
+what [Note] Tiles the compiler made costly (runtime.py) does about it.
+
+    python -m flexattn.gym.tile_census --head-dims 64 128 --tokens 4096
+
+For each entry and head dim (bf16, H16, B4 at d=64 and B2 at d=128): the default plan's tiles and
+stages, the compiled kernel's registers, spilled bytes per thread and shared memory, its median time
+with the replanning rule off, and, where the rule replaces the plan, the final plan and its time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+import flexattn
+import flexattn.runtime as runtime
+from flexattn.variants import CATALOGUE
+
+
+def _bench(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def _kernel_facts(kernel) -> dict:
+    return {"regs": getattr(kernel, "n_regs", None), "spilled_bytes": runtime.spilled_bytes(kernel),
+            "shared_bytes": getattr(getattr(kernel, "metadata", None), "shared", None)}
+
+
+def _plan_of(kernel_object) -> dict:
+    c = kernel_object.last_constexprs
+    return {"BLOCK_M": c["BLOCK_M"], "BLOCK_N": c["BLOCK_N"], "num_stages": c["num_stages"]}
+
+
+def census(head_dims, tokens: int) -> list[dict]:
+    launched = []
+    real_launch = runtime.launch
+
+    def recording_launch(*args):
+        launched.append(real_launch(*args))
+        return launched[-1]
+
+    limits = (runtime.SPILL_LIMIT_BYTES, runtime.STAGED_GATHER_BYTES)
+    runtime.launch = recording_launch
+    rows = []
+    try:
+        for head_dim in head_dims:
+            B, H, L = (4 if head_dim <= 64 else 2), 16, tokens
+            torch.manual_seed(0)
+            q, k, v = (torch.randn(B, H, L, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            for name, variant in CATALOGUE.items():
+                inst = variant.make(B, H, L, L, "cuda")
+                block_mask = inst.block_mask(None, None, L, L, "cuda")
+
+                def call():
+                    return flexattn.flex_attention(q, k, v, score_mod=inst.score_mod, block_mask=block_mask)
+
+                row = {"variant": name, "head_dim": head_dim}
+                for rule_on in (False, True):
+                    runtime.SPILL_LIMIT_BYTES, runtime.STAGED_GATHER_BYTES = limits if rule_on else (1 << 40, 1 << 40)
+                    for kernel_object in runtime._kernels.values():
+                        kernel_object._plans.clear()
+                    for _ in range(6):  # the rule takes one step per call
+                        call()
+                    kernel_object = next(reversed(runtime._kernels.values()))
+                    plan = _plan_of(kernel_object)
+                    key = "rule" if rule_on else "default"
+                    if rule_on and plan == row["default"]["plan"]:
+                        row["rule"] = None  # kept
+                        break
+                    row[key] = {"plan": plan, **_kernel_facts(launched[-1]), "ms": _bench(call)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        runtime.launch = real_launch
+        runtime.SPILL_LIMIT_BYTES, runtime.STAGED_GATHER_BYTES = limits
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--out", help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("flexattn.gym.tile_census compiles GPU kernels: it needs a CUDA device", file=sys.stderr)
+        return 2
+    rows = census(args.head_dims, args.tokens)
+    print("\n| variant | d | default tiles, stages | spilled B | shared KB | ms | replanned | spilled B | shared KB | ms | speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        d, n = r["default"], r.get("rule")
+        tiles = lambda p: f"{p['BLOCK_M']}x{p['BLOCK_N']}, {p['num_stages']}"  # noqa: E731
+        line = (f"| {r['variant']} | {r['head_dim']} | {tiles(d['plan'])} | {d['spilled_bytes']} | "
+                f"{d['shared_bytes'] / 1024:.0f} | {d['ms']:.3f} | ")
+        line += (f"{tiles(n['plan'])} | {n['spilled_bytes']} | {n['shared_bytes'] / 1024:.0f} | {n['ms']:.3f} | "
+                 f"{d['ms'] / n['ms']:.2f}x |") if n else "kept | | | | |"
+        print(line)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
