@@ -246,6 +246,31 @@ class _BackwardPlan(NamedTuple):
 _PLANS_PER_KERNEL = 256
 
 
+def _smaller_backward_plan(plan: _BackwardPlan, L: int, S: int) -> Optional[_BackwardPlan]:
+    """One pipeline stage for both kernels, then half of the larger program's larger tile (the
+    walked one on a tie), not below 16; None when nothing is left to shrink."""
+    dkdv, dq = dict(plan.dkdv_constexprs), dict(plan.dq_constexprs)
+    if dkdv["num_stages"] > 1 or dq["num_stages"] > 1:
+        for c in (dkdv, dq):
+            c["num_stages"] = c["NUM_STAGES"] = 1
+        return plan._replace(dkdv_constexprs=dkdv, dq_constexprs=dq)
+    # (constexprs, walked tile, owned tile): dK/dV owns keys and walks queries; dQ the other way.
+    programs = [(dkdv, "BLOCK_M", "BLOCK_N"), (dq, "BLOCK_N", "BLOCK_M")]
+    programs.sort(key=lambda p: p[0]["BLOCK_M"] * p[0]["BLOCK_N"], reverse=True)
+    for c, walked, owned in programs:
+        name = walked if c[walked] >= c[owned] else owned
+        if c[name] > 16:
+            c[name] //= 2
+            break
+    else:
+        return None
+    dkdv["EVEN_N"] = S % dkdv["BLOCK_N"] == 0
+    dq["EVEN_M"] = L % dq["BLOCK_M"] == 0
+    dkdv_grid = (triton_cdiv(S, dkdv["BLOCK_N"]),) + tuple(plan.dkdv_grid[1:])
+    dq_grid = (triton_cdiv(L, dq["BLOCK_M"]),) + tuple(plan.dq_grid[1:])
+    return plan._replace(dkdv_grid=dkdv_grid, dq_grid=dq_grid, dkdv_constexprs=dkdv, dq_constexprs=dq)
+
+
 def _lower_score_grad(traced: Optional[TracedMod], tanh_approx: bool, variant):
     if traced is None:
         return None
@@ -344,12 +369,21 @@ class BackwardKernel(KernelFamily):
         except Exception as err:
             if not _is_out_of_resources(err):
                 raise
-            raise ResourceError(
-                f"the Triton backward for score_mod '{self.score.name if self.score else None}' and mask_mod "
-                f"'{self.mask.name if self.mask else None}' does not fit this GPU with tiles {self.last_config} "
-                f"({err}); pass smaller tiles (kernel_options BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, "
-                "bwd_num_stages) or run it with kernel_options={'BACKEND': 'PYTORCH'}"
-            ) from err
+            # See [Note] Resource fallback in runtime.py: a mod that gathers per pair (T5's buckets
+            # at d=128 on the H100) can need more shared memory than the default tiles leave. A
+            # smaller plan is kept for this problem and the whole backward runs again from fresh
+            # buffers (a kernel that did run may have added into the captured tensors' gradients).
+            smaller = None if _backward_pinned(options) else _smaller_backward_plan(plan, L, S)
+            if smaller is None:
+                raise ResourceError(
+                    f"the Triton backward for score_mod '{self.score.name if self.score else None}' and mask_mod "
+                    f"'{self.mask.name if self.mask else None}' does not fit this GPU with tiles {self.last_config} "
+                    f"({err}); pass smaller tiles (kernel_options BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, "
+                    "bwd_num_stages) or run it with kernel_options={'BACKEND': 'PYTORCH'}"
+                ) from err
+            self._plans[plan_key] = smaller
+            return self(q, k, v, out, lse, grad_out, grad_lse, block_mask, scale, score_captured, mask_captured,
+                        options)
         launches += 1
         if broadcast_kv:
             dk = dk.sum(0, keepdim=True).to(k.dtype)

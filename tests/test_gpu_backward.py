@@ -184,3 +184,17 @@ def test_gqa_8_2_odd_lengths_learnable_slopes():
         return t["q"], t["k"], t["v"], alibi
 
     check_flash_rule(leaves, build, causal_mask, mask_heads=True, gqa=True)
+
+
+def test_t5_bias_at_head_dim_128_finds_tiles_that_fit():
+    """T5's bucketed bias at d=128: the default dQ tiles need more shared memory than the H100 has
+    (Triton 3.6); the backward retries with smaller tiles by itself (see backward.py)."""
+    from flexattn.variants import generate_t5_bias
+
+    B, H, L = 1, 8, 2048
+    leaves = {**qkv_leaves(B, H, H, L, L, 128), "table": (0.5 * torch.randn(32, H, device=DEVICE)).requires_grad_()}
+
+    def build(t):
+        return t["q"], t["k"], t["v"], generate_t5_bias(t["table"], max_distance=128)
+
+    check_flash_rule(leaves, build, causal_mask)

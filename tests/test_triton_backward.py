@@ -561,3 +561,83 @@ def test_unlowerable_gradient_fails_at_the_forward_call_before_any_kernel(monkey
     out = flex_attention(q, k, v, score_mod=dot_bias, kernel_options={"BACKEND": "PYTORCH"})
     out.sum().backward()
     assert emb.grad is not None and torch.isfinite(emb.grad).all()
+
+
+# ------------------------------------------------------------------------------ resource fallback
+
+
+def test_smaller_backward_plans_step_down_to_16():
+    import flexattn.backward as bw
+
+    def constexprs(M, N, stages):
+        return dict(BLOCK_M=M, BLOCK_N=N, num_stages=stages, NUM_STAGES=stages, EVEN_M=True, EVEN_N=True)
+
+    plan = bw._BackwardPlan((16, 2, 1), (8, 2, 1), 64, constexprs(64, 64, 2), constexprs(128, 128, 2), None)
+    plan = bw._smaller_backward_plan(plan, 1000, 1000)
+    assert plan.dkdv_constexprs["num_stages"] == plan.dq_constexprs["NUM_STAGES"] == 1
+    plan = bw._smaller_backward_plan(plan, 1000, 1000)
+    # The larger program (dQ, 128x128) loses half its walked tile (its keys) first.
+    assert (plan.dq_constexprs["BLOCK_M"], plan.dq_constexprs["BLOCK_N"]) == (128, 64)
+    plan = bw._smaller_backward_plan(plan, 1000, 1000)
+    assert (plan.dq_constexprs["BLOCK_M"], plan.dq_constexprs["BLOCK_N"]) == (64, 64)
+    assert plan.dq_grid == (16, 2, 1) and plan.dq_constexprs["EVEN_M"] is False
+    steps = 0
+    while (smaller := bw._smaller_backward_plan(plan, 1000, 1000)) is not None:
+        plan, steps = smaller, steps + 1
+    for c in (plan.dkdv_constexprs, plan.dq_constexprs):
+        assert c["BLOCK_M"] == c["BLOCK_N"] == 16
+    assert plan.dkdv_grid == (63, 2, 1) and plan.dkdv_constexprs["EVEN_N"] is False and steps == 8
+
+
+def test_a_backward_out_of_resources_runs_again_with_smaller_tiles(monkeypatch):
+    """A kernel the GPU cannot fit (raised here for the first dQ launch, after the dK/dV kernel has
+    added into the learnable slopes' gradient) is retried with a smaller plan from fresh buffers,
+    and the gradients still equal the float64 reference's."""
+    import flexattn.backward as bw
+    from triton.runtime.errors import OutOfResources
+
+    real, failed = bw.launch, []
+
+    def launch(jit_fn, grid, args, constexprs):
+        if "dq" in getattr(jit_fn, "__name__", str(jit_fn)) and not failed:
+            failed.append(constexprs)
+            raise OutOfResources(300000, 232448, "shared memory")
+        return real(jit_fn, grid, args, constexprs)
+
+    monkeypatch.setattr(bw, "launch", launch)
+    H = 4
+    leaves = {**qkv_leaves(1, H, H, 96, 96, 32), "slopes": randn(H)}
+
+    def build(t):
+        slopes = t["slopes"]
+
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score + slopes[h] * (kv_idx - q_idx)
+
+        return t["q"], t["k"], t["v"], alibi
+
+    check_grads(leaves, build, causal_mask)
+    assert failed and failed[0]["num_stages"] >= 1
+    kernel = list(bw._kernels.values())[-1]
+    assert any(plan.dq_constexprs is not failed[0] and plan.dq_constexprs["num_stages"] == 1
+               for plan in kernel._plans.values())
+
+
+def test_a_backward_that_fits_no_tile_or_was_pinned_says_so(monkeypatch):
+    import flexattn.backward as bw
+    from flexattn.errors import ResourceError
+    from triton.runtime.errors import OutOfResources
+
+    real = bw.launch
+
+    def launch(jit_fn, grid, args, constexprs):
+        if "preprocess" in getattr(jit_fn, "__name__", str(jit_fn)):
+            return real(jit_fn, grid, args, constexprs)
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(bw, "launch", launch)
+    for options in (TRITON, {**TRITON, "BLOCK_M1": 16, "BLOCK_N1": 16}):
+        q, k, v = (randn(1, 2, 64, 16) for _ in range(3))
+        out = flex_attention(q, k, v, kernel_options=options)
+        with pytest.raises(ResourceError, match="does not fit this GPU"):
+            out.sum().backward()
