@@ -265,8 +265,8 @@ def _dispatch_decode(backend: str, options: dict, query: torch.Tensor, block_mas
                      need_max: bool) -> str:
     """The Triton backend's choice between the forward kernel and the decode kernels.
 
-    AUTO picks the decode kernels for queries of up to MAX_AUTO_QUERY_LEN rows (provisional, to be
-    set by measurement) that fit one query block of the mask, when no gradient and no max_scores
+    AUTO picks the decode kernels for queries of up to MAX_AUTO_QUERY_LEN rows (see its comment for
+    the measurement) that fit one query block of the mask, when no gradient and no max_scores
     are needed and FORCE_USE_FLEX_ATTENTION is not set. A forced TRITON_DECODE still runs the
     forward kernel (and so the Triton backward) when gradients are needed: the decode kernels
     write no state for a backward. Calls that need max_scores also take the forward kernel, which
