@@ -165,9 +165,9 @@ def test_catalogue_half_precision(variant, dtype_name):
 # ------------------------------------------------------------------------------ captured tensors that require grad
 
 
-def test_learnable_alibi_slopes():
-    H = 4
-    leaves = {**qkv_leaves(1, H, H, 96, 96, 32), "slopes": randn(H)}
+def learnable_alibi(H=4, L=96, E=32):
+    """Leaves q, k, v and learnable per-head slopes, and the ``build`` of an ALiBi mod reading them."""
+    leaves = {**qkv_leaves(1, H, H, L, L, E), "slopes": randn(H)}
 
     def build(t):
         slopes = t["slopes"]
@@ -177,7 +177,11 @@ def test_learnable_alibi_slopes():
 
         return t["q"], t["k"], t["v"], alibi
 
-    check_grads(leaves, build, causal_mask)
+    return leaves, build
+
+
+def test_learnable_alibi_slopes():
+    check_grads(*learnable_alibi(), causal_mask)
 
 
 def test_learnable_relative_position_bias():
@@ -605,18 +609,7 @@ def test_a_backward_out_of_resources_runs_again_with_smaller_tiles(monkeypatch):
         return real(jit_fn, grid, args, constexprs)
 
     monkeypatch.setattr(bw, "launch", launch)
-    H = 4
-    leaves = {**qkv_leaves(1, H, H, 96, 96, 32), "slopes": randn(H)}
-
-    def build(t):
-        slopes = t["slopes"]
-
-        def alibi(score, b, h, q_idx, kv_idx):
-            return score + slopes[h] * (kv_idx - q_idx)
-
-        return t["q"], t["k"], t["v"], alibi
-
-    check_grads(leaves, build, causal_mask)
+    check_grads(*learnable_alibi(), causal_mask)
     assert failed and failed[0]["num_stages"] >= 1
     kernel = list(bw._kernels.values())[-1]
     assert any(plan.dq_constexprs is not failed[0] and plan.dq_constexprs["num_stages"] == 1
