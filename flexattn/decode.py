@@ -52,9 +52,8 @@ launches = 0  # decode calls in this process (tests check that the decode kernel
 # backend, without gradients). Measured on the H100 (2026-11-24, graph-timed, ALiBi + causal at
 # the cache's end, bf16; docs/benchmarks.md): the decode kernels beat the forward at every q_len
 # from 1 to 64 in all four shapes tried, and lose at 128 for B=8 (2% at 16:2 d=128, 12% at MHA
-# d=64). The GPU tests check decode results up to q_len 16 only, so the automatic choice stays there
-# until they cover 17 to 64; BACKEND="TRITON_DECODE" takes longer queries.
-MAX_AUTO_QUERY_LEN = 16
+# d=64). tests/test_gpu_decode.py checks the automatic choice's results at 17 to 64 rows on the GPU.
+MAX_AUTO_QUERY_LEN = 64
 
 
 # ------------------------------------------------------------------------------------ compiled kernels

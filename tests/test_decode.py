@@ -99,6 +99,17 @@ def test_catalogue_decoding(variant, q_len):
     assert plan.constexprs["HEADS"] == 3 and plan.constexprs["NUM_SPLITS"] == 3
 
 
+@pytest.mark.parametrize("q_len", [33, 64])
+def test_query_lengths_the_automatic_choice_takes(q_len):
+    # AUTO (on CUDA) takes the decode kernels up to decode.MAX_AUTO_QUERY_LEN = 64 rows; 4 heads x 33
+    # queries are more rows than one 128-row tile, so the group is cut into row tiles.
+    B, Hq, Hkv, S = 2, 8, 2, 333
+    score_mod, mask_mod = shifted(generate_alibi_bias(Hq, DEVICE), causal_mask, S - q_len)
+    q, k, v = qkv(B, Hq, Hkv, q_len, S)
+    plan = check_decode(q, k, v, score_mod, mask_mod)
+    assert plan.constexprs["ROW_TILES"] == 2 and plan.constexprs["HEADS"] == 4
+
+
 @pytest.mark.parametrize("q_len", [1, 5])
 @pytest.mark.parametrize("ratio", [1, 3, 4, 6, 8])
 def test_gqa_ratios(ratio, q_len):
@@ -263,11 +274,14 @@ def test_dense_without_block_mask():
 
 def test_dispatch_rule():
     q = torch.randn(1, 2, 16, 16, device=DEVICE)
-    long_q = torch.randn(1, 2, 17, 16, device=DEVICE)
+    long_q = torch.randn(1, 2, 65, 16, device=DEVICE)
     mask = create_block_mask(causal_mask, None, None, 16, 64, device=DEVICE, BLOCK_SIZE=16)
-    long_mask = create_block_mask(causal_mask, None, None, 17, 64, device=DEVICE)
+    long_mask = create_block_mask(causal_mask, None, None, 65, 64, device=DEVICE)
     assert _dispatch_decode("TRITON", {}, q, mask, False, False) == "TRITON_DECODE"
-    assert _dispatch_decode("TRITON", {}, long_q, long_mask, False, False) == "TRITON"  # q_len 17 > 16
+    assert _dispatch_decode("TRITON", {}, long_q, long_mask, False, False) == "TRITON"  # q_len 65 > 64
+    q64 = torch.randn(1, 2, 64, 16, device=DEVICE)
+    mask64 = create_block_mask(causal_mask, None, None, 64, 64, device=DEVICE)
+    assert _dispatch_decode("TRITON", {}, q64, mask64, False, False) == "TRITON_DECODE"
     assert _dispatch_decode("TRITON", {}, q, mask, True, False) == "TRITON"  # gradients: the forward
     assert _dispatch_decode("TRITON", {}, q, mask, False, True) == "TRITON"  # max_scores: the forward
     assert _dispatch_decode("TRITON", {"FORCE_USE_FLEX_ATTENTION": True}, q, mask, False, False) == "TRITON"

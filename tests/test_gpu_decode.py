@@ -93,3 +93,18 @@ def test_per_batch_lengths():
     ref, _, _ = reference_attention(q[:REF_BATCH].double(), k[:REF_BATCH].double(), v[:REF_BATCH].double(),
                                     mask_mod=valid, enable_gqa=True)
     assert rel_err(out[:REF_BATCH], ref) < 2e-2
+
+
+@pytest.mark.parametrize("q_len", [17, 40, 64])
+@pytest.mark.parametrize("shape", [(8, 16, 2, 16384 + 77, 128), (8, 16, 16, 16384, 64), (1, 12, 2, 65536, 64)])
+def test_automatic_choice_up_to_64_query_rows(shape, q_len):
+    # The shapes of the q_len measurement behind decode.MAX_AUTO_QUERY_LEN (docs/benchmarks.md):
+    # AUTO takes the decode kernels up to 64 rows, cut into row tiles of at most 64 on the GPU.
+    B, Hq, Hkv, S, d = shape
+    q = torch.randn(B, Hq, q_len, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, Hkv, S, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, Hkv, S, d, device="cuda", dtype=torch.bfloat16)
+    score_mod, mask_mod = CATALOGUE["alibi"].build(B, Hq, S, S, "cuda")
+    score_mod, _ = shifted(score_mod, None, S - q_len)
+    _, mask_mod = shifted(None, causal_mask, S - q_len)
+    run_and_check(q, k, v, score_mod, mask_mod)
