@@ -34,10 +34,11 @@ from .codegen import KernelSpec
 from .errors import InvalidInputError, ResourceError
 from .index_bounds import index_bounds
 from .launch import launch
+from . import runtime
 from .runtime import (
     KernelFamily, LaunchConfig, _empty, _fit_to_mask, _input_precision, _install_tma_allocator, _is_out_of_resources,
     _next_pow2, _tma_compatible, cached_kernel, interpreter_enabled, launch_tables, max_shared_memory,
-    mod_launch_args, triton_cdiv, tuned_configs,
+    mod_launch_args, spilled_bytes, triton_cdiv, tuned_configs,
 )
 from .trace import TracedMod
 
@@ -241,9 +242,19 @@ class _BackwardPlan(NamedTuple):
     dkdv_constexprs: dict
     dq_constexprs: dict
     compiled: CompiledBackward
+    check_compiled: bool = False  # default tiles not yet seen compiled: see [Note] Backward tiles the compiler made costly
 
 
 _PLANS_PER_KERNEL = 256
+
+
+def _with_tiles(plan: _BackwardPlan, dkdv: dict, dq: dict, L: int, S: int) -> _BackwardPlan:
+    """``plan`` with these constexprs, its bounds flags and grids made to agree with their tiles."""
+    dkdv["EVEN_N"] = S % dkdv["BLOCK_N"] == 0
+    dq["EVEN_M"] = L % dq["BLOCK_M"] == 0
+    dkdv_grid = (triton_cdiv(S, dkdv["BLOCK_N"]),) + tuple(plan.dkdv_grid[1:])
+    dq_grid = (triton_cdiv(L, dq["BLOCK_M"]),) + tuple(plan.dq_grid[1:])
+    return plan._replace(dkdv_grid=dkdv_grid, dq_grid=dq_grid, dkdv_constexprs=dkdv, dq_constexprs=dq)
 
 
 def _smaller_backward_plan(plan: _BackwardPlan, L: int, S: int) -> Optional[_BackwardPlan]:
@@ -264,11 +275,43 @@ def _smaller_backward_plan(plan: _BackwardPlan, L: int, S: int) -> Optional[_Bac
             break
     else:
         return None
-    dkdv["EVEN_N"] = S % dkdv["BLOCK_N"] == 0
-    dq["EVEN_M"] = L % dq["BLOCK_M"] == 0
-    dkdv_grid = (triton_cdiv(S, dkdv["BLOCK_N"]),) + tuple(plan.dkdv_grid[1:])
-    dq_grid = (triton_cdiv(L, dq["BLOCK_M"]),) + tuple(plan.dq_grid[1:])
-    return plan._replace(dkdv_grid=dkdv_grid, dq_grid=dq_grid, dkdv_constexprs=dkdv, dq_constexprs=dq)
+    return _with_tiles(plan, dkdv, dq, L, S)
+
+
+# [Note] Backward tiles the compiler made costly. The forward's rule ([Note] Tiles the compiler made
+# costly, runtime.py) for the two walking kernels: after the first backward of a default plan, a
+# kernel that spilled more than SPILL_LIMIT_BYTES per thread halves its walked tile, then its owned
+# one (not below 32), and one whose shared memory exceeds its tiles by STAGED_GATHER_BYTES (the
+# pipeliner staging a mod's gathered tiles) drops a stage; one step per backward until neither
+# holds. Tiles pinned through kernel_options or chosen by AUTOTUNE are kept.
+
+
+def _backward_tile_bytes(c: dict, elem_bytes: int, walked: str, owned: str) -> int:
+    """The owned Q/dO or K/V tiles once, the walked ones per pipeline stage."""
+    width = c["QK_HEAD_DIM_P2"] + c["V_HEAD_DIM_P2"]
+    return (c[owned] + c[walked] * max(1, c["num_stages"])) * width * elem_bytes
+
+
+def _backward_plan_after_compile(plan: _BackwardPlan, dkdv_kernel, dq_kernel, L: int, S: int, elem_bytes: int,
+                                 has_mods: bool) -> _BackwardPlan:
+    """The next plan after a default plan's kernels ran compiled (see [Note] Backward tiles the
+    compiler made costly): a cheaper one, or the same one marked as seen."""
+    dkdv, dq = dict(plan.dkdv_constexprs), dict(plan.dq_constexprs)
+    changed = False
+    # (constexprs, compiled kernel, walked tile, owned tile)
+    for c, kernel, walked, owned in ((dkdv, dkdv_kernel, "BLOCK_M", "BLOCK_N"), (dq, dq_kernel, "BLOCK_N", "BLOCK_M")):
+        if spilled_bytes(kernel) > runtime.SPILL_LIMIT_BYTES and max(c[walked], c[owned]) > 32:
+            c[walked if c[walked] > 32 else owned] //= 2
+            changed = True
+            continue
+        shared = getattr(getattr(kernel, "metadata", None), "shared", 0) or 0
+        if (has_mods and c["num_stages"] > 1
+                and shared - _backward_tile_bytes(c, elem_bytes, walked, owned) >= runtime.STAGED_GATHER_BYTES):
+            c["num_stages"] = c["NUM_STAGES"] = c["num_stages"] - 1
+            changed = True
+    if not changed:
+        return plan._replace(check_compiled=False)
+    return _with_tiles(plan, dkdv, dq, L, S)
 
 
 def _lower_score_grad(traced: Optional[TracedMod], tanh_approx: bool, variant):
@@ -353,14 +396,14 @@ class BackwardKernel(KernelFamily):
         lse = lse.contiguous()
 
         try:
-            launch(module.flex_attention_backward_dkdv, plan.dkdv_grid, (
+            dkdv_kernel = launch(module.flex_attention_backward_dkdv, plan.dkdv_grid, (
                 q, k, v, grad_out, lse, delta, dk, dv,
                 bwd_tables.q_num_blocks, bwd_tables.q_indices, bwd_tables.full_q_num_blocks, bwd_tables.full_q_indices,
                 *q.stride(), *k_strides, *v_strides, *grad_out.stride(), *dk.stride(), *dv.stride(),
                 bwd_tables.q_num_blocks.shape[2], bwd_tables.q_indices.shape[3], bwd_tables.full_q_indices.shape[3],
                 L, S, scale, *score_args, *mask_args), plan.dkdv_constexprs)
             nb, idx, fnb, fidx = tables.kv_num_blocks, tables.kv_indices, tables.full_kv_num_blocks, tables.full_kv_indices
-            launch(module.flex_attention_backward_dq, plan.dq_grid, (
+            dq_kernel = launch(module.flex_attention_backward_dq, plan.dq_grid, (
                 q, k, v, grad_out, lse, delta, dq,
                 nb, idx, fnb, fidx,
                 *q.stride(), *k_strides, *v_strides, *grad_out.stride(), *dq.stride(),
@@ -385,6 +428,9 @@ class BackwardKernel(KernelFamily):
             return self(q, k, v, out, lse, grad_out, grad_lse, block_mask, scale, score_captured, mask_captured,
                         options)
         launches += 1
+        if plan.check_compiled and self._plans.get(plan_key) is plan:
+            self._plans[plan_key] = _backward_plan_after_compile(
+                plan, dkdv_kernel, dq_kernel, L, S, q.element_size(), self.score is not None or self.mask is not None)
         if broadcast_kv:
             dk = dk.sum(0, keepdim=True).to(k.dtype)
             dv = dv.sum(0, keepdim=True).to(v.dtype)
@@ -401,10 +447,13 @@ class BackwardKernel(KernelFamily):
         compiled = self.compiled(index_bounds(B, Hq, L, S))
         cfg = select_backward_config(q.device, q.dtype, E, Ev, sparse_q, sparse_kv, self.mask is not None,
                                      tables.stats.mean_blocks)
+        chosen_here = False
         if _backward_pinned(options):
             cfg = _pinned_backward_config(options, cfg, sparse_q, sparse_kv)
         elif options.get("AUTOTUNE") and not interpreter_enabled() and q.device.type == "cuda":
             cfg = self._tuned(q, k, v, block_mask, scale, score_captured, mask_captured, compiled, cfg)
+        else:
+            chosen_here = q.device.type == "cuda" and not interpreter_enabled()
         self.last_config = cfg
         use_tma = bool(options.get("USE_TMA", cfg.USE_TMA)) and _tma_compatible(q, k, v, grad_out)
         dkdv_launch, dq_launch = cfg.dkdv(), cfg.dq()
@@ -432,7 +481,7 @@ class BackwardKernel(KernelFamily):
         pre_block = 64 if not interpreter_enabled() else 128
         return _BackwardPlan(
             (triton_cdiv(S, cfg.BLOCK_N1), Hkv, B), (triton_cdiv(L, cfg.BLOCK_M2), Hq, B),
-            pre_block, dkdv, dq, compiled,
+            pre_block, dkdv, dq, compiled, check_compiled=chosen_here,
         )
 
 
@@ -443,8 +492,6 @@ class BackwardKernel(KernelFamily):
         only the speed: every fact correctness depends on is derived from the call in _plan."""
         import triton
         import triton.testing
-
-        from . import runtime
 
         E, Ev = q.shape[-1], v.shape[-1]
         sparse_q, sparse_kv = block_mask.BLOCK_SIZE

@@ -593,6 +593,74 @@ def test_smaller_backward_plans_step_down_to_16():
     assert plan.dkdv_grid == (63, 2, 1) and plan.dkdv_constexprs["EVEN_N"] is False and steps == 8
 
 
+# ------------------------------------------------------------------------------ costly tiles
+
+
+def _backward_default_plan(stages=2):
+    import flexattn.backward as bw
+
+    def constexprs(M, N):
+        # 1000 queries and keys: no tile of 32 or more divides them.
+        return dict(BLOCK_M=M, BLOCK_N=N, num_stages=stages, NUM_STAGES=stages, EVEN_M=False, EVEN_N=False,
+                    QK_HEAD_DIM_P2=64, V_HEAD_DIM_P2=64)
+
+    return bw._BackwardPlan((16, 2, 1), (16, 16, 1), 64, constexprs(64, 64), constexprs(64, 64), None,
+                            check_compiled=True)
+
+
+def _compiled(spills=0, shared=0):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(n_spills=spills, metadata=SimpleNamespace(shared=shared))
+
+
+def test_a_spilling_backward_kernel_halves_its_walked_tile_then_its_owned_one():
+    import flexattn.backward as bw
+
+    plan = _backward_default_plan()
+    after = bw._backward_plan_after_compile(plan, _compiled(spills=258), _compiled(), 1000, 1000, 2, True)
+    # dK/dV walks queries: BLOCK_M first; its grid (one program per owned key tile) is unchanged.
+    assert (after.dkdv_constexprs["BLOCK_M"], after.dkdv_constexprs["BLOCK_N"]) == (32, 64)
+    assert after.dq_constexprs == plan.dq_constexprs and after.dkdv_grid == plan.dkdv_grid and after.check_compiled
+    after = bw._backward_plan_after_compile(after, _compiled(spills=258), _compiled(spills=400), 1000, 1000, 2, True)
+    # Now its owned key tile (more programs, bounds checks on the last), and dQ's walked key tile.
+    assert (after.dkdv_constexprs["BLOCK_M"], after.dkdv_constexprs["BLOCK_N"]) == (32, 32)
+    assert after.dkdv_grid == (32, 2, 1) and after.dkdv_constexprs["EVEN_N"] is False
+    assert (after.dq_constexprs["BLOCK_M"], after.dq_constexprs["BLOCK_N"]) == (64, 32) and after.dq_grid == (16, 16, 1)
+    # Nothing below 32: the plan is kept and marked as seen.
+    after = bw._backward_plan_after_compile(after, _compiled(spills=500), _compiled(), 1000, 1000, 2, True)
+    after = bw._backward_plan_after_compile(after, _compiled(spills=500), _compiled(), 1000, 1000, 2, True)
+    assert after.dkdv_constexprs["BLOCK_M"] == after.dkdv_constexprs["BLOCK_N"] == 32
+    # A few spilled bytes keep the tiles.
+    few = bw._backward_plan_after_compile(plan, _compiled(spills=100), _compiled(spills=100), 1000, 1000, 2, True)
+    assert few.dkdv_constexprs == plan.dkdv_constexprs and not few.check_compiled
+
+
+def test_staged_gathers_cost_the_backward_kernel_a_stage_for_mods_only():
+    import flexattn.backward as bw
+    import flexattn.runtime as rt
+
+    plan = _backward_default_plan()
+    tiles = (64 + 2 * 64) * 128 * 2  # owned tiles once, walked ones per stage
+    staged = _compiled(shared=tiles + rt.STAGED_GATHER_BYTES)
+    after = bw._backward_plan_after_compile(plan, _compiled(shared=tiles), staged, 1000, 1000, 2, True)
+    assert after.dq_constexprs["num_stages"] == after.dq_constexprs["NUM_STAGES"] == 1 and after.check_compiled
+    assert after.dkdv_constexprs["num_stages"] == 2
+    near = _compiled(shared=tiles + rt.STAGED_GATHER_BYTES - 1)
+    assert not bw._backward_plan_after_compile(plan, near, near, 1000, 1000, 2, True).check_compiled
+    assert not bw._backward_plan_after_compile(plan, staged, staged, 1000, 1000, 2, False).check_compiled
+
+
+def test_the_interpreter_and_pinned_tiles_never_replan_the_backward():
+    import flexattn.backward as bw
+
+    for options in (TRITON, {**TRITON, "BLOCK_M1": 16}):
+        q, k, v = (randn(1, 2, 64, 16) for _ in range(3))
+        flex_attention(q, k, v, kernel_options=options).sum().backward()
+        kernel = list(bw._kernels.values())[-1]
+        assert kernel._plans and not any(plan.check_compiled for plan in kernel._plans.values())
+
+
 def test_a_backward_out_of_resources_runs_again_with_smaller_tiles(monkeypatch):
     """A kernel the GPU cannot fit (raised here for the first dQ launch, after the dK/dV kernel has
     added into the learnable slopes' gradient) is retried with a smaller plan from fresh buffers,

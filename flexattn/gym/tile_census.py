@@ -1,11 +1,13 @@
-"""Forward tile census: every catalogue entry's default kernel, what the compiler made of it, and
-what [Note] Tiles the compiler made costly (runtime.py) does about it.
+"""Tile census: every catalogue entry's default kernels, what the compiler made of them, and what
+[Note] Tiles the compiler made costly (runtime.py; the backward's in backward.py) does about it.
 
-    python -m flexattn.gym.tile_census --head-dims 64 128 --tokens 4096
+    python -m flexattn.gym.tile_census --head-dims 64 128 --tokens 4096 [--backward]
 
 For each entry and head dim (bf16, H16, B4 at d=64 and B2 at d=128): the default plan's tiles and
 stages, the compiled kernel's registers, spilled bytes per thread and shared memory, its median time
 with the replanning rule off, and, where the rule replaces the plan, the final plan and its time.
+With --backward, the same for the backward's dK/dV and dQ kernels, timing one backward (dq, dk, dv
+and the gradients of learnable captured tensors).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 import torch
 
 import flexattn
+import flexattn.backward as backward
 import flexattn.runtime as runtime
 from flexattn.variants import CATALOGUE
 
@@ -82,15 +85,103 @@ def census(head_dims, tokens: int) -> list[dict]:
     return rows
 
 
+def _backward_plan_of(kernel_object) -> dict:
+    plan = next(reversed(kernel_object._plans.values()))
+    return {name: {"BLOCK_M": c["BLOCK_M"], "BLOCK_N": c["BLOCK_N"], "num_stages": c["num_stages"]}
+            for name, c in (("dkdv", plan.dkdv_constexprs), ("dq", plan.dq_constexprs))}
+
+
+def backward_census(head_dims, tokens: int) -> list[dict]:
+    launched = []
+    real_launch = backward.launch
+
+    def recording_launch(jit_fn, *args):
+        launched.append((jit_fn, real_launch(jit_fn, *args)))
+        return launched[-1][1]
+
+    def facts() -> dict:
+        # The last backward's dK/dV and dQ kernels (the preprocess is not replanned).
+        last = {}
+        for jit_fn, kernel in launched:
+            for name in ("dkdv", "dq"):
+                if getattr(jit_fn, "__name__", "").endswith(f"_{name}"):
+                    last[name] = _kernel_facts(kernel)
+        return last
+
+    limits = (runtime.SPILL_LIMIT_BYTES, runtime.STAGED_GATHER_BYTES)
+    backward.launch = recording_launch
+    rows = []
+    try:
+        for head_dim in head_dims:
+            B, H, L = (4 if head_dim <= 64 else 2), 16, tokens
+            torch.manual_seed(0)
+            q, k, v = (torch.randn(B, H, L, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+            grad_out = torch.randn_like(q)
+            for name, variant in CATALOGUE.items():
+                inst = variant.make(B, H, L, L, "cuda")
+                block_mask = inst.block_mask(None, None, L, L, "cuda")
+                out = flexattn.flex_attention(q, k, v, score_mod=inst.score_mod, block_mask=block_mask)
+                inputs = (q, k, v) + tuple(inst.learnable)
+
+                def call():
+                    return torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
+
+                row = {"variant": name, "head_dim": head_dim}
+                for rule_on in (False, True):
+                    runtime.SPILL_LIMIT_BYTES, runtime.STAGED_GATHER_BYTES = limits if rule_on else (1 << 40, 1 << 40)
+                    for kernel_object in backward._kernels.values():
+                        kernel_object._plans.clear()
+                    for _ in range(6):  # the rule takes one step per call
+                        launched.clear()
+                        call()
+                    plan = _backward_plan_of(next(reversed(backward._kernels.values())))
+                    key = "rule" if rule_on else "default"
+                    if rule_on and plan == row["default"]["plan"]:
+                        row["rule"] = None  # kept
+                        break
+                    row[key] = {"plan": plan, **facts(), "ms": _bench(call)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        backward.launch = real_launch
+        runtime.SPILL_LIMIT_BYTES, runtime.STAGED_GATHER_BYTES = limits
+    return rows
+
+
+def _print_backward_table(rows) -> None:
+    def tiles(r, name):
+        p = r["plan"][name]
+        return f"{p['BLOCK_M']}x{p['BLOCK_N']}, {p['num_stages']}"
+
+    def kernels(r):
+        return " / ".join(f"{tiles(r, n)}: {r[n]['spilled_bytes']} B, {r[n]['shared_bytes'] / 1024:.0f} KB"
+                          for n in ("dkdv", "dq"))
+
+    print("\n| variant | d | default dK/dV / dQ: tiles, stages: spilled, shared | ms | replanned | ms | speed-up |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        d, n = r["default"], r.get("rule")
+        line = f"| {r['variant']} | {r['head_dim']} | {kernels(d)} | {d['ms']:.3f} | "
+        line += f"{kernels(n)} | {n['ms']:.3f} | {d['ms'] / n['ms']:.2f}x |" if n else "kept | | |"
+        print(line)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--backward", action="store_true", help="the backward's kernels instead of the forward's")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("flexattn.gym.tile_census compiles GPU kernels: it needs a CUDA device", file=sys.stderr)
         return 2
+    if args.backward:
+        rows = backward_census(args.head_dims, args.tokens)
+        _print_backward_table(rows)
+        _write(args.out, rows)
+        return 0
     rows = census(args.head_dims, args.tokens)
     print("\n| variant | d | default tiles, stages | spilled B | shared KB | ms | replanned | spilled B | shared KB | ms | speed-up |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -102,10 +193,17 @@ def main(argv=None) -> int:
         line += (f"{tiles(n['plan'])} | {n['spilled_bytes']} | {n['shared_bytes'] / 1024:.0f} | {n['ms']:.3f} | "
                  f"{d['ms'] / n['ms']:.2f}x |") if n else "kept | | | | |"
         print(line)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    _write(args.out, rows)
     return 0
+
+
+def _write(path, rows) -> None:
+    if path:
+        import triton
+
+        with open(path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
