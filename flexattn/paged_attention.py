@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 
