@@ -215,16 +215,20 @@ def test_per_query_and_per_key_tables():
     check_grads(leaves, build)
 
 
-def test_graphormer_bias_through_an_int_distance_table():
-    # Many (q, kv) pairs read the same bucket: its gradient is a sum over all of them.
-    H, L, buckets = 2, 96, 7
+@pytest.mark.parametrize("heads_last", [False, True])
+def test_graphormer_bias_through_an_int_distance_table(heads_last):
+    # Many (q, kv) pairs read the same bucket: its gradient is a sum over all of them. With the
+    # heads last (as T5's and Graphormer's tables are laid out) one head's elements are H apart.
+    H, L, buckets = 3, 96, 7
     dist = torch.randint(0, buckets, (L, L), device=DEVICE, dtype=torch.int32)
-    leaves = {**qkv_leaves(1, H, H, L, L, 32), "spatial": randn(H, buckets)}
+    leaves = {**qkv_leaves(1, H, H, L, L, 32), "spatial": randn(buckets, H) if heads_last else randn(H, buckets)}
 
     def build(t):
         spatial = t["spatial"]
 
         def graphormer(score, b, h, q_idx, kv_idx):
+            if heads_last:
+                return score + spatial[dist[q_idx, kv_idx], h]
             return score + spatial[h, dist[q_idx, kv_idx]]
 
         return t["q"], t["k"], t["v"], graphormer

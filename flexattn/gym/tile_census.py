@@ -40,7 +40,7 @@ def _plan_of(kernel_object) -> dict:
     return {"BLOCK_M": c["BLOCK_M"], "BLOCK_N": c["BLOCK_N"], "num_stages": c["num_stages"]}
 
 
-def census(head_dims, tokens: int) -> list[dict]:
+def census(head_dims, tokens: int, variants=None) -> list[dict]:
     launched = []
     real_launch = runtime.launch
 
@@ -57,6 +57,8 @@ def census(head_dims, tokens: int) -> list[dict]:
             torch.manual_seed(0)
             q, k, v = (torch.randn(B, H, L, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             for name, variant in CATALOGUE.items():
+                if variants and name not in variants:
+                    continue
                 inst = variant.make(B, H, L, L, "cuda")
                 block_mask = inst.block_mask(None, None, L, L, "cuda")
 
@@ -91,7 +93,7 @@ def _backward_plan_of(kernel_object) -> dict:
             for name, c in (("dkdv", plan.dkdv_constexprs), ("dq", plan.dq_constexprs))}
 
 
-def backward_census(head_dims, tokens: int) -> list[dict]:
+def backward_census(head_dims, tokens: int, variants=None) -> list[dict]:
     launched = []
     real_launch = backward.launch
 
@@ -119,6 +121,8 @@ def backward_census(head_dims, tokens: int) -> list[dict]:
                        for _ in range(3))
             grad_out = torch.randn_like(q)
             for name, variant in CATALOGUE.items():
+                if variants and name not in variants:
+                    continue
                 inst = variant.make(B, H, L, L, "cuda")
                 block_mask = inst.block_mask(None, None, L, L, "cuda")
                 out = flexattn.flex_attention(q, k, v, score_mod=inst.score_mod, block_mask=block_mask)
@@ -171,6 +175,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--variants", nargs="+", choices=sorted(CATALOGUE), help="these entries only (default: all)")
     parser.add_argument("--backward", action="store_true", help="the backward's kernels instead of the forward's")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args(argv)
@@ -178,11 +183,11 @@ def main(argv=None) -> int:
         print("flexattn.gym.tile_census compiles GPU kernels: it needs a CUDA device", file=sys.stderr)
         return 2
     if args.backward:
-        rows = backward_census(args.head_dims, args.tokens)
+        rows = backward_census(args.head_dims, args.tokens, args.variants)
         _print_backward_table(rows)
         _write(args.out, rows)
         return 0
-    rows = census(args.head_dims, args.tokens)
+    rows = census(args.head_dims, args.tokens, args.variants)
     print("\n| variant | d | default tiles, stages | spilled B | shared KB | ms | replanned | spilled B | shared KB | ms | speed-up |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
