@@ -243,6 +243,23 @@ def test_backward_tiles_the_compiler_made_costly_are_replaced(head_dim):
         assert runs[-2][0] == last_c  # settled
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_graphormer_table_gradient(head_dim):
+    """A learnable [distances, heads] table read through an int distance table: one head's elements
+    are H apart, and the dK/dV kernel sums each tile per distinct element before its atomics
+    ([Note] Few addresses)."""
+    from flexattn.variants import generate_graphormer_bias
+
+    B, H, L, distances = 1, 8, 2048, 10
+    distance = torch.randint(0, distances, (L, L), device=DEVICE, dtype=torch.int32)
+    leaves = {**qkv_leaves(B, H, H, L, L, head_dim), "table": torch.randn(distances, H, device=DEVICE).requires_grad_()}
+
+    def build(t):
+        return t["q"], t["k"], t["v"], generate_graphormer_bias(distance, t["table"])
+
+    check_flash_rule(leaves, build, causal_mask)
+
+
 def test_t5_bias_at_head_dim_128_finds_tiles_that_fit():
     """T5's bucketed bias at d=128: the default dQ tiles need more shared memory than the H100 has
     (Triton 3.6); the backward retries with smaller tiles by itself (see backward.py)."""
