@@ -247,7 +247,7 @@ def test_help_everywhere(command, capsys):
     assert capsys.readouterr().out.startswith("usage: flexattn" + "".join(" " + c for c in command))
 
 
-@pytest.mark.parametrize("module", ["benchmark", "benchmark_decode", "sweep", "sweep_backward", "startup", "tile_census"])
+@pytest.mark.parametrize("module", ["benchmark", "benchmark_decode", "benchmark_learnable", "sweep", "sweep_backward", "startup", "tile_census"])
 def test_the_gym_modules_keep_their_help(module, capsys):
     import importlib
 
