@@ -40,6 +40,27 @@ def _plan_of(kernel_object) -> dict:
     return {"BLOCK_M": c["BLOCK_M"], "BLOCK_N": c["BLOCK_N"], "num_stages": c["num_stages"]}
 
 
+def _rule_off_then_on(row: dict, call, kernels, plan_of, facts, before_call=lambda: None) -> None:
+    """Fill row["default"] (the rule off) and row["rule"] (on; None when it keeps the default plan)
+    with the settled plan, the compiled kernels' facts and the median time of ``call``."""
+    limits = (runtime.SPILL_LIMIT_BYTES, runtime.STAGED_GATHER_BYTES)
+    try:
+        for rule_on in (False, True):
+            runtime.SPILL_LIMIT_BYTES, runtime.STAGED_GATHER_BYTES = limits if rule_on else (1 << 40, 1 << 40)
+            for kernel_object in kernels.values():
+                kernel_object._plans.clear()
+            for _ in range(6):  # the rule takes one step per call
+                before_call()
+                call()
+            plan = plan_of(next(reversed(kernels.values())))
+            if rule_on and plan == row["default"]["plan"]:
+                row["rule"] = None  # kept
+                return
+            row["rule" if rule_on else "default"] = {"plan": plan, **facts(), "ms": _bench(call)}
+    finally:
+        runtime.SPILL_LIMIT_BYTES, runtime.STAGED_GATHER_BYTES = limits
+
+
 def census(head_dims, tokens: int, variants=None) -> list[dict]:
     launched = []
     real_launch = runtime.launch
@@ -48,7 +69,6 @@ def census(head_dims, tokens: int, variants=None) -> list[dict]:
         launched.append(real_launch(*args))
         return launched[-1]
 
-    limits = (runtime.SPILL_LIMIT_BYTES, runtime.STAGED_GATHER_BYTES)
     runtime.launch = recording_launch
     rows = []
     try:
@@ -66,24 +86,11 @@ def census(head_dims, tokens: int, variants=None) -> list[dict]:
                     return flexattn.flex_attention(q, k, v, score_mod=inst.score_mod, block_mask=block_mask)
 
                 row = {"variant": name, "head_dim": head_dim}
-                for rule_on in (False, True):
-                    runtime.SPILL_LIMIT_BYTES, runtime.STAGED_GATHER_BYTES = limits if rule_on else (1 << 40, 1 << 40)
-                    for kernel_object in runtime._kernels.values():
-                        kernel_object._plans.clear()
-                    for _ in range(6):  # the rule takes one step per call
-                        call()
-                    kernel_object = next(reversed(runtime._kernels.values()))
-                    plan = _plan_of(kernel_object)
-                    key = "rule" if rule_on else "default"
-                    if rule_on and plan == row["default"]["plan"]:
-                        row["rule"] = None  # kept
-                        break
-                    row[key] = {"plan": plan, **_kernel_facts(launched[-1]), "ms": _bench(call)}
+                _rule_off_then_on(row, call, runtime._kernels, _plan_of, lambda: _kernel_facts(launched[-1]))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
         runtime.launch = real_launch
-        runtime.SPILL_LIMIT_BYTES, runtime.STAGED_GATHER_BYTES = limits
     return rows
 
 
@@ -110,7 +117,6 @@ def backward_census(head_dims, tokens: int, variants=None) -> list[dict]:
                     last[name] = _kernel_facts(kernel)
         return last
 
-    limits = (runtime.SPILL_LIMIT_BYTES, runtime.STAGED_GATHER_BYTES)
     backward.launch = recording_launch
     rows = []
     try:
@@ -132,24 +138,11 @@ def backward_census(head_dims, tokens: int, variants=None) -> list[dict]:
                     return torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
 
                 row = {"variant": name, "head_dim": head_dim}
-                for rule_on in (False, True):
-                    runtime.SPILL_LIMIT_BYTES, runtime.STAGED_GATHER_BYTES = limits if rule_on else (1 << 40, 1 << 40)
-                    for kernel_object in backward._kernels.values():
-                        kernel_object._plans.clear()
-                    for _ in range(6):  # the rule takes one step per call
-                        launched.clear()
-                        call()
-                    plan = _backward_plan_of(next(reversed(backward._kernels.values())))
-                    key = "rule" if rule_on else "default"
-                    if rule_on and plan == row["default"]["plan"]:
-                        row["rule"] = None  # kept
-                        break
-                    row[key] = {"plan": plan, **facts(), "ms": _bench(call)}
+                _rule_off_then_on(row, call, backward._kernels, _backward_plan_of, facts, launched.clear)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
         backward.launch = real_launch
-        runtime.SPILL_LIMIT_BYTES, runtime.STAGED_GATHER_BYTES = limits
     return rows
 
 
