@@ -61,6 +61,21 @@ def _rule_off_then_on(row: dict, call, kernels, plan_of, facts, before_call=lamb
         runtime.SPILL_LIMIT_BYTES, runtime.STAGED_GATHER_BYTES = limits
 
 
+def _cases(head_dims, tokens: int, variants, requires_grad: bool = False):
+    """(head_dim, entry name, its instance, its BlockMask, q, k, v) for every entry asked for: bf16, H16,
+    B4 at d=64 and B2 at d=128."""
+    for head_dim in head_dims:
+        B, H, L = (4 if head_dim <= 64 else 2), 16, tokens
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(B, H, L, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad)
+                   for _ in range(3))
+        for name, variant in CATALOGUE.items():
+            if variants and name not in variants:
+                continue
+            inst = variant.make(B, H, L, L, "cuda")
+            yield head_dim, name, inst, inst.block_mask(None, None, L, L, "cuda"), q, k, v
+
+
 def census(head_dims, tokens: int, variants=None) -> list[dict]:
     launched = []
     real_launch = runtime.launch
@@ -72,23 +87,14 @@ def census(head_dims, tokens: int, variants=None) -> list[dict]:
     runtime.launch = recording_launch
     rows = []
     try:
-        for head_dim in head_dims:
-            B, H, L = (4 if head_dim <= 64 else 2), 16, tokens
-            torch.manual_seed(0)
-            q, k, v = (torch.randn(B, H, L, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            for name, variant in CATALOGUE.items():
-                if variants and name not in variants:
-                    continue
-                inst = variant.make(B, H, L, L, "cuda")
-                block_mask = inst.block_mask(None, None, L, L, "cuda")
+        for head_dim, name, inst, block_mask, q, k, v in _cases(head_dims, tokens, variants):
+            def call():
+                return flexattn.flex_attention(q, k, v, score_mod=inst.score_mod, block_mask=block_mask)
 
-                def call():
-                    return flexattn.flex_attention(q, k, v, score_mod=inst.score_mod, block_mask=block_mask)
-
-                row = {"variant": name, "head_dim": head_dim}
-                _rule_off_then_on(row, call, runtime._kernels, _plan_of, lambda: _kernel_facts(launched[-1]))
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            row = {"variant": name, "head_dim": head_dim}
+            _rule_off_then_on(row, call, runtime._kernels, _plan_of, lambda: _kernel_facts(launched[-1]))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     finally:
         runtime.launch = real_launch
     return rows
@@ -120,27 +126,18 @@ def backward_census(head_dims, tokens: int, variants=None) -> list[dict]:
     backward.launch = recording_launch
     rows = []
     try:
-        for head_dim in head_dims:
-            B, H, L = (4 if head_dim <= 64 else 2), 16, tokens
-            torch.manual_seed(0)
-            q, k, v = (torch.randn(B, H, L, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                       for _ in range(3))
-            grad_out = torch.randn_like(q)
-            for name, variant in CATALOGUE.items():
-                if variants and name not in variants:
-                    continue
-                inst = variant.make(B, H, L, L, "cuda")
-                block_mask = inst.block_mask(None, None, L, L, "cuda")
-                out = flexattn.flex_attention(q, k, v, score_mod=inst.score_mod, block_mask=block_mask)
-                inputs = (q, k, v) + tuple(inst.learnable)
+        for head_dim, name, inst, block_mask, q, k, v in _cases(head_dims, tokens, variants, requires_grad=True):
+            out = flexattn.flex_attention(q, k, v, score_mod=inst.score_mod, block_mask=block_mask)
+            grad_out = torch.randn_like(out)
+            inputs = (q, k, v) + tuple(inst.learnable)
 
-                def call():
-                    return torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
+            def call():
+                return torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
 
-                row = {"variant": name, "head_dim": head_dim}
-                _rule_off_then_on(row, call, backward._kernels, _backward_plan_of, facts, launched.clear)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            row = {"variant": name, "head_dim": head_dim}
+            _rule_off_then_on(row, call, backward._kernels, _backward_plan_of, facts, launched.clear)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     finally:
         backward.launch = real_launch
     return rows
