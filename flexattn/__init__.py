@@ -8,11 +8,11 @@ The public API is a drop-in for ``torch.nn.attention.flex_attention``::
 __version__ = "0.1.0"  # the same as pyproject.toml's (tests/test_api.py checks)
 
 from .api import flex_attention
-from .block_mask import BlockMask, create_block_mask, create_mask
-from .decoding import decode_block_mask, offset_mask_mod, offset_score_mod
-from .mods import and_masks, noop_mask, or_masks
+from .masks import (
+    BlockMask, OutOfPagesError, PagedAttention, and_masks, create_block_mask, create_mask, decode_block_mask, noop_mask,
+    offset_mask_mod, offset_score_mod, or_masks,
+)
 from .options import AuxOutput, AuxRequest, FlexKernelOptions
-from .paged_attention import OutOfPagesError, PagedAttention
 
 # The names the FlexAttention paper uses.
 and_mask = and_masks

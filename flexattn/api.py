@@ -1,12 +1,7 @@
-"""``flex_attention``: validate, pick a backend, and run forward (and backward) through autograd.
+"""``flex_attention``: validate the inputs, trace the mods, and hand the call to dispatch.py, directly
+or through autograd (autograd.py) when a gradient is needed.
 
-The only caller of the whole pipeline. Backends:
-- TRITON: the generated FlashAttention-2 kernel (CUDA; CPU under ``TRITON_INTERPRET=1``).
-- TRITON_DECODE: the generated split-KV decode kernels (decode.py) for short queries at inference;
-  chosen by AUTO on CUDA for queries of up to ``decode.MAX_AUTO_QUERY_LEN`` rows (see _dispatch_decode).
-- PYTORCH: the blockwise online-softmax path in plain PyTorch (any device, forward and backward).
-The backward (autograd.py) runs the generated Triton backward kernels on the Triton backend and
-the blockwise PyTorch backward on the PyTorch backend.
+The only caller of the whole pipeline; which backend runs and how is dispatch.py's.
 """
 
 from __future__ import annotations
@@ -14,23 +9,16 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections import OrderedDict
-from typing import NamedTuple, Optional, Union
+from typing import Optional, Union
 
 import torch
 
-from . import blockwise
-from .block_mask import BlockMask, _sliced_rows_mask_mod, arity_mistake, as_block_mask, torch_counterpart
-from .errors import BackendUnavailableError, InvalidInputError
-from .index_bounds import index_bounds, index_dtype
-from .index_check import check_indices
-from .options import (
-    KNOWN_OPTIONS, AuxOutput, AuxRequest, FlexKernelOptions, normalize_kernel_options, resolve_backend_name,
-    why_ignored,
-)
-from .backward import backward_kernel
-from .decode import MAX_AUTO_QUERY_LEN, decode_kernel, unsupported_reason
-from .runtime import forward_kernel, interpreter_enabled
+from .autograd import FlexAttentionFunction
+from .dispatch import Call, choose_decode, pick_backend, prepare_backward, run_forward
+from .errors import InvalidInputError
+from .lowering import check_indices, index_bounds, index_dtype
+from .masks import BlockMask, arity_mistake, as_block_mask, dense_block_mask, sliced_rows_mask_mod, torch_counterpart
+from .options import KNOWN_OPTIONS, AuxOutput, AuxRequest, FlexKernelOptions, normalize_kernel_options, why_ignored
 from .trace import TracedMod, trace_mod
 
 __all__ = ["flex_attention"]
@@ -103,7 +91,7 @@ def _validate_block_mask(block_mask: BlockMask, query, key) -> None:
                 "[batch, heads, seq_len, head_dim], as torch's does: pass q.transpose(1, 2), k.transpose(1, 2) "
                 "and v.transpose(1, 2), and transpose the output back with out.transpose(1, 2)"
             )
-        if block_mask.mask_mod is _sliced_rows_mask_mod:
+        if block_mask.mask_mod is sliced_rows_mask_mod:
             # Rows cut out of a full-length mask for a decoding step: cropping would keep the wrong
             # query positions; the step's mask needs the offset.
             fix = ("for a decoding step, build it with flexattn.decode_block_mask(full_mask, offset, q_len=...), "
@@ -184,7 +172,7 @@ def _as_aux_request(return_aux) -> AuxRequest:
     )
 
 
-def _trace(fn, kind: str, where: str) -> tuple[TracedMod, list]:
+def _traced(fn, kind: str, where: str) -> tuple[TracedMod, list]:
     try:
         return trace_mod(fn, kind)
     except Exception as err:
@@ -201,127 +189,6 @@ _CHECK_INDICES_ENV = os.environ.get("FLEXATTN_CHECK_INDICES", "0") not in ("", "
 def _check_indices_requested(options: dict) -> bool:
     choice = options.get("CHECK_INDICES") if options else None
     return _CHECK_INDICES_ENV if choice is None else bool(choice)
-
-
-# ------------------------------------------------------------------------------------ dispatch
-
-
-# Keyed by content (lengths, device), bounded; see [Note] Cache keys in runtime.py.
-_dense_masks: "OrderedDict[tuple, BlockMask]" = OrderedDict()
-
-
-def _dense_block_mask(L: int, S: int, device: torch.device) -> BlockMask:
-    """The mask used when none is given: every block full, so mask_mod never runs."""
-    key = (L, S, device)
-    mask = _dense_masks.get(key)
-    if mask is None:
-        block = 128
-        rows, cols = -(-L // block), -(-S // block)
-        full_num = torch.full((1, 1, rows), cols, dtype=torch.int32, device=device)
-        full_idx = torch.arange(cols, dtype=torch.int32, device=device).expand(1, 1, rows, cols).contiguous()
-        zeros = torch.zeros((1, 1, rows), dtype=torch.int32, device=device)
-        zero_idx = torch.zeros((1, 1, rows, 1), dtype=torch.int32, device=device)
-        mask = BlockMask.from_kv_blocks(
-            zeros, zero_idx, full_num, full_idx, BLOCK_SIZE=block, seq_lengths=(L, S)
-        )
-        _dense_masks[key] = mask
-        if len(_dense_masks) > 64:  # lengths that keep changing (decoding) must not pile up masks
-            _dense_masks.popitem(last=False)
-    return mask
-
-
-def _pick_backend(query: torch.Tensor, options: dict) -> str:
-    if not options and query.is_cuda and query.dtype != torch.float64:
-        return "TRITON"  # the common case, decided without reading anything else
-    backend = resolve_backend_name(options)
-    if backend == "AUTO":
-        # float64 has no tensor-core path: it runs on the blockwise PyTorch backend, like CPU tensors.
-        return "TRITON" if query.is_cuda and query.dtype != torch.float64 else "PYTORCH"
-    if backend == "TRITON_DECODE" and options.get("FORCE_USE_FLEX_ATTENTION"):
-        raise InvalidInputError(
-            "kernel_options BACKEND='TRITON_DECODE' and FORCE_USE_FLEX_ATTENTION=True contradict each other "
-            "(as in torch): drop one of them"
-        )
-    if backend in ("TRITON", "TRITON_DECODE"):
-        if query.dtype == torch.float64:
-            raise BackendUnavailableError(
-                "the Triton backend supports float16, bfloat16 and float32; float64 inputs run on "
-                "kernel_options={'BACKEND': 'PYTORCH'}"
-            )
-        if query.device.type == "cpu" and not interpreter_enabled():
-            raise BackendUnavailableError(
-                f"kernel_options={{'BACKEND': '{backend}'}} with CPU tensors needs the Triton interpreter: set the "
-                "environment variable TRITON_INTERPRET=1 before importing flexattn (slow; meant for testing), "
-                "or move the tensors to a CUDA device"
-            )
-        if query.device.type not in ("cpu", "cuda"):
-            raise BackendUnavailableError(
-                f"the Triton backend runs on CUDA devices, got {query.device}; use BACKEND='PYTORCH'"
-            )
-    return backend
-
-
-def _dispatch_decode(backend: str, options: dict, query: torch.Tensor, block_mask: BlockMask, needs_grad: bool,
-                     need_max: bool) -> str:
-    """The Triton backend's choice between the forward kernel and the decode kernels.
-
-    AUTO picks the decode kernels for queries of up to MAX_AUTO_QUERY_LEN rows (see its comment for
-    the measurement) that fit one query block of the mask, when no gradient and no max_scores
-    are needed and FORCE_USE_FLEX_ATTENTION is not set. A forced TRITON_DECODE still runs the
-    forward kernel (and so the Triton backward) when gradients are needed: the decode kernels
-    write no state for a backward. Calls that need max_scores also take the forward kernel, which
-    writes them; the decode kernels do not.
-    """
-    if backend == "TRITON":
-        if (query.shape[2] <= MAX_AUTO_QUERY_LEN and not needs_grad and not need_max
-                and options.get("BACKEND", "AUTO") == "AUTO" and not options.get("FORCE_USE_FLEX_ATTENTION")
-                and unsupported_reason(query, block_mask) is None):
-            return "TRITON_DECODE"
-    elif backend == "TRITON_DECODE" and (needs_grad or need_max):
-        return "TRITON"
-    return backend
-
-
-def _use_tanh_approx(q: torch.Tensor, options: dict) -> bool:
-    choice = options.get("TANH_APPROX")
-    if choice is not None:
-        return bool(choice)
-    # Default: the hardware tanh for 16-bit inputs on NVIDIA GPUs, where its error (~2^-11
-    # relative) is below the inputs' own rounding (2^-8 for bf16, 2^-11 for fp16); exact otherwise.
-    return q.is_cuda and torch.version.cuda is not None and q.dtype in (torch.float16, torch.bfloat16)
-
-
-class _Call(NamedTuple):
-    """What one call runs, besides the tensors autograd tracks."""
-
-    backend: str
-    block_mask: BlockMask
-    scale: float
-    score: Optional[TracedMod]
-    mask: Optional[TracedMod]
-    mask_captured: list
-    options: dict
-    index_dtype: torch.dtype  # of the index tensors the PyTorch backend passes to the mods
-
-
-def _run_forward(call: _Call, q, k, v, score_captured, need_lse, need_max):
-    if call.backend == "TRITON_DECODE":
-        kernel = decode_kernel(call.score, call.mask, tanh_approx=_use_tanh_approx(q, call.options))
-        out, lse = kernel(q, k, v, call.block_mask, call.scale, score_captured, call.mask_captured,
-                          need_lse=need_lse, options=call.options)
-        return out, lse, None
-    if call.backend == "TRITON":
-        kernel = forward_kernel(call.score, call.mask, tanh_approx=_use_tanh_approx(q, call.options))
-        return kernel(
-            q, k, v, call.block_mask, call.scale, score_captured, call.mask_captured,
-            need_lse=need_lse, need_max=need_max, options=call.options,
-        )
-    return blockwise.blockwise_forward(
-        q, k, v, call.block_mask, call.scale,
-        call.score.graph_module_on(q.device) if call.score else None, score_captured,
-        call.mask.graph_module_on(q.device) if call.mask else None, call.mask_captured,
-        need_max=need_max, index_dtype=call.index_dtype,
-    )
 
 
 def flex_attention(
@@ -382,18 +249,18 @@ def flex_attention(
     B, Hq, L, _ = query.shape
     S = key.shape[2]
     if block_mask is None:
-        block_mask = _dense_block_mask(L, S, query.device)
+        block_mask = dense_block_mask(L, S, query.device)
         mask, mask_captured = None, []
     else:
         block_mask = as_block_mask(block_mask)  # torch's BlockMask too
         _validate_block_mask(block_mask, query, key)
-        mask, mask_captured = _trace(block_mask.mask_mod, "mask_mod", "flex_attention (block_mask.mask_mod)")
+        mask, mask_captured = _traced(block_mask.mask_mod, "mask_mod", "flex_attention (block_mask.mask_mod)")
         _check_captured_devices(mask, mask_captured, query.device)
         # mask_mods are boolean: their captured tensors take no gradient.
         if any(t.requires_grad for t in mask_captured):
             mask_captured = [t.detach() for t in mask_captured]
     if score_mod is not None:
-        score, score_captured = _trace(score_mod, "score_mod", "flex_attention")
+        score, score_captured = _traced(score_mod, "score_mod", "flex_attention")
         _check_captured_devices(score, score_captured, query.device)
     else:
         score, score_captured = None, []
@@ -404,7 +271,7 @@ def flex_attention(
                 check_indices(traced, captured, B, Hq, L, S, query.device)
 
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    backend = _pick_backend(query, options)
+    backend = pick_backend(query, options)
     # The PyTorch backend evaluates the mods with vmap: int64 indices where their arithmetic needs it.
     wide = index_dtype(score, mask, bounds=index_bounds(B, Hq, L, S)) if backend == "PYTORCH" else torch.int32
     score_captured = _fixed_on_device(score, score_captured, query.device)
@@ -416,18 +283,13 @@ def flex_attention(
         or any(t.requires_grad for t in score_captured)
     )
     if backend in ("TRITON", "TRITON_DECODE"):
-        backend = _dispatch_decode(backend, options, query, block_mask, needs_grad, need_max)
-    call = _Call(backend, block_mask, scale, score, mask, mask_captured, options, wide)
+        backend = choose_decode(backend, options, query, block_mask, needs_grad, need_max)
+    call = Call(backend, block_mask, scale, score, mask, mask_captured, options, wide)
     if needs_grad:
-        from .autograd import FlexAttentionFunction  # imports this module
-
-        if backend == "TRITON":
-            # Lower the score_mod's gradient now: a mod whose gradient cannot be lowered fails here,
-            # before any kernel runs, not in the middle of loss.backward().
-            backward_kernel(score, mask, tanh_approx=_use_tanh_approx(query, options)).prepare(query, key, block_mask)
+        prepare_backward(call, query, key)
         out, lse, mx = FlexAttentionFunction.apply(query, key, value, call, need_max, *score_captured)
     else:
-        out, lse, mx = _run_forward(call, query, key, value, score_captured, need_lse, need_max)
+        out, lse, mx = run_forward(call, query, key, value, score_captured, need_lse, need_max)
 
     if return_lse:
         return out, lse

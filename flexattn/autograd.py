@@ -1,21 +1,12 @@
 """The autograd Function of ``flex_attention``: the forward by the chosen backend, the backward by
-FlashAttention-2 recomputation from the saved LSE.
-
-On the Triton backend the backward is the generated Triton kernels (``backward.py``); the blockwise
-PyTorch backward (``blockwise.py``) runs everywhere else and is the oracle the tests compare with.
+FlashAttention-2 recomputation from the saved LSE (both in dispatch.py).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from . import blockwise
-from .backward import backward_kernel
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .api import _Call
+from .dispatch import Call, run_backward, run_forward
 
 __all__ = ["FlexAttentionFunction"]
 
@@ -42,14 +33,12 @@ def _delay_double_backward_error(outputs: tuple) -> tuple:
 
 
 class FlexAttentionFunction(torch.autograd.Function):
-    """Inputs: q, k, v, the call (a plain ``api._Call``), need_max, then the score_mod's captured
+    """Inputs: q, k, v, the call (a plain ``dispatch.Call``), need_max, then the score_mod's captured
     tensors (so autograd routes their gradients). Outputs: out, lse, max_scores."""
 
     @staticmethod
     def forward(ctx, q, k, v, call, need_max, *score_captured):
-        from .api import _run_forward  # api imports this module
-
-        out, lse, mx = _run_forward(call, q, k, v, list(score_captured), True, need_max)
+        out, lse, mx = run_forward(call, q, k, v, list(score_captured), True, need_max)
         ctx.call = call
         ctx.save_for_backward(q, k, v, out, lse, *score_captured)
         if mx is not None:
@@ -66,23 +55,9 @@ class FlexAttentionFunction(torch.autograd.Function):
 
 
 def _backward(ctx, grad_out, grad_lse):
-    call: "_Call" = ctx.call
+    call: Call = ctx.call
     q, k, v, out, lse, *score_captured = ctx.saved_tensors
-    if call.backend == "TRITON":
-        from .api import _use_tanh_approx
-
-        kernel = backward_kernel(call.score, call.mask, tanh_approx=_use_tanh_approx(q, call.options))
-        dq, dk, dv, d_captured = kernel(
-            q, k, v, out, lse, grad_out.contiguous(), grad_lse, call.block_mask, call.scale,
-            score_captured, call.mask_captured, call.options,
-        )
-    else:
-        dq, dk, dv, d_captured = blockwise.blockwise_backward(
-            q, k, v, out, lse, grad_out, grad_lse, call.block_mask, call.scale,
-            call.score.graph_module_on(q.device) if call.score else None, score_captured,
-            call.mask.graph_module_on(q.device) if call.mask else None, call.mask_captured,
-            index_dtype=call.index_dtype,
-        )
+    dq, dk, dv, d_captured = run_backward(call, q, k, v, out, lse, grad_out, grad_lse, score_captured)
     needs = ctx.needs_input_grad
     dq, dk, dv = (g if needs[i] else None for i, g in enumerate((dq, dk, dv)))
     d_captured = [g if needs[5 + i] else None for i, g in enumerate(d_captured)]

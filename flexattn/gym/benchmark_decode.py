@@ -112,7 +112,7 @@ def read_ceiling(k: torch.Tensor, v: torch.Tensor) -> dict:
 
 def _decode_launches():
     try:
-        import flexattn.decode as decode
+        import flexattn.kernels.decode as decode
     except ImportError:
         return None
     return decode.launches

@@ -103,9 +103,9 @@ def _timer(device: torch.device, rep_ms: float, min_reps: int) -> Callable[[Call
 
 
 def _triton_backward_launches() -> Optional[int]:
-    """The Triton backward's launch counter (``flexattn.backward.launches``), None where it does not exist."""
+    """The Triton backward's launch counter (``flexattn.kernels.backward.launches``), None where it does not exist."""
     try:
-        import flexattn.backward as backward_module
+        import flexattn.kernels.backward as backward_module
     except ImportError:
         return None
     count = getattr(backward_module, "launches", None)
@@ -138,7 +138,7 @@ def _measure(impl: str, fn: Callable, q, k, v, dout, row: dict, bench, device, *
             if not triton_ran and device.type == "cuda":
                 time_backward = False
                 row["flexattn_bwd_error"] = (
-                    "the backward ran on the blockwise PyTorch path (flexattn.backward.launches did not move); not timed"
+                    "the backward ran on the blockwise PyTorch path (flexattn.kernels.backward.launches did not move); not timed"
                 )
                 print(f"!!! flexattn {row['variant']} d={row['D']}: {row['flexattn_bwd_error']}", flush=True)
         row[f"{impl}_fwd_ms"] = bench(fn)

@@ -194,7 +194,7 @@ def run_variant(name: str, variant: Variant, sizes: GymSizes, device: str, *, re
         dout = torch.randn(B, H, L, D, device=device, dtype=dtype)
         inputs = _grad_inputs(q, k, v, inst)
 
-        from flexattn import backward as triton_backward
+        from flexattn.kernels import backward as triton_backward
 
         launches = triton_backward.launches
         out = inst.attend(q, k, v, block_mask=bm)

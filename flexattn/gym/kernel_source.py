@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from flexattn.backward import backward_kernel
-from flexattn.decode import decode_kernel
-from flexattn.index_bounds import index_bounds
-from flexattn.runtime import forward_kernel
+from flexattn.kernels import backward_kernel, decode_kernel, forward_kernel
+from flexattn.lowering import index_bounds
 from flexattn.trace import trace_mod
 
 __all__ = ["KINDS", "kernel_source"]

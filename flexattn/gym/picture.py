@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 import flexattn
-from flexattn.block_mask import BlockMask
+from flexattn.masks import BlockMask
 
 __all__ = ["variant_mask", "block_map", "text_picture", "write_png", "EMPTY", "PARTIAL", "FULL"]
 

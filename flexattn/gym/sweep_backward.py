@@ -15,9 +15,9 @@ import sys
 
 import torch
 
-import flexattn.backward as backward
+import flexattn.kernels.backward as backward
 from flexattn import create_block_mask, flex_attention
-from flexattn.backward import BackwardConfig
+from flexattn.kernels.configs import BackwardConfig
 from flexattn.variants import CATALOGUE
 
 SEQ_LEN = 16384

@@ -1,5 +1,5 @@
 """Tile census: every catalogue entry's default kernels, what the compiler made of them, and what
-[Note] Tiles the compiler made costly (runtime.py; the backward's in backward.py) does about it.
+[Note] Tiles the compiler made costly (flexattn/kernels/family.py) does about it.
 
     python -m flexattn.gym.tile_census --head-dims 64 128 --tokens 4096 [--backward]
 
@@ -19,8 +19,10 @@ import sys
 import torch
 
 import flexattn
-import flexattn.backward as backward
-import flexattn.runtime as runtime
+import flexattn.kernels.backward as backward
+import flexattn.kernels.family as family
+import flexattn.kernels.forward as forward
+from flexattn.kernels.launch import shared_bytes, spilled_bytes
 from flexattn.variants import CATALOGUE
 
 
@@ -31,22 +33,22 @@ def _bench(fn) -> float:
 
 
 def _kernel_facts(kernel) -> dict:
-    return {"regs": getattr(kernel, "n_regs", None), "spilled_bytes": runtime.spilled_bytes(kernel),
-            "shared_bytes": getattr(getattr(kernel, "metadata", None), "shared", None)}
+    return {"regs": getattr(kernel, "n_regs", None), "spilled_bytes": spilled_bytes(kernel),
+            "shared_bytes": shared_bytes(kernel)}
 
 
 def _plan_of(kernel_object) -> dict:
-    c = kernel_object.last_constexprs
+    c = kernel_object.last_plan.constexprs("forward")
     return {"BLOCK_M": c["BLOCK_M"], "BLOCK_N": c["BLOCK_N"], "num_stages": c["num_stages"]}
 
 
 def _rule_off_then_on(row: dict, call, kernels, plan_of, facts, before_call=lambda: None) -> None:
     """Fill row["default"] (the rule off) and row["rule"] (on; None when it keeps the default plan)
     with the settled plan, the compiled kernels' facts and the median time of ``call``."""
-    limits = (runtime.SPILL_LIMIT_BYTES, runtime.STAGED_GATHER_BYTES)
+    limits = (family.SPILL_LIMIT_BYTES, family.STAGED_GATHER_BYTES)
     try:
         for rule_on in (False, True):
-            runtime.SPILL_LIMIT_BYTES, runtime.STAGED_GATHER_BYTES = limits if rule_on else (1 << 40, 1 << 40)
+            family.SPILL_LIMIT_BYTES, family.STAGED_GATHER_BYTES = limits if rule_on else (1 << 40, 1 << 40)
             for kernel_object in kernels.values():
                 kernel_object._plans.clear()
             for _ in range(6):  # the rule takes one step per call
@@ -58,7 +60,7 @@ def _rule_off_then_on(row: dict, call, kernels, plan_of, facts, before_call=lamb
                 return
             row["rule" if rule_on else "default"] = {"plan": plan, **facts(), "ms": _bench(call)}
     finally:
-        runtime.SPILL_LIMIT_BYTES, runtime.STAGED_GATHER_BYTES = limits
+        family.SPILL_LIMIT_BYTES, family.STAGED_GATHER_BYTES = limits
 
 
 def _cases(head_dims, tokens: int, variants, requires_grad: bool = False):
@@ -78,13 +80,13 @@ def _cases(head_dims, tokens: int, variants, requires_grad: bool = False):
 
 def census(head_dims, tokens: int, variants=None) -> list[dict]:
     launched = []
-    real_launch = runtime.launch
+    real_launch = forward.launch
 
     def recording_launch(*args):
         launched.append(real_launch(*args))
         return launched[-1]
 
-    runtime.launch = recording_launch
+    forward.launch = recording_launch
     rows = []
     try:
         for head_dim, name, inst, block_mask, q, k, v in _cases(head_dims, tokens, variants):
@@ -92,18 +94,18 @@ def census(head_dims, tokens: int, variants=None) -> list[dict]:
                 return flexattn.flex_attention(q, k, v, score_mod=inst.score_mod, block_mask=block_mask)
 
             row = {"variant": name, "head_dim": head_dim}
-            _rule_off_then_on(row, call, runtime._kernels, _plan_of, lambda: _kernel_facts(launched[-1]))
+            _rule_off_then_on(row, call, forward._kernels, _plan_of, lambda: _kernel_facts(launched[-1]))
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        runtime.launch = real_launch
+        forward.launch = real_launch
     return rows
 
 
 def _backward_plan_of(kernel_object) -> dict:
     plan = next(reversed(kernel_object._plans.values()))
     return {name: {"BLOCK_M": c["BLOCK_M"], "BLOCK_N": c["BLOCK_N"], "num_stages": c["num_stages"]}
-            for name, c in (("dkdv", plan.dkdv_constexprs), ("dq", plan.dq_constexprs))}
+            for name, c in ((role, plan.constexprs(role)) for role in ("dkdv", "dq"))}
 
 
 def backward_census(head_dims, tokens: int, variants=None) -> list[dict]:

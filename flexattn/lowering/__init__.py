@@ -9,14 +9,20 @@ Stage 2 of the pipeline (trace -> lowering -> codegen -> runtime)::
     lowered.kernel_params  # ('sm_slopes_ptr', 'sm_slopes_stride0')
 
 ops.py holds the table (one small function per aten op), emit.py the walk over the graph, index.py
-the sympy integer arithmetic for indices. The helpers the generated source calls (py_floordiv,
-precise_tanh, ...) are in templates/mod_helpers.py.jinja.
+the sympy integer arithmetic for indices, gradient.py the score_mod's derivative, ranges.py the
+integer ranges at a call's lengths (int32 or int64, which gathers need guards), sites.py the user's
+source line of a node, and check.py the CHECK_INDICES debug mode. The helpers the generated source
+calls (py_floordiv, precise_tanh, ...) are in templates/mod_helpers.py.jinja.
 """
 
+from .check import check_indices
 from .emit import LoweredMod, ModInputs, lower
 from .gradient import LoweredScoreGrad, lower_score_grad
 from .ops import LOWERINGS, register_lowering
-from .ranges import IndexBounds, LoweringVariant, lowering_variant, needs_wide_indices
+from .ranges import (
+    IndexBounds, LoweringVariant, index_bounds, index_dtype, lowering_variant, lowering_variants, mod_index_dtype,
+    needs_wide_indices,
+)
 
 __all__ = [
     "LoweredMod",
@@ -30,4 +36,9 @@ __all__ = [
     "LoweringVariant",
     "lowering_variant",
     "needs_wide_indices",
+    "index_bounds",
+    "lowering_variants",
+    "index_dtype",
+    "mod_index_dtype",
+    "check_indices",
 ]

@@ -18,19 +18,25 @@ two kinds of decisions follow (docs/lowering.md, "Integer dtypes" and "Gathers")
 
 ``lowering_variant`` returns those decisions as a hashable ``LoweringVariant``; ``lower(...,
 variant=...)`` reads nothing else about the bounds, so equal variants give identical source and the
-runtime caches kernels by variant, not by shape. The pass is plain Python over the graph's nodes
+kernels are cached by variant, not by shape. The pass is plain Python over the graph's nodes
 (tens of microseconds for common mods), run once per new shape.
+
+Everything outside the lowering asks through the last section of this module: ``index_bounds`` (the
+bounds of one call), ``lowering_variants`` (both mods' variants, remembered per call shape; every
+kernel family keys its compiled sources by them) and ``index_dtype`` / ``mod_index_dtype`` (the
+index dtype of the vmap-based paths: the BlockMask builder and the PyTorch backend).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 import torch.fx
 
-from ..trace import TracedMod
+from ..trace import TracedMod, trace_mod
 from .ops import LOWERINGS, lookup
 
 __all__ = [
@@ -43,6 +49,10 @@ __all__ = [
     "needs_wide_indices",
     "CONSERVATIVE_BOUNDS",
     "graph_key",
+    "index_bounds",
+    "lowering_variants",
+    "index_dtype",
+    "mod_index_dtype",
 ]
 
 aten = torch.ops.aten
@@ -560,3 +570,67 @@ def needs_wide_indices(traced: TracedMod, bounds: IndexBounds) -> bool:
     """True when integer arithmetic on the index arguments can leave int32 at these bounds; the
     vmap-based paths (BlockMask builder, PyTorch backend) then pass int64 index tensors."""
     return lowering_variant(traced, bounds).torch_overflow
+
+
+# ------------------------------------------------------------------------------------ per call
+# [Note] Cache keys (flexattn/kernels/family.py): the caches below are keyed by the TracedMod objects
+# themselves (immutable, compared by identity, kept alive by the key, so an id cannot be reused) and
+# plain-int bounds; both are bounded. The analysis reads nothing else (graph, captured shapes and
+# dtypes, constants frozen into the TracedMod), so an entry can never describe other contents.
+
+
+def index_bounds(B: int, H: int, Q_LEN: int, KV_LEN: int) -> IndexBounds:
+    """The exclusive upper bounds of b, h, q_idx and kv_idx in a call of these sizes."""
+    return IndexBounds(B=B, H=H, Q_LEN=Q_LEN, KV_LEN=KV_LEN)
+
+
+# The analysis walks the whole graph (about 0.1 ms): remembered per (TracedMods, bounds).
+_VARIANTS: "OrderedDict[tuple, tuple]" = OrderedDict()
+_VARIANTS_KEPT = 512
+
+
+def lowering_variants(score: Optional[TracedMod], mask: Optional[TracedMod], bounds: Optional[IndexBounds]) -> tuple:
+    """The (score_mod, mask_mod) lowering variants for calls within ``bounds``; None entries mean
+    "correct at any lengths" (also for ``bounds=None``). Every kernel family keys its compiled
+    sources by this pair."""
+    if bounds is None:
+        return (None, None)
+    key = (score, mask, bounds)
+    variants = _VARIANTS.get(key)
+    if variants is None:
+        variants = (lowering_variant(score, bounds) if score is not None else None,
+                    lowering_variant(mask, bounds) if mask is not None else None)
+        _VARIANTS[key] = variants
+        if len(_VARIANTS) > _VARIANTS_KEPT:
+            _VARIANTS.popitem(last=False)
+    else:
+        _VARIANTS.move_to_end(key)
+    return variants
+
+
+_WIDE: "OrderedDict[tuple, bool]" = OrderedDict()
+_WIDE_KEPT = 256
+
+
+def index_dtype(*traced: Optional[TracedMod], bounds: IndexBounds) -> torch.dtype:
+    """int64 when any of these traced mods needs wide indices at ``bounds``, else int32."""
+    key = (traced, bounds)
+    wide = _WIDE.get(key)
+    if wide is None:
+        wide = any(needs_wide_indices(t, bounds) for t in traced if t is not None)
+        _WIDE[key] = wide
+        if len(_WIDE) > _WIDE_KEPT:
+            _WIDE.popitem(last=False)
+    return torch.int64 if wide else torch.int32
+
+
+def mod_index_dtype(fn, kind: str, B: int, H: int, Q_LEN: int, KV_LEN: int) -> torch.dtype:
+    """The index dtype for evaluating the callable ``fn`` with vmap at these lengths.
+
+    A mod that cannot be traced (it may still run under vmap) keeps int32.
+    """
+    try:
+        traced, _ = trace_mod(fn, kind)
+    except Exception:
+        return torch.int32
+    return index_dtype(traced, bounds=index_bounds(B, H, Q_LEN, KV_LEN))

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..block_mask import BlockMask, create_block_mask
+from ..masks import BlockMask, create_block_mask
 from ..reference import reference_attention
 
 

@@ -1,4 +1,7 @@
-"""Launching a compiled Triton kernel with less host work per call.
+"""Launching kernels: the direct launch, output buffers, the mods' arguments, and the facts of a
+launch that later plans read (spills, out-of-resources errors).
+
+[Note] Direct launches. Launching a compiled Triton kernel with less host work per call.
 
 ``jit_fn[grid](*args, **constexprs)`` re-does on every call what only the first call of a problem
 needs: binding the arguments to the signature, computing each argument's specialisation, building
@@ -18,11 +21,15 @@ specialisation: that would be a wrong number, not a slow one.
 
 from __future__ import annotations
 
-from typing import Optional
+import os
+from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["launch", "fast_launches"]
+__all__ = [
+    "launch", "fast_launches", "interpreter_enabled", "empty_output", "mod_launch_args", "kv_strides",
+    "is_out_of_resources", "spilled_bytes", "shared_bytes",
+]
 
 fast_launches = 0  # launches that took the direct path (tests check that it runs and stays correct)
 
@@ -108,3 +115,60 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict):
                *args, *entry.tail)
     fast_launches += 1
     return kernel
+
+
+def interpreter_enabled() -> bool:
+    """Kernels run in Triton's interpreter (TRITON_INTERPRET=1: on the CPU, for tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# Tests set FLEXATTN_POISON_OUTPUTS=1: outputs start as NaN, so an element a kernel forgets to
+# write fails the comparison instead of passing on whatever the allocator left there.
+_POISON_OUTPUTS = os.environ.get("FLEXATTN_POISON_OUTPUTS", "0") not in ("", "0")
+
+
+def empty_output(shape, dtype, device) -> torch.Tensor:
+    """A buffer every element of which a kernel writes (NaN-filled under FLEXATTN_POISON_OUTPUTS)."""
+    if _POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def mod_launch_args(*captured: Sequence[torch.Tensor]) -> list:
+    """The mods' extra kernel arguments, in the order of their LoweredMod.kernel_params: each
+    captured tensor, then its strides. The tensors are already on the query's device (user tensors
+    are checked by the API, a mod's own constants moved by TracedMod.fixed_values_on)."""
+    args = []
+    for tensors in captured:
+        for t in tensors:
+            args.append(t)
+            args.extend(t.stride())
+    return args
+
+
+def kv_strides(k: torch.Tensor, v: torch.Tensor, batch: int) -> tuple[tuple, tuple]:
+    """K's and V's strides as the kernels take them: a key/value batch of 1 broadcast over the
+    queries' batch gets batch stride 0, so every query batch re-reads the same rows."""
+    k_strides, v_strides = k.stride(), v.stride()
+    if k.shape[0] == 1 and batch > 1:
+        k_strides, v_strides = (0,) + k_strides[1:], (0,) + v_strides[1:]
+    return k_strides, v_strides
+
+
+def is_out_of_resources(err: Exception) -> bool:
+    """The compiler found the kernel too large for the GPU (shared memory, registers)."""
+    try:
+        from triton.runtime.errors import OutOfResources
+    except ImportError:  # pragma: no cover - every supported Triton has it
+        return False
+    return isinstance(err, OutOfResources)
+
+
+def spilled_bytes(kernel) -> int:
+    """Bytes of local memory per thread of a compiled Triton kernel (0 when unknown: the interpreter)."""
+    return getattr(kernel, "n_spills", 0) or 0
+
+
+def shared_bytes(kernel) -> int:
+    """Bytes of shared memory a compiled Triton kernel uses (0 when unknown: the interpreter)."""
+    return getattr(getattr(kernel, "metadata", None), "shared", 0) or 0

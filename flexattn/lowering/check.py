@@ -22,9 +22,9 @@ from typing import Optional
 import torch
 import torch.fx
 
-from .errors import InvalidInputError
-from .lowering.sites import describe_site
-from .trace import TracedMod
+from ..errors import InvalidInputError
+from .sites import describe_site
+from ..trace import TracedMod
 
 __all__ = ["check_indices", "TILE_ELEMENTS"]
 

@@ -22,11 +22,11 @@ from typing import Optional
 
 import jinja2
 
-from .lowering import LoweredMod
+from ..lowering import LoweredMod
 
 __all__ = ["FAMILIES", "KernelSpec", "render", "cache_dir", "load_kernel_module", "debug_enabled"]
 
-TEMPLATE_DIR = Path(__file__).parent / "templates"
+TEMPLATE_DIR = Path(__file__).parent.parent / "templates"
 
 _environment = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),

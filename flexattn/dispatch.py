@@ -1,0 +1,153 @@
+"""Which backend runs a call, and running it: the call record, the backend choice, and the forward
+and backward of each backend.
+
+Backends:
+- TRITON: the generated FlashAttention-2 kernels (CUDA; CPU under ``TRITON_INTERPRET=1``).
+- TRITON_DECODE: the generated split-KV decode kernels for short queries at inference; chosen by
+  AUTO on CUDA for queries of up to ``MAX_AUTO_QUERY_LEN`` rows (see choose_decode).
+- PYTORCH: the blockwise online-softmax path in plain PyTorch (any device, forward and backward).
+
+``api.flex_attention`` validates and traces, then calls ``run_forward`` directly or through
+``autograd.FlexAttentionFunction``, whose backward calls ``run_backward``: both import this module,
+and it imports neither.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .blockwise import blockwise_backward, blockwise_forward
+from .errors import BackendUnavailableError, InvalidInputError
+from .kernels import (
+    MAX_AUTO_QUERY_LEN, backward_kernel, decode_kernel, forward_kernel, interpreter_enabled, unsupported_reason,
+)
+from .masks import BlockMask
+from .options import resolve_backend_name
+from .trace import TracedMod
+
+__all__ = ["Call", "pick_backend", "choose_decode", "use_tanh_approx", "run_forward", "prepare_backward", "run_backward"]
+
+
+class Call(NamedTuple):
+    """What one call runs, besides the tensors autograd tracks."""
+
+    backend: str
+    block_mask: BlockMask
+    scale: float
+    score: Optional[TracedMod]
+    mask: Optional[TracedMod]
+    mask_captured: list
+    options: dict
+    index_dtype: torch.dtype  # of the index tensors the PyTorch backend passes to the mods
+
+
+def pick_backend(query: torch.Tensor, options: dict) -> str:
+    """The backend the options and the query's device and dtype call for."""
+    if not options and query.is_cuda and query.dtype != torch.float64:
+        return "TRITON"  # the common case, decided without reading anything else
+    backend = resolve_backend_name(options)
+    if backend == "AUTO":
+        # float64 has no tensor-core path: it runs on the blockwise PyTorch backend, like CPU tensors.
+        return "TRITON" if query.is_cuda and query.dtype != torch.float64 else "PYTORCH"
+    if backend == "TRITON_DECODE" and options.get("FORCE_USE_FLEX_ATTENTION"):
+        raise InvalidInputError(
+            "kernel_options BACKEND='TRITON_DECODE' and FORCE_USE_FLEX_ATTENTION=True contradict each other "
+            "(as in torch): drop one of them"
+        )
+    if backend in ("TRITON", "TRITON_DECODE"):
+        if query.dtype == torch.float64:
+            raise BackendUnavailableError(
+                "the Triton backend supports float16, bfloat16 and float32; float64 inputs run on "
+                "kernel_options={'BACKEND': 'PYTORCH'}"
+            )
+        if query.device.type == "cpu" and not interpreter_enabled():
+            raise BackendUnavailableError(
+                f"kernel_options={{'BACKEND': '{backend}'}} with CPU tensors needs the Triton interpreter: set the "
+                "environment variable TRITON_INTERPRET=1 before importing flexattn (slow; meant for testing), "
+                "or move the tensors to a CUDA device"
+            )
+        if query.device.type not in ("cpu", "cuda"):
+            raise BackendUnavailableError(
+                f"the Triton backend runs on CUDA devices, got {query.device}; use BACKEND='PYTORCH'"
+            )
+    return backend
+
+
+def choose_decode(backend: str, options: dict, query: torch.Tensor, block_mask: BlockMask, needs_grad: bool,
+                  need_max: bool) -> str:
+    """The Triton backend's choice between the forward kernel and the decode kernels.
+
+    AUTO picks the decode kernels for queries of up to MAX_AUTO_QUERY_LEN rows (see its comment for
+    the measurement) that fit one query block of the mask, when no gradient and no max_scores
+    are needed and FORCE_USE_FLEX_ATTENTION is not set. A forced TRITON_DECODE still runs the
+    forward kernel (and so the Triton backward) when gradients are needed: the decode kernels
+    write no state for a backward. Calls that need max_scores also take the forward kernel, which
+    writes them; the decode kernels do not.
+    """
+    if backend == "TRITON":
+        if (query.shape[2] <= MAX_AUTO_QUERY_LEN and not needs_grad and not need_max
+                and options.get("BACKEND", "AUTO") == "AUTO" and not options.get("FORCE_USE_FLEX_ATTENTION")
+                and unsupported_reason(query, block_mask) is None):
+            return "TRITON_DECODE"
+    elif backend == "TRITON_DECODE" and (needs_grad or need_max):
+        return "TRITON"
+    return backend
+
+
+def use_tanh_approx(q: torch.Tensor, options: dict) -> bool:
+    """Whether tanh in the mods runs as the hardware approximation."""
+    choice = options.get("TANH_APPROX")
+    if choice is not None:
+        return bool(choice)
+    # Default: the hardware tanh for 16-bit inputs on NVIDIA GPUs, where its error (~2^-11
+    # relative) is below the inputs' own rounding (2^-8 for bf16, 2^-11 for fp16); exact otherwise.
+    return q.is_cuda and torch.version.cuda is not None and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def run_forward(call: Call, q, k, v, score_captured, need_lse, need_max):
+    """``(out, lse or None, max_scores or None)`` from the call's backend."""
+    if call.backend == "TRITON_DECODE":
+        kernel = decode_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
+        out, lse = kernel(q, k, v, call.block_mask, call.scale, score_captured, call.mask_captured,
+                          need_lse=need_lse, options=call.options)
+        return out, lse, None
+    if call.backend == "TRITON":
+        kernel = forward_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
+        return kernel(
+            q, k, v, call.block_mask, call.scale, score_captured, call.mask_captured,
+            need_lse=need_lse, need_max=need_max, options=call.options,
+        )
+    return blockwise_forward(
+        q, k, v, call.block_mask, call.scale,
+        call.score.graph_module_on(q.device) if call.score else None, score_captured,
+        call.mask.graph_module_on(q.device) if call.mask else None, call.mask_captured,
+        need_max=need_max, index_dtype=call.index_dtype,
+    )
+
+
+def prepare_backward(call: Call, q, k) -> None:
+    """Lower the score_mod's gradient now, at the forward: a mod whose gradient cannot be lowered
+    fails here, before any kernel runs, not in the middle of loss.backward()."""
+    if call.backend == "TRITON":
+        backward_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options)).prepare(
+            q, k, call.block_mask)
+
+
+def run_backward(call: Call, q, k, v, out, lse, grad_out, grad_lse, score_captured):
+    """``(dq, dk, dv, [gradient of each captured tensor or None])`` by FlashAttention-2
+    recomputation from the saved LSE: the Triton kernels on the Triton backend, the blockwise
+    PyTorch backward (the oracle the tests compare with) everywhere else."""
+    if call.backend == "TRITON":
+        kernel = backward_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
+        return kernel(
+            q, k, v, out, lse, grad_out.contiguous(), grad_lse, call.block_mask, call.scale,
+            score_captured, call.mask_captured, call.options,
+        )
+    return blockwise_backward(
+        q, k, v, out, lse, grad_out, grad_lse, call.block_mask, call.scale,
+        call.score.graph_module_on(q.device) if call.score else None, score_captured,
+        call.mask.graph_module_on(q.device) if call.mask else None, call.mask_captured,
+        index_dtype=call.index_dtype,
+    )

@@ -1,0 +1,19 @@
+"""Kernels: compile, plan and launch the generated Triton kernels (stage 4: trace -> lowering ->
+codegen -> kernels).
+
+``launch`` (the direct launch, output buffers) and ``tma`` (tensor descriptors) are the floor;
+``configs`` (tiles, warps and stages per GPU, autotuning's store) and ``tables`` (what the kernels
+read from a BlockMask) stand on it; ``family`` is what every kernel family shares (compiled
+sources, plans, the launch loop with its resource fallback and replan rule); ``forward``,
+``backward`` and ``decode`` hold only what is their own.
+"""
+
+from .backward import BackwardKernel, backward_kernel
+from .decode import MAX_AUTO_QUERY_LEN, DecodeKernel, decode_kernel, unsupported_reason
+from .forward import ForwardKernel, forward_kernel
+from .launch import interpreter_enabled
+
+__all__ = [
+    "BackwardKernel", "backward_kernel", "DecodeKernel", "decode_kernel", "MAX_AUTO_QUERY_LEN", "unsupported_reason",
+    "ForwardKernel", "forward_kernel", "interpreter_enabled",
+]

@@ -1,0 +1,313 @@
+"""The backward kernel family: dQ, dK, dV and the gradients of captured tensors
+(templates/backward.py.jinja), its launch plans and its launches.
+
+A plan holds three steps:
+
+1. ``"preprocess"``: DELTA = rowsum(dO * O) - dLSE, one program per query tile;
+2. ``"dkdv"``: one program per key tile of one key/value head, walking the query blocks that see it
+   through the BlockMask's transposed tables, summing over the query heads of its GQA group;
+3. ``"dq"``: one program per query tile, walking the same key blocks as the forward.
+
+Every output row is written by exactly one program, so there are no atomics on dQ, dK or dV and
+the result does not depend on scheduling. Gradients of captured tensors (a learnable bias) are
+added with float32 atomics by the dK/dV kernel only, at the addresses the mod read.
+
+The transposed tables are derived from the forward's checked tables (kernels/tables.py; never
+taken from the mask's own ``q_indices``, which a hand-built mask could let disagree with
+``kv_indices``): the backward walks exactly the blocks the forward walked.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from ..codegen import KernelSpec
+from ..codegen.params import BACKWARD_DKDV, BACKWARD_DQ, BACKWARD_PREPROCESS
+from ..errors import ResourceError
+from ..lowering import index_bounds, lower_score_grad
+from ..masks import BlockMask
+from ..masks.layout import cdiv
+from ..trace import TracedMod
+from .configs import (
+    BACKWARD_TILE_KEYS, BackwardConfig, backward_pinned, backward_shared_memory_bytes, fit_backward,
+    input_precision, max_shared_memory, next_pow2, pinned_backward_config, select_backward_config, tuned_configs,
+)
+from .family import KernelFamily, Plan, Step, TileRoles, cached_kernel, with_tiles
+from .launch import empty_output, interpreter_enabled, kv_strides, launch, mod_launch_args
+from .tables import backward_tables, launch_tables
+from .tma import install_tma_allocator, tma_compatible
+
+__all__ = ["BackwardKernel", "backward_kernel", "launches"]
+
+launches = 0  # Triton backward calls in this process (tests check that the kernels, not a fallback, ran)
+
+_BOTH_SIDES = ("QK_HEAD_DIM_P2", "V_HEAD_DIM_P2")
+
+
+class BackwardKernel(KernelFamily):
+    """The backward kernels of one pair of traced mods (see [Note] Cache keys in kernels/family.py):
+    one compiled source per lowering variant, one launch plan per problem. ``compiled`` also lowers
+    the score_mod's gradient, so a gradient that cannot be lowered raises (naming the op and the
+    line) before any kernel runs."""
+
+    kind = "backward"
+    # dK/dV owns keys (K and V) and walks queries (Q and dO); dQ owns queries and walks keys.
+    TILE_ROLES = {
+        "dkdv": TileRoles(owned="BLOCK_N", owned_even="EVEN_N", owned_length=1, walked="BLOCK_M",
+                          owned_width=_BOTH_SIDES, walked_width=_BOTH_SIDES),
+        "dq": TileRoles(owned="BLOCK_M", owned_even="EVEN_M", owned_length=0, walked="BLOCK_N",
+                        owned_width=_BOTH_SIDES, walked_width=_BOTH_SIDES),
+    }
+
+    def _spec(self, variants: tuple) -> KernelSpec:
+        score_grad = None
+        if self.score is not None:
+            score_grad = lower_score_grad(self.score, prefix="sm_", tanh_approx=self.tanh_approx,
+                                                   variant=variants[0])
+        return replace(super()._spec(variants), score_grad=score_grad)
+
+    def prepare(self, q, k, block_mask) -> None:
+        """Lower and compile for this call's lengths now (at the forward), so a mod whose gradient
+        cannot be lowered fails before any kernel runs."""
+        B, Hq, L, _ = q.shape
+        self.compiled(index_bounds(B, Hq, L, k.shape[2]))
+
+    # ---------------------------------------------------------------- launch
+    def __call__(self, q, k, v, out, lse, grad_out, grad_lse, block_mask: BlockMask, scale: float,
+                 score_captured, mask_captured, options: dict):
+        """``(dq, dk, dv, [gradient of each captured tensor or None])``."""
+        global launches
+        tables = launch_tables(block_mask)
+        bwd_tables = backward_tables(block_mask)
+        key = (
+            q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), grad_out.stride(), out.stride(),
+            q.dtype, q.device, block_mask.BLOCK_SIZE, tables.plan_key, scale > 0, grad_lse is not None,
+            tuple(sorted(options.items())) if options else (),
+            torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None,
+        )
+
+        def make_plan() -> Plan:
+            return self._plan(q, k, v, grad_out, grad_lse is not None, block_mask, tables, scale, score_captured,
+                              mask_captured, options)
+
+        def for_call(plan: Plan) -> Plan:
+            if plan.constexprs("dkdv")["USE_TMA"] and (q.data_ptr() | k.data_ptr() | v.data_ptr()
+                                                      | grad_out.data_ptr()) % 16:
+                # Same shapes and strides as the plan's first call, but an unaligned view this time.
+                return plan.with_constexprs("dkdv", USE_TMA=False).with_constexprs("dq", USE_TMA=False)
+            return plan
+
+        def run(plan: Plan):
+            return self._launch(plan, q, k, v, out, lse, grad_out, grad_lse, tables, bwd_tables, scale,
+                                score_captured, mask_captured)
+
+        grads = self._run(key, make_plan, for_call, run, options)
+        launches += 1
+        return grads
+
+    def _launch(self, plan: Plan, q, k, v, out, lse, grad_out, grad_lse, tables, bwd_tables, scale, score_captured,
+                mask_captured):
+        B, Hq, L, E = q.shape
+        Bk, Hkv, S, Ev = v.shape
+        module = plan.compiled
+        if plan.constexprs("dkdv")["USE_TMA"]:
+            install_tma_allocator()  # this thread's: autograd runs the backward in a worker thread
+
+        # -- preprocess: DELTA ----
+        delta = empty_output((B, Hq, L), torch.float32, q.device)
+        dlse = grad_lse.contiguous().float() if grad_lse is not None else delta
+        pre = plan.steps["preprocess"]
+        launch(module.kernel(BACKWARD_PREPROCESS), pre.grid, BACKWARD_PREPROCESS.pack(
+            OUT=out, DO=grad_out, DLSE=dlse, DELTA=delta, stride_o=out.stride(), stride_do=grad_out.stride(), Q_LEN=L,
+        ), pre.constexprs)
+
+        # -- captured tensors and their gradient buffers ----
+        trainable = plan.compiled.spec.score_grad.trainable if plan.compiled.spec.score_grad else ()
+        grad_buffers = [torch.zeros(score_captured[i].shape, dtype=torch.float32, device=q.device) for i in trainable]
+        mods = mod_launch_args(score_captured) + grad_buffers + mod_launch_args(mask_captured)
+
+        k_strides, v_strides = kv_strides(k, v, B)
+        broadcast_kv = Bk == 1 and B > 1
+        if broadcast_kv:
+            # Each query batch writes its own slice; the slices are summed below (float32).
+            dk = empty_output((B, Hkv, S, E), torch.float32, q.device)
+            dv = empty_output((B, Hkv, S, Ev), torch.float32, q.device)
+        else:
+            dk = empty_output(k.shape, k.dtype, q.device)
+            dv = empty_output(v.shape, v.dtype, q.device)
+        dq = empty_output(q.shape, q.dtype, q.device)
+        lse = lse.contiguous()
+
+        dkdv = plan.steps["dkdv"]
+        qn, qi, fqn, fqi = (bwd_tables.q_num_blocks, bwd_tables.q_indices, bwd_tables.full_q_num_blocks,
+                            bwd_tables.full_q_indices)
+        dkdv_kernel = launch(module.kernel(BACKWARD_DKDV), dkdv.grid, BACKWARD_DKDV.pack(
+            Q=q, K=k, V=v, DO=grad_out, LSE=lse, DELTA=delta, DK=dk, DV=dv,
+            Q_NUM_BLKS=qn, Q_IDX=qi, FULL_Q_NUM_BLKS=fqn, FULL_Q_IDX=fqi,
+            stride_q=q.stride(), stride_k=k_strides, stride_v=v_strides, stride_do=grad_out.stride(),
+            stride_dk=dk.stride(), stride_dv=dv.stride(),
+            SPARSE_COLS=qn.shape[2], IDX_ROWS=qi.shape[3], FULL_IDX_ROWS=fqi.shape[3],
+            Q_LEN=L, KV_LEN=S, SM_SCALE=scale, mods=mods,
+        ), dkdv.constexprs)
+        dq_step = plan.steps["dq"]
+        nb, idx, fnb, fidx = tables.kv_num_blocks, tables.kv_indices, tables.full_kv_num_blocks, tables.full_kv_indices
+        dq_kernel = launch(module.kernel(BACKWARD_DQ), dq_step.grid, BACKWARD_DQ.pack(
+            Q=q, K=k, V=v, DO=grad_out, LSE=lse, DELTA=delta, DQ=dq,
+            KV_NUM_BLKS=nb, KV_IDX=idx, FULL_KV_NUM_BLKS=fnb, FULL_KV_IDX=fidx,
+            stride_q=q.stride(), stride_k=k_strides, stride_v=v_strides, stride_do=grad_out.stride(),
+            stride_dq=dq.stride(),
+            SPARSE_ROWS=nb.shape[2], IDX_COLS=idx.shape[3], FULL_IDX_COLS=fidx.shape[3],
+            Q_LEN=L, KV_LEN=S, SM_SCALE=scale, mods=mods,
+        ), dq_step.constexprs)
+
+        if broadcast_kv:
+            dk = dk.sum(0, keepdim=True).to(k.dtype)
+            dv = dv.sum(0, keepdim=True).to(v.dtype)
+        captured_grads: list = [None] * len(score_captured)
+        for i, buf in zip(trainable, grad_buffers):
+            captured_grads[i] = buf.to(score_captured[i].dtype)
+        return (dq, dk, dv, captured_grads), {"dkdv": dkdv_kernel, "dq": dq_kernel}
+
+    def _plan(self, q, k, v, grad_out, has_dlse, block_mask, tables, scale, score_captured, mask_captured,
+              options) -> Plan:
+        B, Hq, L, E = q.shape
+        Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+        sparse_q, sparse_kv = block_mask.BLOCK_SIZE
+        compiled = self.compiled(index_bounds(B, Hq, L, S))
+        cfg = select_backward_config(q.device, q.dtype, E, Ev, sparse_q, sparse_kv, self.mask is not None,
+                                     tables.stats.mean_blocks)
+        chosen_here = False
+        if backward_pinned(options):
+            cfg = pinned_backward_config(options, cfg, sparse_q, sparse_kv)
+        elif options.get("AUTOTUNE") and not interpreter_enabled() and q.device.type == "cuda":
+            cfg = self._tuned(q, k, v, block_mask, scale, score_captured, mask_captured, compiled, cfg)
+        else:
+            chosen_here = q.device.type == "cuda" and not interpreter_enabled()
+        use_tma = bool(options.get("USE_TMA", cfg.USE_TMA)) and tma_compatible(q, k, v, grad_out)
+        dkdv_launch, dq_launch = cfg.dkdv(), cfg.dq()
+        common = dict(
+            SPARSE_Z=tables.kv_num_blocks.shape[0], SPARSE_HQ=tables.kv_num_blocks.shape[1],
+            GQA_GROUP=Hq // Hkv,
+            QK_HEAD_DIM=E, QK_HEAD_DIM_P2=max(16, next_pow2(E)),
+            V_HEAD_DIM=Ev, V_HEAD_DIM_P2=max(16, next_pow2(Ev)),
+            SPARSE_Q_BLOCK_SIZE=sparse_q, SPARSE_KV_BLOCK_SIZE=sparse_kv,
+            HAS_SCORE_MOD=self.score is not None,
+            SCALE_FIRST=self.score is not None or scale <= 0,
+            HAS_PARTIAL_BLOCKS=self.mask is not None, HAS_FULL_BLOCKS=tables.has_full,
+            INPUT_PRECISION=input_precision(q.dtype),
+            UPCAST_DOTS=q.dtype == torch.bfloat16 and interpreter_enabled(),
+            USE_TMA=use_tma,
+        )
+        # Each kernel checks bounds along its own tile (EVEN_* of its tile) and along the sparse
+        # blocks it walks (whole blocks: EVEN_* of the BlockMask's block).
+        dkdv = dict(common, BLOCK_M=cfg.BLOCK_M1, BLOCK_N=cfg.BLOCK_N1,
+                    EVEN_M=L % sparse_q == 0, EVEN_N=S % cfg.BLOCK_N1 == 0, NUM_STAGES=dkdv_launch.num_stages,
+                    num_warps=dkdv_launch.num_warps, num_stages=dkdv_launch.num_stages)
+        dq = dict(common, BLOCK_M=cfg.BLOCK_M2, BLOCK_N=cfg.BLOCK_N2,
+                  EVEN_M=L % cfg.BLOCK_M2 == 0, EVEN_N=S % sparse_kv == 0, NUM_STAGES=dq_launch.num_stages,
+                  num_warps=dq_launch.num_warps, num_stages=dq_launch.num_stages)
+        BACKWARD_DKDV.check_constexprs(dkdv)
+        BACKWARD_DQ.check_constexprs(dq)
+        pre_block = 64 if not interpreter_enabled() else 128
+        preprocess = dict(V_HEAD_DIM=Ev, V_HEAD_DIM_P2=max(16, next_pow2(Ev)), BLOCK_M=pre_block, HAS_DLSE=has_dlse)
+        steps = {
+            "preprocess": Step(BACKWARD_PREPROCESS, (cdiv(L, pre_block), Hq, B), preprocess),
+            "dkdv": Step(BACKWARD_DKDV, (cdiv(S, cfg.BLOCK_N1), Hkv, B), dkdv),
+            "dq": Step(BACKWARD_DQ, (cdiv(L, cfg.BLOCK_M2), Hq, B), dq),
+        }
+        return Plan(compiled, steps, (L, S), q.element_size(), check_compiled=chosen_here)
+
+    def _smaller_plan(self, plan: Plan, options: dict) -> Optional[Plan]:
+        """One pipeline stage for both kernels, then half of the larger program's larger tile (the
+        walked one on a tie), not below 16; None when nothing is left to shrink or the tiles are
+        pinned (see [Note] Resource fallback in kernels/family.py)."""
+        if backward_pinned(options):
+            return None
+        dkdv, dq = dict(plan.constexprs("dkdv")), dict(plan.constexprs("dq"))
+        if dkdv["num_stages"] > 1 or dq["num_stages"] > 1:
+            for c in (dkdv, dq):
+                c["num_stages"] = c["NUM_STAGES"] = 1
+            return plan.with_constexprs("dkdv", **dkdv).with_constexprs("dq", **dq)
+        programs = [("dkdv", dkdv), ("dq", dq)]
+        programs.sort(key=lambda p: p[1]["BLOCK_M"] * p[1]["BLOCK_N"], reverse=True)
+        for role, c in programs:
+            roles = self.TILE_ROLES[role]
+            name = roles.walked if c[roles.walked] >= c[roles.owned] else roles.owned
+            if c[name] > 16:
+                c[name] //= 2
+                break
+        else:
+            return None
+        for role, c in (("dkdv", dkdv), ("dq", dq)):
+            plan = with_tiles(plan, role, self.TILE_ROLES[role], c)
+        return plan
+
+    def _resource_error(self, plan: Plan, err: Exception) -> ResourceError:
+        dkdv, dq = plan.constexprs("dkdv"), plan.constexprs("dq")
+        tiles = (f"BLOCK_M1={dkdv['BLOCK_M']}, BLOCK_N1={dkdv['BLOCK_N']}, BLOCK_M2={dq['BLOCK_M']}, "
+                 f"BLOCK_N2={dq['BLOCK_N']}, stages {dkdv['num_stages']} and {dq['num_stages']}")
+        return ResourceError(
+            f"the Triton backward for {self._names()} does not fit this GPU with tiles {tiles} "
+            f"({err}); pass smaller tiles (kernel_options BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, "
+            "bwd_num_stages) or run it with kernel_options={'BACKEND': 'PYTORCH'}"
+        )
+
+    def _tuned(self, q, k, v, block_mask, scale, score_captured, mask_captured, compiled,
+               default: BackwardConfig) -> BackwardConfig:
+        """AUTOTUNE: time a few tile shapes once per shape class; the choice is kept in the same file
+        as the forward's (configs.tuned_configs), so later processes reuse it. A stored choice sets
+        only the speed: every fact correctness depends on is derived from the call in _plan."""
+        import triton
+        import triton.testing
+
+        E, Ev = q.shape[-1], v.shape[-1]
+        sparse_q, sparse_kv = block_mask.BLOCK_SIZE
+        key = "|".join(str(x) for x in (
+            "backward", compiled.spec.readable_name(), compiled.source_digest, torch.cuda.get_device_name(q.device),
+            triton.__version__, q.dtype, input_precision(q.dtype), E, Ev, next_pow2(q.shape[2]),
+            next_pow2(k.shape[2]), q.shape[1] // k.shape[1], sparse_q, sparse_kv,
+        ))
+        stored = tuned_configs.get_entry(key)
+        if stored is not None:
+            return BackwardConfig(**stored)
+        tuned_configs.searches += 1
+        shapes = [(64, 128, 128, 64), (32, 128, 128, 32), (64, 64, 64, 64), (32, 64, 64, 32)]
+        candidates = {default} | {
+            fit_backward(BackwardConfig(*shape, warps, stages, USE_TMA=default.USE_TMA), sparse_q, sparse_kv)
+            for shape in shapes for warps in (4, 8) for stages in (2, 3)
+        }
+        limit = max_shared_memory(q.device)
+        qk_p2, v_p2 = next_pow2(E), next_pow2(Ev)
+        # Timing inputs: the call's own tensors, a made-up output and LSE (speed does not depend on them).
+        out = torch.randn(q.shape[:-1] + (Ev,), dtype=q.dtype, device=q.device)
+        lse = torch.zeros(q.shape[:-1], dtype=torch.float32, device=q.device)
+        grad_out = torch.randn_like(out)
+        timings = []
+        for cfg in sorted(candidates, key=lambda c: (c != default, str(c))):
+            if backward_shared_memory_bytes(cfg, q.dtype.itemsize, qk_p2, v_p2) > limit:
+                continue
+            pinned = {name: getattr(cfg, name) for name in BACKWARD_TILE_KEYS}
+            pinned.update(bwd_num_warps=cfg.num_warps, bwd_num_stages=cfg.num_stages, USE_TMA=cfg.USE_TMA)
+
+            def run():
+                self(q, k, v, out, lse, grad_out, None, block_mask, scale, score_captured, mask_captured, pinned)
+
+            try:
+                timings.append((triton.testing.do_bench(run, warmup=3, rep=20, return_mode="median"), cfg))
+            except Exception:  # a shape the compiler rejects (resources) is simply not a candidate
+                continue
+        best = min(timings, key=lambda t: t[0])[1] if timings else default
+        tuned_configs.put_entry(key, dict(best.__dict__))
+        return best
+
+
+_kernels: "OrderedDict[tuple, BackwardKernel]" = OrderedDict()  # see [Note] Cache keys in kernels/family.py
+
+
+def backward_kernel(score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool = False) -> BackwardKernel:
+    """The backward kernels for these traced mods, built on first use and kept (the latest 256)."""
+    return cached_kernel(_kernels, BackwardKernel, score, mask, tanh_approx)

@@ -1,0 +1,304 @@
+"""What the three kernel families (forward, backward, decode) share, written once: compiled sources
+per lowering variant, a bounded table of launch plans, the launch loop with its out-of-resources
+fallback, the replan rule for tiles the compiler made costly, and the table of families per pair
+of traced mods.
+
+Stage 4 of the pipeline (trace -> lowering -> codegen -> kernels). A family is built once per
+(score_mod graph, mask_mod graph, tanh flag) and kept; its launch plans (grids, constexprs and the
+lowering variant of the mods to run) are made once per problem and BlockMask content, so a warm
+call only gathers pointers and strides and launches. Triton compiles each constexpr
+specialisation once and caches it on disk.
+
+[Note] Cache keys. Every cache in flexattn follows three rules, because a cache hit with a stale
+entry is a wrong number with no error:
+1. A key covers everything that can change the generated code or the launch (shapes, strides,
+   dtypes, device, flags, the BlockMask's row statistics, the lowering variant, options).
+2. No ``id()`` of an object that can die: CPython hands a freed object's id to the next one (a
+   training loop that rebuilds its BlockMask each step got the previous mask's plan, issue 8).
+   Objects in a key are held by the key itself (TracedMod, compared by identity, stays alive
+   while it is a key), or the key is built from content.
+3. Data derived from a mutable object lives on that object, stamped with what it came from
+   (BlockMask.derived: table identities and version counters), or is keyed by content.
+Every cache is bounded (least recently used entries go first).
+
+The caches: each family module's ``_kernels`` (TracedMod pair, tanh flag), ``KernelFamily._compiled``
+(lowering variants), ``KernelFamily._plans`` (shapes, strides, dtype, device, BlockMask content,
+flags, options), the device copies of a mod's own constants (on the TracedMod, per device), the
+tables derived from a BlockMask (on the mask, kernels/tables.py), ``codegen.render._loaded`` (source
+digest), the autotune store (source digest, device, shape class, Triton version; kernels/configs.py),
+``masks.create._dense_masks`` (lengths, device), ``lowering.ranges._VARIANTS`` and ``_WIDE``
+(TracedMods, bounds), and the direct launches of kernels/launch.py (on each Triton kernel: device,
+specialisation facts, constexprs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Callable, NamedTuple, Optional
+
+from ..codegen import KernelSpec, load_kernel_module, render
+from ..codegen.params import KernelParams
+from ..errors import BackendUnavailableError, ResourceError
+from ..lowering import LoweredMod, lower, lowering_variants
+from ..masks.layout import cdiv
+from ..trace import TracedMod
+from .launch import interpreter_enabled, is_out_of_resources, shared_bytes, spilled_bytes
+
+__all__ = [
+    "CompiledKernel", "Step", "Plan", "TileRoles", "KernelFamily", "cached_kernel", "SPILL_LIMIT_BYTES",
+    "STAGED_GATHER_BYTES",
+]
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    """One rendered and imported kernel module: a family's kernels with the mods lowered for one
+    lowering variant."""
+
+    spec: KernelSpec
+    source: str
+    source_digest: str
+    module: ModuleType
+    variants: tuple  # (score variant, mask variant) it was lowered for; None: any lengths
+
+    def kernel(self, params: KernelParams):
+        """The Triton kernel of this module that ``params`` declares."""
+        return getattr(self.module, params.name)
+
+
+class Step(NamedTuple):
+    """One kernel launch of a plan: which kernel, its grid and its constexprs (launch options too)."""
+
+    params: KernelParams
+    grid: tuple
+    constexprs: dict
+
+
+class Plan(NamedTuple):
+    """Everything about a problem's launches that does not change from call to call."""
+
+    compiled: CompiledKernel
+    steps: dict  # role ("forward", "dkdv", "partial", ...) -> Step
+    lengths: tuple  # (Q_LEN, KV_LEN) of the problem
+    elem_bytes: int  # of the inputs (the replan rule sizes their tiles)
+    check_compiled: bool = False  # default tiles not yet seen compiled: see [Note] Tiles the compiler made costly
+    extra: tuple = ()  # what one family's launch needs besides its steps (decode: the scratch rows)
+
+    def constexprs(self, role: str) -> dict:
+        return self.steps[role].constexprs
+
+    def with_constexprs(self, role: str, **changes) -> "Plan":
+        """This plan with ``changes`` to one step's constexprs (a fresh dict: plans are shared)."""
+        step = self.steps[role]
+        return self._replace(steps={**self.steps, role: step._replace(constexprs={**step.constexprs, **changes})})
+
+
+class TileRoles(NamedTuple):
+    """How one kernel's tiles relate to its grid, for the rules that change tiles after planning.
+
+    A program owns ``owned`` rows (its grid's first dim cuts the owned length into them; ``owned_even``
+    says whether that cut is exact) and walks the other side ``walked`` rows at a time. The widths
+    name the constexprs whose sum is a row's width in the owned and walked tiles."""
+
+    owned: str
+    owned_even: str
+    owned_length: int  # index into Plan.lengths
+    walked: str
+    owned_width: tuple
+    walked_width: tuple
+
+
+def with_tiles(plan: Plan, role: str, roles: TileRoles, constexprs: dict) -> Plan:
+    """``plan`` with one step's new constexprs, its bounds flag and grid made to agree with its tiles."""
+    step = plan.steps[role]
+    length = plan.lengths[roles.owned_length]
+    constexprs[roles.owned_even] = length % constexprs[roles.owned] == 0
+    grid = (cdiv(length, constexprs[roles.owned]),) + tuple(step.grid[1:])
+    return plan._replace(steps={**plan.steps, role: step._replace(grid=grid, constexprs=constexprs)})
+
+
+# [Note] Tiles the compiler made costly. Default tiles are chosen before the mods are compiled, and
+# a mod that gathers per pair can make them slow in two ways the compiler reports once the first
+# call has run (correct, if slow). Later calls of the problem then get a cheaper plan, one step per
+# call and kernel, until neither holds; tiles pinned by kernel_options or chosen by AUTOTUNE are kept.
+# 1. Spills: more than SPILL_LIMIT_BYTES of local memory per thread halves the walked tile, then the
+#    owned tile (not below 32).
+# 2. Staged gathers: shared memory beyond the owned tile and one walked tile per stage by
+#    STAGED_GATHER_BYTES or more means the software pipeliner buffers the mods' gathered tiles
+#    too: one stage fewer, down to one.
+# H100 census of the 22 catalogue entries at their defaults (bf16, 4k tokens, d=64 and 128; Triton
+# 3.6; flexattn/bench/tile_census.py, docs/benchmarks.md): in the forward five kernels changed, all
+# faster: Longformer d=64 (132 bytes spilled) 1.27 -> 0.33 ms, Graphormer d=64 (248) 0.55 -> 0.21, T5
+# d=64 (169 KB of shared memory against 104 KB of tiles) 10.8 -> 3.5, T5 d=128 (292 bytes) 7.4 -> 1.9,
+# Graphormer d=128 (177 KB against 112) 0.80 -> 0.17. Twelve d=128 kernels spill 2 to 62 bytes and
+# stay: half the key tile made eight of them 16-35% slower. Every other kernel was within 5 KB of its
+# tiles. In the backward three of 44 changed, all faster (T5 d64 42.1 -> 15.8 ms, T5 d128 19.2 -> 9.3,
+# Graphormer d128 5.95 -> 5.50); the other 41 spill at most 58 bytes.
+SPILL_LIMIT_BYTES = 100
+STAGED_GATHER_BYTES = 32 * 1024
+
+
+def _tile_bytes(c: dict, roles: TileRoles, elem_bytes: int) -> int:
+    """The owned tile once and one walked tile per pipeline stage, as the kernel stages them."""
+    owned = c[roles.owned] * sum(c[name] for name in roles.owned_width)
+    walked = c[roles.walked] * sum(c[name] for name in roles.walked_width) * max(1, c["num_stages"])
+    return (owned + walked) * elem_bytes
+
+
+_PLANS_PER_KERNEL = 256
+
+
+class KernelFamily:
+    """The kernels of one family for one pair of traced mods (see [Note] Cache keys): one compiled
+    source per lowering variant and a bounded table of launch plans, one per problem.
+
+    A family says which template it renders (``kind``), how its tiles relate to its grids
+    (``TILE_ROLES``, for the replan rule), and implements ``_smaller_plan`` (its step down when the
+    GPU runs out of resources) and ``_resource_error``; ``_run`` does the rest."""
+
+    kind: str = ""  # a key of codegen.FAMILIES
+    TILE_ROLES: dict = {}  # role -> TileRoles, for the kernels the replan rule watches
+
+    def __init__(self, score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool):
+        self.score, self.mask, self.tanh_approx = score, mask, tanh_approx
+        self.has_score_mod = score is not None
+        self.has_mask_mod = mask is not None
+        self._compiled: dict[tuple, CompiledKernel] = {}
+        self._plans: "OrderedDict[tuple, Plan]" = OrderedDict()
+        self.last_plan: Optional[Plan] = None  # what the latest call launched (tests and debugging read it)
+
+    # ---------------------------------------------------------------- compiled sources
+    def compiled(self, bounds=None) -> CompiledKernel:
+        """The kernels for calls within ``bounds`` (an IndexBounds); None: correct at any lengths."""
+        variants = lowering_variants(self.score, self.mask, bounds)
+        compiled = self._compiled.get(variants)
+        if compiled is None:
+            spec = self._spec(variants)
+            source = render(spec)
+            compiled = self._compiled[variants] = CompiledKernel(
+                spec=spec, source=source, source_digest=hashlib.sha256(source.encode()).hexdigest()[:16],
+                module=load_kernel_module(source, spec.readable_name()), variants=variants,
+            )
+        return compiled
+
+    def _spec(self, variants: tuple) -> KernelSpec:
+        """What the family's template takes: both mods lowered for ``variants``, and their names."""
+        return KernelSpec(
+            self.kind,
+            score_mod=_lower(self.score, "sm_", self.tanh_approx, variants[0]),
+            mask_mod=_lower(self.mask, "mm_", self.tanh_approx, variants[1]),
+            score_name=self.score.name if self.score else "identity",
+            mask_name=self.mask.name if self.mask else "none",
+        )
+
+    # ---------------------------------------------------------------- plans and launches
+    def _run(self, key: tuple, make_plan: Callable[[], Plan], for_call: Callable[[Plan], Plan],
+             launch: Callable, options: dict):
+        """Launch the plan of problem ``key`` (made by ``make_plan`` on first use) and return the
+        result of ``launch(used) -> (result, kernels)``. ``for_call(plan)`` is the plan this call
+        runs: ``plan`` itself, or a copy changed for this call's tensors (an unaligned view cannot
+        take tensor descriptors). ``kernels`` maps each role in TILE_ROLES to its compiled kernel.
+
+        [Note] Resource fallback: a mod with many per-pair gathers (a Graphormer edge bias summed
+        over a path) can need more shared memory than the default tiles allow. The compiler says
+        so at the first launch; the family's smaller plan is then kept for this problem and the
+        launch runs again from fresh buffers, and only when no tile fits does the user see an
+        error, ours. The replan rule ([Note] Tiles the compiler made costly) only learns from a
+        call that ran the plan itself."""
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._remember_plan(key, make_plan())
+        while True:
+            used = for_call(plan)
+            try:
+                result, kernels = launch(used)
+            except Exception as err:
+                if not is_out_of_resources(err):
+                    raise
+                smaller = self._smaller_plan(used, options)
+                if smaller is None:
+                    raise self._resource_error(used, err) from err
+                self._plans[key] = plan = smaller
+                continue
+            self.last_plan = used
+            if plan.check_compiled and used is plan:
+                self._plans[key] = self._plan_after_compile(plan, kernels)
+            return result
+
+    def _remember_plan(self, key: tuple, plan: Plan) -> Plan:
+        self._plans[key] = plan
+        if len(self._plans) > _PLANS_PER_KERNEL:  # masks rebuilt with new content must not pile up
+            self._plans.popitem(last=False)
+        return plan
+
+    def _smaller_plan(self, plan: Plan, options: dict) -> Optional[Plan]:
+        raise NotImplementedError
+
+    def _resource_error(self, plan: Plan, err: Exception) -> ResourceError:
+        raise NotImplementedError
+
+    def _names(self) -> str:
+        return (f"score_mod '{self.score.name if self.score else None}' and mask_mod "
+                f"'{self.mask.name if self.mask else None}'")
+
+    def _plan_after_compile(self, plan: Plan, kernels: dict) -> Plan:
+        """The next plan after a default plan's kernels ran compiled (``kernels``: role -> the compiled
+        kernel; see [Note] Tiles the compiler made costly): a cheaper one, or the same one marked seen."""
+        has_mods = self.has_score_mod or self.has_mask_mod
+        changed = plan
+        for role, roles in self.TILE_ROLES.items():
+            c, kernel = dict(plan.constexprs(role)), kernels[role]
+            if spilled_bytes(kernel) > SPILL_LIMIT_BYTES and max(c[roles.walked], c[roles.owned]) > 32:
+                c[roles.walked if c[roles.walked] > 32 else roles.owned] //= 2
+                changed = with_tiles(changed, role, roles, c)
+            elif (has_mods and c["num_stages"] > 1
+                  and shared_bytes(kernel) - _tile_bytes(c, roles, plan.elem_bytes) >= STAGED_GATHER_BYTES):
+                c["num_stages"] = c["NUM_STAGES"] = c["num_stages"] - 1
+                changed = with_tiles(changed, role, roles, c)
+        return plan._replace(check_compiled=False) if changed is plan else changed
+
+
+def _lower(traced: Optional[TracedMod], prefix: str, tanh_approx: bool, variant) -> Optional[LoweredMod]:
+    if traced is None:
+        return None
+    return lower(traced, prefix=prefix, tanh_approx=tanh_approx, variant=variant)
+
+
+def _import_triton() -> ModuleType:
+    try:
+        return importlib.import_module("triton")
+    except ImportError as err:
+        missing = getattr(err, "name", None)
+        if missing is None or missing == "triton" or missing.startswith("triton."):
+            raise BackendUnavailableError(
+                "the Triton backend needs the 'triton' package (pip install triton); "
+                "use kernel_options={'BACKEND': 'PYTORCH'} to run without it"
+            ) from err
+        needs = " (Triton's interpreter, TRITON_INTERPRET=1, imports it)" if interpreter_enabled() else ""
+        raise BackendUnavailableError(
+            f"triton is installed but importing it failed: {err}. It needs the module '{missing}'{needs}: "
+            f"pip install {missing}; or use kernel_options={{'BACKEND': 'PYTORCH'}} to run without Triton"
+        ) from err
+
+
+_KERNELS_KEPT = 256
+
+
+def cached_kernel(table: OrderedDict, family: type, score: Optional[TracedMod], mask: Optional[TracedMod],
+                  tanh_approx: bool):
+    """``family(score, mask, tanh_approx=...)`` from ``table``, built on first use and kept (the latest
+    _KERNELS_KEPT). The key holds the TracedMods themselves (see [Note] Cache keys)."""
+    key = (score, mask, tanh_approx)
+    kernel = table.get(key)
+    if kernel is None:
+        _import_triton()
+        kernel = table[key] = family(score, mask, tanh_approx=tanh_approx)
+        if len(table) > _KERNELS_KEPT:
+            table.popitem(last=False)
+    else:
+        table.move_to_end(key)
+    return kernel

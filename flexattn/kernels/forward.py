@@ -1,0 +1,246 @@
+"""The forward kernel family: one FlashAttention-2 kernel per pair of traced mods
+(templates/forward.py.jinja), its launch plans and its launches.
+
+A plan holds one step, ``"forward"``: one program per BLOCK_M queries of one query head, walking
+the key blocks the BlockMask lists for its row (partial blocks with the mask_mod, then full ones
+without), writing the output and, when asked, the LSE and the row maxima.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+
+from ..codegen.params import FORWARD
+from ..errors import ResourceError
+from ..lowering import index_bounds
+from ..masks.layout import cdiv
+from ..trace import TracedMod
+from .configs import (
+    OPTION_KEYS, candidate_configs, input_precision, max_shared_memory, next_pow2, pinned_config, select_config,
+    shared_memory_bytes, tuned_configs,
+)
+from .family import KernelFamily, Plan, Step, TileRoles, cached_kernel, with_tiles
+from .launch import empty_output, interpreter_enabled, kv_strides, launch, mod_launch_args
+from .tables import launch_tables
+from .tma import host_descriptors, host_descriptors_ok, install_tma_allocator, tma_layout_ok
+
+__all__ = ["ForwardKernel", "forward_kernel"]
+
+
+class ForwardKernel(KernelFamily):
+    """The forward kernels of one pair of traced mods: one compiled source per lowering variant,
+    and one launch plan per problem (see [Note] Cache keys in kernels/family.py)."""
+
+    kind = "forward"
+    # One program owns BLOCK_M queries (Q once) and walks the keys BLOCK_N at a time (K and V).
+    TILE_ROLES = {"forward": TileRoles(owned="BLOCK_M", owned_even="EVEN_M", owned_length=0, walked="BLOCK_N",
+                                       owned_width=("QK_HEAD_DIM_P2",),
+                                       walked_width=("QK_HEAD_DIM_P2", "V_HEAD_DIM_P2"))}
+
+    def __call__(
+        self, q, k, v, block_mask, scale: float, score_captured, mask_captured, *,
+        need_lse: bool, need_max: bool, options: dict,
+    ):
+        """``(out, lse or None, max_scores or None)``."""
+        tables = launch_tables(block_mask)
+        key = (
+            q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
+            block_mask.BLOCK_SIZE, tables.plan_key,  # content, never id(block_mask): see [Note] Cache keys
+            need_lse, need_max, scale > 0, tuple(sorted(options.items())) if options else (),
+            torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None,
+        )
+
+        def make_plan() -> Plan:
+            return self._plan(q, k, v, block_mask, tables, scale, score_captured, mask_captured, need_lse, need_max,
+                              options)
+
+        def for_call(plan: Plan) -> Plan:
+            if plan.constexprs("forward")["USE_TMA"] and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
+                # Same shapes and strides as the plan's first call, but an unaligned view this time.
+                return plan.with_constexprs("forward", USE_TMA=False, HOST_DESCRIPTORS=False, WARP_SPECIALIZE=False)
+            return plan
+
+        def run(plan: Plan):
+            return self._launch(plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse, need_max)
+
+        return self._run(key, make_plan, for_call, run, options)
+
+    def _launch(self, plan: Plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse, need_max):
+        B, Hq, L, _ = q.shape
+        step = plan.steps["forward"]
+        constexprs = step.constexprs
+        if constexprs["USE_TMA"]:
+            install_tma_allocator()  # per call: plans are shared by threads, allocators are not
+        out = empty_output((B, Hq, L, v.shape[3]), q.dtype, q.device)
+        lse = empty_output((B, Hq, L), torch.float32, q.device) if need_lse else out
+        mx = empty_output((B, Hq, L), torch.float32, q.device) if need_max else out
+        k_strides, v_strides = kv_strides(k, v, B)
+        q_arg, k_arg, v_arg, out_arg = q, k, v, out
+        if constexprs["HOST_DESCRIPTORS"]:
+            q_arg, k_arg, v_arg, out_arg = host_descriptors(q, k, v, out, constexprs)
+        nb, idx, fnb, fidx = tables.kv_num_blocks, tables.kv_indices, tables.full_kv_num_blocks, tables.full_kv_indices
+        args = FORWARD.pack(
+            Q=q_arg, K=k_arg, V=v_arg, OUT=out_arg, LSE=lse, MAX_SCORES=mx,
+            KV_NUM_BLKS=nb, KV_IDX=idx, FULL_KV_NUM_BLKS=fnb, FULL_KV_IDX=fidx,
+            stride_q=q.stride(), stride_k=k_strides, stride_v=v_strides, stride_o=out.stride(),
+            SPARSE_ROWS=nb.shape[2], IDX_COLS=idx.shape[3], FULL_IDX_COLS=fidx.shape[3],
+            Q_LEN=L, KV_LEN=k.shape[2], SM_SCALE=scale,
+            mods=mod_launch_args(score_captured if self.has_score_mod else (),
+                                 mask_captured if self.has_mask_mod else ()),
+        )
+        kernel = launch(plan.compiled.kernel(FORWARD), step.grid, args, constexprs)
+        return (out, (lse if need_lse else None), (mx if need_max else None)), {"forward": kernel}
+
+    def _plan(self, q, k, v, block_mask, tables, scale, score_captured, mask_captured, need_lse, need_max,
+              options) -> Plan:
+        """Grid, constexprs and kernel for one problem: computed once, reused by every later call."""
+        B, Hq, L, E = q.shape
+        Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+        sparse_q, sparse_kv = block_mask.BLOCK_SIZE
+        stats = tables.stats
+        # The lowering's decisions for these lengths (int64 index arithmetic where it is needed):
+        # made here, once per plan, so warm calls pay nothing for them.
+        compiled = self.compiled(index_bounds(B, Hq, L, S))
+        cfg = self._config(q, k, v, block_mask, stats, compiled, scale, score_captured, mask_captured, options,
+                           sparse_q, sparse_kv, need_lse, need_max)
+        use_tma = bool(options.get("USE_TMA", cfg.USE_TMA)) and tma_layout_ok(q, k, v)
+        # Never with mods or row maxima, even when asked for: Triton 3.6 gets those wrong (see
+        # _HOPPER_WS_CONFIG in configs.py), and a fast wrong answer is not an option. The LSE is
+        # stored through a descriptor under warp specialisation, which needs 16-byte aligned rows of it.
+        warp_specialize = (use_tma and bool(options.get("WARP_SPECIALIZE", cfg.WARP_SPECIALIZE))
+                           and not (need_max or self.has_score_mod or self.has_mask_mod)
+                           and not (need_lse and L % 4))
+        # Triton's warp specialisation rejects 4-D descriptors (3.9: "descriptor block and tensor
+        # must have the same number of elements"); its loops are long, so in-kernel ones cost little.
+        use_host_descriptors = (use_tma and not warp_specialize and host_descriptors_ok(q, k, v)
+                                and bool(options.get("HOST_DESCRIPTORS", cfg.HOST_DESCRIPTORS)))
+        constexprs = dict(
+            SPARSE_Z=tables.kv_num_blocks.shape[0], SPARSE_HQ=tables.kv_num_blocks.shape[1],
+            GQA_GROUP=Hq // Hkv,
+            QK_HEAD_DIM=E, QK_HEAD_DIM_P2=max(16, next_pow2(E)),
+            V_HEAD_DIM=Ev, V_HEAD_DIM_P2=max(16, next_pow2(Ev)),
+            SPARSE_Q_BLOCK_SIZE=sparse_q, SPARSE_KV_BLOCK_SIZE=sparse_kv,
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+            EVEN_M=L % cfg.BLOCK_M == 0, EVEN_N=S % sparse_kv == 0,
+            HAS_SCORE_MOD=self.has_score_mod,
+            # The mods see the scaled score; the scale folds into the exp2 only when it is positive.
+            SCALE_FIRST=self.has_score_mod or scale <= 0,
+            HAS_PARTIAL_BLOCKS=self.has_mask_mod, HAS_FULL_BLOCKS=tables.has_full,
+            # See [Note] Consecutive blocks in the forward template.
+            CONSECUTIVE_PARTIAL=stats.consecutive_partial, CONSECUTIVE_FULL=stats.consecutive_full,
+            OUTPUT_LSE=need_lse, OUTPUT_MAX=need_max,
+            INPUT_PRECISION=input_precision(q.dtype), NUM_STAGES=cfg.num_stages,
+            UPCAST_DOTS=q.dtype == torch.bfloat16 and interpreter_enabled(),
+            USE_TMA=use_tma,
+            HOST_DESCRIPTORS=use_host_descriptors,
+            WARP_SPECIALIZE=warp_specialize,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        FORWARD.check_constexprs(constexprs)
+        chosen_here = not (OPTION_KEYS & options.keys() or options.get("AUTOTUNE"))
+        return Plan(compiled, {"forward": Step(FORWARD, (cdiv(L, cfg.BLOCK_M), Hq, B), constexprs)}, (L, S),
+                    q.element_size(), check_compiled=chosen_here and q.device.type == "cuda" and not interpreter_enabled())
+
+    def _smaller_plan(self, plan: Plan, options: dict) -> Optional[Plan]:
+        """One pipeline stage, then half the key tile, then half the query tile (see [Note] Resource
+        fallback in kernels/family.py); None once both tiles are 16 and one stage is left."""
+        c = dict(plan.constexprs("forward"))
+        if c["num_stages"] > 1:
+            c["num_stages"] = c["NUM_STAGES"] = 1
+        elif c["BLOCK_N"] > 16:
+            c["BLOCK_N"] //= 2
+        elif c["BLOCK_M"] > 16:
+            c["BLOCK_M"] //= 2
+        else:
+            return None
+        # Descriptor and warp-specialised loads were tuned for the original tiles: plain loads now.
+        c.update(USE_TMA=False, HOST_DESCRIPTORS=False, WARP_SPECIALIZE=False)
+        return with_tiles(plan, "forward", self.TILE_ROLES["forward"], c)
+
+    def _resource_error(self, plan: Plan, err: Exception) -> ResourceError:
+        return ResourceError(
+            f"the Triton kernel for {self._names()} does not fit this GPU even with 16x16 tiles and one "
+            f"pipeline stage ({err}); simplify the mod (fewer captured-tensor reads per pair) or run it "
+            "with kernel_options={'BACKEND': 'PYTORCH'}"
+        )
+
+    # ---------------------------------------------------------------- configs
+    def _config(self, q, k, v, block_mask, stats, compiled, scale, score_captured, mask_captured, options,
+                sparse_q, sparse_kv, need_lse, need_max):
+        E, Ev = q.shape[-1], v.shape[-1]
+        # Scores the kernel computes: what sets its GPU time.
+        scores = q.shape[0] * q.shape[1] * block_mask.kv_num_blocks.shape[2] * stats.mean_blocks * sparse_q * sparse_kv
+        default = select_config(
+            q.device, q.dtype, E, Ev, sparse_q, sparse_kv,
+            has_mask_mod=self.has_mask_mod,
+            blocks_per_row=stats.mean_blocks if self.has_mask_mod else float("inf"),
+            # Descriptors cost host time per launch (scratch for them, a longer launch); on problems
+            # below about a million scores the launch, not the kernel, sets the pace. Host-built
+            # ones cost more again (57 -> 83 us a call, H200), so only kernels of 2^28 scores and
+            # up (over 100 us of GPU time, which hides them) get them.
+            has_score_mod=self.has_score_mod, tma_ok=tma_layout_ok(q, k, v) and q.shape[2] * k.shape[2] >= 1 << 20,
+            host_descriptors_ok=host_descriptors_ok(q, k, v) and scores >= 1 << 28,
+            even_n=k.shape[2] % sparse_kv == 0, row_stats=need_max or (need_lse and q.shape[2] % 4 != 0),
+        )
+        if OPTION_KEYS & options.keys():
+            return pinned_config(options, default, sparse_q, sparse_kv)
+        if not options.get("AUTOTUNE") or interpreter_enabled() or q.device.type != "cuda":
+            return default
+        import triton
+
+        # A stored choice only sets the speed: every launch fact that correctness depends on is
+        # re-derived from the call in _plan. So the key is a shape class, not the exact problem.
+        key = "|".join(
+            str(x) for x in (
+                compiled.spec.readable_name(), compiled.source_digest, torch.cuda.get_device_name(q.device),
+                triton.__version__, q.dtype, input_precision(q.dtype), E, Ev, next_pow2(q.shape[2]),
+                next_pow2(k.shape[2]), q.shape[1] // k.shape[1], sparse_q, sparse_kv, need_lse or need_max,
+            )
+        )
+        cached = tuned_configs.get(key)
+        if cached is not None:
+            return cached
+        tuned_configs.searches += 1
+        best = self._autotune(q, k, v, block_mask, scale, score_captured, mask_captured, default, sparse_q, sparse_kv,
+                              need_lse, need_max)
+        tuned_configs.put(key, best)
+        return best
+
+    def _autotune(self, q, k, v, block_mask, scale, score_captured, mask_captured, default, sparse_q, sparse_kv,
+                  need_lse, need_max):
+        import triton.testing
+
+        limit = max_shared_memory(q.device)
+        qk_p2, v_p2 = next_pow2(q.shape[-1]), next_pow2(v.shape[-1])
+        timings = []
+        for cfg in candidate_configs(default, sparse_q, sparse_kv):
+            if shared_memory_bytes(cfg, q.dtype.itemsize, qk_p2, v_p2) > limit:
+                continue
+            pinned = {"BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N, "num_warps": cfg.num_warps,
+                      "num_stages": cfg.num_stages, "USE_TMA": cfg.USE_TMA, "WARP_SPECIALIZE": cfg.WARP_SPECIALIZE,
+                      "HOST_DESCRIPTORS": cfg.HOST_DESCRIPTORS}
+
+            def run():
+                self(q, k, v, block_mask, scale, score_captured, mask_captured,
+                     need_lse=need_lse, need_max=need_max, options=pinned)
+
+            try:
+                ms = triton.testing.do_bench(run, warmup=5, rep=20, return_mode="median")
+            except Exception:  # a config the compiler rejects (resources) is simply not a candidate
+                continue
+            timings.append((ms, cfg))
+        if not timings:
+            return default
+        return min(timings, key=lambda t: t[0])[1]
+
+
+_kernels: "OrderedDict[tuple, ForwardKernel]" = OrderedDict()  # see [Note] Cache keys in kernels/family.py
+
+
+def forward_kernel(score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool = False) -> ForwardKernel:
+    """The forward kernel for these traced mods, built on first use and kept (the latest 256)."""
+    return cached_kernel(_kernels, ForwardKernel, score, mask, tanh_approx)
+

@@ -1,0 +1,217 @@
+"""Tables the kernels read, derived from a BlockMask: checked, ascending and contiguous forward
+tables with their row statistics (``launch_tables``), the backward's transposed tables
+(``backward_tables``) and the decode kernels' check that a GQA group's heads list the same blocks
+(``groups_share_tables``).
+
+Each is kept on the mask under its own DerivedKey ([Note] Derived data in masks/block_mask.py), so a
+rebuilt mask never inherits another's and a table changed in place or replaced is derived again.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..errors import InvalidInputError
+from ..masks import TABLES_IN_RANGE, BlockMask, DerivedKey
+from ..masks.layout import ascending, dense_to_ordered, ordered_to_dense
+
+__all__ = [
+    "RowStats", "LaunchTables", "LAUNCH_TABLES", "launch_tables", "block_mask_row_stats", "BackwardTables",
+    "BACKWARD_TABLES", "backward_tables", "groups_share_tables",
+]
+
+
+class RowStats(NamedTuple):
+    mean_blocks: float  # key blocks (partial and full) a query-block row visits, on average
+    consecutive_partial: bool  # every row's partial blocks are first, first + 1, first + 2, ...
+    consecutive_full: bool  # the same for the full blocks
+
+
+class LaunchTables(NamedTuple):
+    """A BlockMask's forward tables as the kernel reads them, and what launch choices need from them.
+
+    Kept on the mask (BlockMask.derived), so a rebuilt mask never inherits another's and a table
+    changed in place or replaced is checked again.
+    """
+
+    kv_num_blocks: torch.Tensor
+    kv_indices: torch.Tensor
+    full_kv_num_blocks: torch.Tensor  # kv_num_blocks when the mask has no full blocks
+    full_kv_indices: torch.Tensor
+    has_full: bool
+    stats: RowStats
+    plan_key: tuple  # everything in here a launch plan depends on
+
+
+def _consecutive(num: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    steps = torch.arange(idx.shape[-1], device=idx.device, dtype=idx.dtype)
+    used = steps < num.unsqueeze(-1)
+    return ((idx == idx[..., :1] + steps) | ~used).all()
+
+
+def _table_checks(num: torch.Tensor, idx: torch.Tensor, cols: int) -> list[torch.Tensor]:
+    """[counts out of range, a used entry out of range, used entries not strictly ascending] (0-d)."""
+    used = torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1)
+    bad_count = ((num < 0) | (num > idx.shape[-1])).any()
+    bad_used = (used & ((idx < 0) | (idx >= cols))).any()
+    unordered = (used[..., 1:] & (idx[..., 1:] <= idx[..., :-1])).any()
+    return [bad_count, bad_used, unordered]
+
+
+def _compute_launch_tables(block_mask: BlockMask) -> LaunchTables:
+    """One host sync per mask: row statistics and the checks the kernel relies on."""
+    nb, idx = block_mask.kv_num_blocks, block_mask.kv_indices
+    fnb, fidx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
+    has_full = fnb is not None
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    q_len, kv_len = block_mask.seq_lengths
+    cols = -(-kv_len // kv_block)
+    pairs = [("kv", nb, idx)] + ([("full_kv", fnb, fidx)] if has_full else [])
+    for name, num, ind in pairs:
+        if (num.dim() != 3 or ind.dim() != 4 or ind.shape[:3] != num.shape or num.device != nb.device
+                or ind.device != nb.device or num.dtype.is_floating_point or ind.dtype.is_floating_point):
+            raise InvalidInputError(
+                f"block_mask.{name}_num_blocks {tuple(num.shape)} and block_mask.{name}_indices {tuple(ind.shape)} "
+                "must be integer tensors [B, H, ROWS] and [B, H, ROWS, W] on one device"
+            )
+    if nb.shape[2] * q_block < q_len:
+        raise InvalidInputError(
+            f"block_mask.kv_num_blocks has {nb.shape[2]} rows of {q_block} queries, fewer than its Q_LEN "
+            f"{q_len}; rebuild it with create_block_mask or BlockMask.from_kv_blocks"
+        )
+    total = nb.sum(dtype=torch.int64) + (fnb.sum(dtype=torch.int64) if has_full else 0)
+    consecutive = [_consecutive(nb, idx), _consecutive(fnb, fidx) if has_full else _consecutive(nb, idx)]
+    checks = [c for _, num, ind in pairs for c in _table_checks(num, ind, cols)]
+    values = torch.stack([total, *(flag.to(torch.int64) for flag in consecutive + checks)]).tolist()
+    total, partial, full, checks = values[0], bool(values[1]), bool(values[2]), values[3:]
+    tables = {"kv": [nb, idx], "full_kv": [fnb, fidx]}
+    reordered = False
+    for i, (name, num, ind) in enumerate(pairs):
+        bad_count, bad_used, unordered = checks[3 * i: 3 * i + 3]
+        if bad_count or bad_used:
+            raise InvalidInputError(
+                f"block_mask.{name}_num_blocks / {name}_indices list a key block outside [0, {cols}) (the "
+                f"mask's KV_LEN {kv_len} in blocks of {kv_block}) or more blocks than the table holds; the "
+                "kernel would read outside the keys. Rebuild the mask (create_block_mask or from_kv_blocks check this)"
+            )
+        if unordered:
+            # The kernel bounds-checks only a row's last block ([Note] Boundary block): keep rows
+            # ascending (BlockMask's constructor does; a table changed in place may not be).
+            tables[name][1] = ascending(num, ind)
+            reordered = True
+    if reordered:
+        _check_no_repeats(pairs, tables)
+    nb, idx = (t.contiguous() for t in tables["kv"])
+    fnb, fidx = (t.contiguous() for t in tables["full_kv"]) if has_full else (nb, idx)
+    stats = RowStats(total / max(1, nb.numel()), partial, full)
+    return LaunchTables(nb, idx, fnb, fidx, has_full, stats, (tuple(nb.shape), has_full, stats))
+
+
+def _check_no_repeats(pairs, tables) -> None:
+    for name, num, _ in pairs:
+        ind = tables[name][1]
+        used = torch.arange(ind.shape[-1], device=ind.device) < num.unsqueeze(-1)
+        if bool((used[..., 1:] & (ind[..., 1:] == ind[..., :-1])).any()):
+            raise InvalidInputError(
+                f"block_mask.{name}_indices lists a key block twice in one row; the kernel would count it twice"
+            )
+
+
+LAUNCH_TABLES = DerivedKey("launch tables")
+
+
+def launch_tables(block_mask: BlockMask) -> LaunchTables:
+    """The checked tables and row statistics of ``block_mask``, computed once per table content."""
+    return block_mask.derived(LAUNCH_TABLES, _tables_for_launch)
+
+
+def _tables_for_launch(block_mask: BlockMask) -> LaunchTables:
+    if block_mask.peek_derived(TABLES_IN_RANGE):
+        return _trusted_launch_tables(block_mask)
+    return _compute_launch_tables(block_mask)
+
+
+def _trusted_launch_tables(block_mask: BlockMask) -> LaunchTables:
+    """Launch tables for a mask flexattn built from dense tile maps (see [Note] Tables in range by
+    construction), set without the checks' host sync, so a decoding step that builds its mask each
+    step never waits for the GPU. The row statistics are fixed (no consecutive-block fast path,
+    mean = the table's width), so the step's launch plan is the same at every step; they only steer
+    speed."""
+    nb, idx = block_mask.kv_num_blocks, block_mask.kv_indices
+    fnb, fidx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
+    has_full = fnb is not None
+    stats = RowStats(float(idx.shape[-1]), False, False)
+    return LaunchTables(nb, idx, fnb if has_full else nb, fidx if has_full else idx, has_full, stats,
+                        (tuple(nb.shape), has_full, stats))
+
+
+def block_mask_row_stats(block_mask: BlockMask) -> RowStats:
+    """What launch choices need from a BlockMask's tables (see LaunchTables)."""
+    return launch_tables(block_mask).stats
+
+
+# ------------------------------------------------------------------------------------ backward
+
+
+class BackwardTables(NamedTuple):
+    """The forward's tables transposed (per key block: the query blocks that see it), cropped to the
+    blocks inside the lengths. Kept on the mask (BlockMask.derived), like the forward's."""
+
+    q_num_blocks: torch.Tensor
+    q_indices: torch.Tensor
+    full_q_num_blocks: torch.Tensor  # q_num_blocks when the mask has no full blocks
+    full_q_indices: torch.Tensor
+
+
+def _compute_backward_tables(block_mask: BlockMask) -> BackwardTables:
+    tables = launch_tables(block_mask)  # checked and ascending: exactly what the forward walked
+    q_len, kv_len = block_mask.seq_lengths
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    rows, cols = -(-q_len // q_block), -(-kv_len // kv_block)
+
+    def transposed(num, idx):
+        dense = ordered_to_dense(num, idx, cols)[:, :, :rows]
+        return dense_to_ordered(dense.transpose(-2, -1))
+
+    qn, qi = transposed(tables.kv_num_blocks, tables.kv_indices)
+    if tables.has_full:
+        fqn, fqi = transposed(tables.full_kv_num_blocks, tables.full_kv_indices)
+    else:
+        fqn, fqi = qn, qi
+    return BackwardTables(qn, qi, fqn, fqi)
+
+
+BACKWARD_TABLES = DerivedKey("backward tables")
+
+
+def backward_tables(block_mask: BlockMask) -> BackwardTables:
+    """The transposed tables the backward walks, computed once per table content."""
+    return block_mask.derived(BACKWARD_TABLES, _compute_backward_tables)
+
+
+# ------------------------------------------------------------------------------------ decode
+
+
+def groups_share_tables(block_mask: BlockMask, group: int) -> bool:
+    """Whether the query heads of every GQA group list the same key blocks (per batch and row), so
+    one program can walk them for the whole group. One host sync per mask content."""
+    def compute(mask: BlockMask) -> bool:
+        tables = launch_tables(mask)
+        heads = tables.kv_num_blocks.shape[1]
+        if group == 1 or heads == 1:
+            return True
+        pairs = [(tables.kv_num_blocks, tables.kv_indices)]
+        if tables.has_full:
+            pairs.append((tables.full_kv_num_blocks, tables.full_kv_indices))
+        checks = []
+        for num, idx in pairs:
+            used = torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1)
+            listed = torch.where(used, idx, -1)  # padding entries may differ: compare listed ones only
+            num = num.reshape(num.shape[0], heads // group, group, *num.shape[2:])
+            listed = listed.reshape(listed.shape[0], heads // group, group, *listed.shape[2:])
+            checks += [(num == num[:, :, :1]).all(), (listed == listed[:, :, :1]).all()]
+        return bool(torch.stack(checks).all())
+
+    return block_mask.derived(DerivedKey("GQA groups share their tables", group), compute)
