@@ -32,7 +32,7 @@ Mods are the traced graph modules (``gm(score, b, h, q_idx, kv_idx, *captured)``
 ``gm(b, h, q_idx, kv_idx, *captured)``) or any callable with that signature. Each mod is applied
 once per chunk, with ``torch.vmap`` over every tile dimension. Index tensors are int32, or int64
 when the caller says the mods' integer arithmetic needs it at these lengths (``index_dtype``, from
-flexattn/index_bounds.py): arithmetic on the indices is exact, as in the kernels.
+flexattn/lowering/ranges.py): arithmetic on the indices is exact, as in the kernels.
 
 Nothing here is an autograd.Function: ``blockwise_forward`` and ``blockwise_backward`` are plain
 functions that the API layer wraps.

@@ -238,7 +238,7 @@ def normalize_kernel_options(options: dict) -> tuple[dict, list[str], list[str]]
         elif key.startswith("fwd_") and key[4:] in FORWARD_OPTIONS:
             prefixed[key[4:]] = value
         elif key.startswith("bwd_") and key[4:] in BACKWARD_PREFIXED:
-            used[key] = value  # read by the backward's launcher as it is (backward.py)
+            used[key] = value  # read by the backward's launcher as it is (kernels/configs.py)
         elif key.startswith("bwd_") and key[4:] in BACKWARD_TILES:
             prefixed[key[4:]] = value
         elif key.startswith(("fwd_", "bwd_")) and key[4:] in KNOWN_OPTIONS:

@@ -1,6 +1,8 @@
 """Tracing: a score_mod or mask_mod callable becomes an aten-level torch.fx graph.
 
-Stage 1 of the pipeline (trace -> lowering -> codegen -> runtime). It imports no Triton.
+Stage 1 of the pipeline (trace -> lowering -> codegen -> kernels). It imports no Triton. One idea
+in one module, longer than most: the walk that finds what a mod reads and the trace that records
+it share their caches and their rules for what counts as the same mod.
 
 The mod is run once on 0-d meta tensors under a recording dispatch mode, so every torch call is
 recorded as an aten op and any use of a tensor's *value* in Python (``if score > 0``, ``.item()``,
@@ -551,12 +553,6 @@ def _walk(fn: Callable) -> _Walker:
         if not walker.entered_objects or walker.code_names <= names:
             return walker
         names = names | walker.code_names
-
-
-def walk_callable(fn: Callable) -> tuple[tuple, list[torch.Tensor], list[str]]:
-    """Signature, tensors and tensor names of everything ``fn`` can read."""
-    walker = _walk(fn)
-    return tuple(walker.signature), walker.tensors, walker.tensor_names
 
 
 # --------------------------------------------------------------------------------------------

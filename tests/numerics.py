@@ -20,7 +20,7 @@ def expect_triton_backward():
     """Fails unless the block ran the Triton backward: ``flexattn.backward.launches`` (bumped once
     per Triton backward call) must grow. A backward that silently fell back to the blockwise
     PyTorch path would pass every numerical check, so this is what says the kernels were tested."""
-    launcher = importlib.import_module("flexattn.backward")
+    launcher = importlib.import_module("flexattn.kernels.backward")
     before = launcher.launches
     yield
     assert launcher.launches > before, (

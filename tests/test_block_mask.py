@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.nn.attention.flex_attention as torch_flex
 
-import flexattn.block_mask as block_mask_module
+import flexattn.masks.block_mask as block_mask_module
+import flexattn.masks.create as create_module
 from flexattn import BlockMask, create_block_mask, create_mask
 from flexattn.errors import InvalidInputError
 from flexattn.variants import (
@@ -190,7 +191,7 @@ def test_many_small_tiles_match_torch(monkeypatch, block_size):
     """
     q_len, kv_len = _randint(200, 700), _randint(200, 700)
     q_block, kv_block = block_size
-    monkeypatch.setattr(block_mask_module, "TILE_ELEMENTS", 3 * q_block * kv_block)
+    monkeypatch.setattr(create_module, "TILE_ELEMENTS", 3 * q_block * kv_block)
     windows = torch.randint(1, kv_len, (3,), dtype=torch.int32)
     valid_keys = torch.randint(1, kv_len + 1, (2,), dtype=torch.int32)
     table = random_tile_pattern(q_len, kv_len, cell=16)
@@ -641,7 +642,7 @@ def test_index_arithmetic_past_int32_is_exact_in_the_builder():
 
 def test_builder_asks_the_lowering_for_the_index_dtype(monkeypatch):
     # The contract: needs_wide_indices(traced, IndexBounds) decides; a mod that cannot be traced keeps int32.
-    import flexattn.lowering as lowering
+    import flexattn.lowering.ranges as lowering
 
     seen = []
 

@@ -16,7 +16,7 @@ import torch
 from numerics import rel_err
 
 from flexattn import blockwise
-from flexattn.block_mask import BlockMask, create_block_mask
+from flexattn.masks import BlockMask, create_block_mask
 from flexattn.blockwise import blockwise_backward, blockwise_forward
 from flexattn import flex_attention
 from flexattn.reference import reference_attention
@@ -313,7 +313,7 @@ _MEMORY_SCRIPT = textwrap.dedent(
     """
     import resource, sys, time
     import torch
-    from flexattn.block_mask import BlockMask
+    from flexattn.masks import BlockMask
     from flexattn.blockwise import blockwise_forward
     from flexattn.trace import trace_mod
 
@@ -387,8 +387,8 @@ def test_index_arithmetic_past_int32_is_exact():
 
 
 def test_api_asks_the_lowering_for_the_index_dtype(monkeypatch):
-    import flexattn.index_bounds as index_bounds
-    import flexattn.lowering as lowering
+    import flexattn.lowering.ranges as index_bounds
+    import flexattn.lowering.ranges as lowering
     from flexattn import flex_attention
 
     seen = []

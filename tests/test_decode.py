@@ -12,9 +12,9 @@ import torch
 from numerics import rel_err
 
 import flexattn
-import flexattn.decode
+import flexattn.kernels.decode
 from flexattn import AuxRequest, BlockMask, create_block_mask, flex_attention
-from flexattn.api import _dispatch_decode
+from flexattn.dispatch import choose_decode as _dispatch_decode
 from flexattn.errors import InvalidInputError
 from flexattn.reference import reference_attention
 from flexattn.variants import CATALOGUE, causal_mask, generate_alibi_bias, generate_tanh_softcap
@@ -27,9 +27,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @contextlib.contextmanager
 def expect_decode(runs=True):
-    before = flexattn.decode.launches
+    before = flexattn.kernels.decode.launches
     yield
-    grew = flexattn.decode.launches > before
+    grew = flexattn.kernels.decode.launches > before
     assert grew == runs, "the decode kernels ran" if grew else "the decode kernels did not run"
 
 
@@ -81,7 +81,7 @@ def check_decode(q, k, v, score_mod, mask_mod, *, block_mask=None, block_size=12
 
 def _last_plan():
     # The decode kernel that just ran is the most recently used entry of the kernel cache.
-    kernel = next(reversed(flexattn.decode._kernels.values()))
+    kernel = next(reversed(flexattn.kernels.decode._kernels.values()))
     return kernel.last_plan
 
 
@@ -96,7 +96,7 @@ def test_catalogue_decoding(variant, q_len):
     score_mod, mask_mod = shifted(score_mod, mask_mod, S - q_len)
     q, k, v = qkv(B, Hq, Hkv, q_len, S)
     plan = check_decode(q, k, v, score_mod, mask_mod, block_size=64 if q_len == 3 else 128, splits=3)
-    assert plan.constexprs["HEADS"] == 3 and plan.constexprs["NUM_SPLITS"] == 3
+    assert plan.constexprs("partial")["HEADS"] == 3 and plan.constexprs("partial")["NUM_SPLITS"] == 3
 
 
 @pytest.mark.parametrize("q_len", [33, 64])
@@ -107,7 +107,7 @@ def test_query_lengths_the_automatic_choice_takes(q_len):
     score_mod, mask_mod = shifted(generate_alibi_bias(Hq, DEVICE), causal_mask, S - q_len)
     q, k, v = qkv(B, Hq, Hkv, q_len, S)
     plan = check_decode(q, k, v, score_mod, mask_mod)
-    assert plan.constexprs["ROW_TILES"] == 2 and plan.constexprs["HEADS"] == 4
+    assert plan.constexprs("partial")["ROW_TILES"] == 2 and plan.constexprs("partial")["HEADS"] == 4
 
 
 @pytest.mark.parametrize("q_len", [1, 5])
@@ -120,19 +120,19 @@ def test_gqa_ratios(ratio, q_len):
     score_mod, mask_mod = shifted(generate_alibi_bias(Hq, DEVICE), causal_mask, S - q_len)
     plan = check_decode(q, k, v, score_mod, mask_mod, block_size=64, splits=2)
     # One program per group: every query head of the group in one tile, K/V read once.
-    assert plan.constexprs["HEADS"] == ratio and plan.grid[1] == Hkv
+    assert plan.constexprs("partial")["HEADS"] == ratio and plan.steps["partial"].grid[1] == Hkv
 
 
 def test_many_splits_merge_in_chunks(monkeypatch):
     # 70 splits merged 16 at a time (five steps, the last one partial; smaller steps than on a GPU,
     # so that few splits exercise the loop), by programs that each own 16 of the 64 output columns;
     # a few splits own no block at all (132 blocks over 70 splits).
-    monkeypatch.setattr(flexattn.decode, "MERGE_STEP_ELEMENTS", 512)
+    monkeypatch.setattr(flexattn.kernels.decode, "MERGE_STEP_ELEMENTS", 512)
     S = 2100
     q, k, v = qkv(1, 4, 2, 2, S, E=64)
     score_mod, mask_mod = shifted(generate_alibi_bias(4, DEVICE), causal_mask, S - 2)
     plan = check_decode(q, k, v, score_mod, mask_mod, block_size=16, splits=70)
-    merge = plan.merge_constexprs
+    merge = plan.constexprs("merge")
     assert merge["SPLIT_CHUNK"] == 16 and merge["D_CHUNKS"] == 4 and merge["MERGE_D"] == 16
 
 
@@ -148,14 +148,14 @@ def test_split_counts(splits):
     # 300 keys in blocks of 64: 5 listed blocks; 9 splits leave some programs nothing to do.
     q, k, v = qkv(1, 4, 1, 1, 300)
     plan = check_decode(q, k, v, generate_alibi_bias(4, DEVICE), None, splits=splits, block_size=64)
-    assert (plan.merge_grid is None) == (splits == 1)
+    assert ("merge" not in plan.steps) == (splits == 1)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the split count follows its SMs (tested above)")
 def test_default_split_count_under_the_interpreter():
     q, k, v = qkv(1, 2, 2, 1, 300)
     plan = check_decode(q, k, v, None, None)
-    assert plan.constexprs["NUM_SPLITS"] == 2
+    assert plan.constexprs("partial")["NUM_SPLITS"] == 2
 
 
 @pytest.mark.parametrize("groups, cap, expected", [
@@ -166,7 +166,7 @@ def test_default_split_count_under_the_interpreter():
     (24, 11, 11),   # 264 programs: two per SM exactly
 ])
 def test_split_count_spreads_programs_evenly(groups, cap, expected):
-    assert flexattn.decode.balanced_splits(groups, cap, 132) == expected
+    assert flexattn.kernels.decode.balanced_splits(groups, cap, 132) == expected
 
 
 def test_split_count_is_never_less_even_than_the_cap():
@@ -175,11 +175,11 @@ def test_split_count_is_never_less_even_than_the_cap():
         return groups * s / (sms * -(-groups * s // sms))
     for groups in range(1, 300, 7):
         for cap in range(1, 140, 5):
-            s = flexattn.decode.balanced_splits(groups, cap, sms)
+            s = flexattn.kernels.decode.balanced_splits(groups, cap, sms)
             assert 1 <= s <= cap
-            if groups * cap >= flexattn.decode.MIN_FILL * flexattn.decode.WAVES * sms:
+            if groups * cap >= flexattn.kernels.decode.MIN_FILL * flexattn.kernels.decode.WAVES * sms:
                 assert busiest_share(s, groups) >= busiest_share(cap, groups)
-                assert groups * s >= flexattn.decode.MIN_FILL * flexattn.decode.WAVES * sms
+                assert groups * s >= flexattn.kernels.decode.MIN_FILL * flexattn.kernels.decode.WAVES * sms
             else:
                 assert s == cap
 
@@ -222,13 +222,13 @@ def test_per_head_tables():
     B, Hq, Hkv, L, S = 2, 6, 2, 1, 300
     q, k, v = qkv(B, Hq, Hkv, L, S)
     plan = check_decode(q, k, v, None, shifted(None, causal_mask, S - 1)[1], mask_heads=Hq, block_size=64, splits=2)
-    assert plan.constexprs["HEADS"] == 3
+    assert plan.constexprs("partial")["HEADS"] == 3
 
     def per_head_window(b, h, q_idx, kv_idx):
         return (q_idx + S - 1 - kv_idx) < 40 + 50 * h
 
     plan = check_decode(q, k, v, None, per_head_window, mask_heads=Hq, block_size=64, splits=2)
-    assert plan.constexprs["HEADS"] == 1 and plan.grid[1] == Hq
+    assert plan.constexprs("partial")["HEADS"] == 1 and plan.steps["partial"].grid[1] == Hq
 
 
 def test_tables_changed_in_place_are_seen():
@@ -240,11 +240,11 @@ def test_tables_changed_in_place_are_seen():
     options = {"BACKEND": "TRITON_DECODE", "DECODE_NUM_SPLITS": 2}
     with expect_decode():
         before = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=options)
-    assert _last_plan().constexprs["HEADS"] == 4
+    assert _last_plan().constexprs("partial")["HEADS"] == 4
     block_mask.full_kv_num_blocks[0, 2, 0] = 2  # head 2 now sees only its first two key blocks
     with expect_decode():
         after = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=options)
-    assert _last_plan().constexprs["HEADS"] == 1
+    assert _last_plan().constexprs("partial")["HEADS"] == 1
     forward = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options={"BACKEND": "TRITON"})
     assert rel_err(after, forward) < 2e-5 and rel_err(before[:, 2], after[:, 2]) > 1e-2
     assert torch.equal(before[:, :2], after[:, :2])
@@ -256,7 +256,7 @@ def test_many_rows_are_cut_into_row_tiles():
     q, k, v = qkv(1, 16, 1, 16, 150, E=16)
     score_mod, mask_mod = shifted(generate_alibi_bias(16, DEVICE), causal_mask, 134)
     plan = check_decode(q, k, v, score_mod, mask_mod, block_size=64, splits=2)
-    assert plan.constexprs["ROW_TILES"] == 2
+    assert plan.constexprs("partial")["ROW_TILES"] == 2
 
 
 def test_broadcast_kv_batch_and_negative_scale():

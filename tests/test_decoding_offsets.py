@@ -15,7 +15,7 @@ import flexattn.trace
 from flexattn import (
     create_block_mask, decode_block_mask, flex_attention, offset_mask_mod, offset_score_mod,
 )
-from flexattn.block_mask import _sliced_rows_mask_mod
+from flexattn.masks import sliced_rows_mask_mod
 from flexattn.errors import InvalidInputError
 from flexattn.reference import reference_attention
 
@@ -179,7 +179,7 @@ def test_decode_block_mask_tables():
     assert step.q_indices is None  # inference only
     # The same blocks as torch-style row slicing, which keeps seq_lengths and drops the mask_mod.
     sliced = full_mask[:, :, 300 // 128]
-    assert sliced.seq_lengths == (S, S) and sliced.mask_mod is _sliced_rows_mask_mod
+    assert sliced.seq_lengths == (S, S) and sliced.mask_mod is sliced_rows_mask_mod
     assert torch.equal(sliced.to_dense(), step.to_dense())
     # Four queries at 126..129 straddle rows 0 and 1: key block 0 is full in row 1 only -> partial.
     step = decode_block_mask(full_mask, 126, q_len=4)
@@ -262,7 +262,7 @@ def test_decode_step_masks_skip_the_launch_table_checks(monkeypatch):
     """decode_block_mask's masks carry their launch tables (built from dense maps, valid by
     construction), so a step never runs the checks that cost a host sync on a GPU; a table changed
     in place afterwards is checked again."""
-    import flexattn.runtime as runtime
+    import flexattn.kernels.tables as runtime
 
     calls = []
     real = runtime._compute_launch_tables

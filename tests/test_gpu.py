@@ -56,10 +56,10 @@ def test_float32_follows_matmul_precision():
 
 def _lowered_score_mod_text(score_mod, tanh_approx: bool) -> str:
     # The score_mod as lowered for the latest launch of its kernel (forward_kernel's key).
-    import flexattn.runtime as rt
+    import flexattn.kernels.forward as rt
     from flexattn.trace import trace_mod
 
-    lowered = rt._kernels[(trace_mod(score_mod, "score_mod")[0], None, tanh_approx)].last_compiled.spec.score_mod
+    lowered = rt._kernels[(trace_mod(score_mod, "score_mod")[0], None, tanh_approx)].last_plan.compiled.spec.score_mod
     return lowered.body + "\n" + lowered.result
 
 
@@ -121,11 +121,11 @@ def test_tma_loads_match(head_dim, length, host):
 
 def _constexprs_of(score_mod, mask_mod):
     # What the latest launch of the bf16/fp16 kernel for these mods used (forward_kernel's key).
-    import flexattn.runtime as rt
+    import flexattn.kernels.forward as rt
     from flexattn.trace import trace_mod
 
     score = trace_mod(score_mod, "score_mod")[0] if score_mod else None
-    return rt._kernels[(score, trace_mod(mask_mod, "mask_mod")[0], True)].last_constexprs
+    return rt._kernels[(score, trace_mod(mask_mod, "mask_mod")[0], True)].last_plan.constexprs("forward")
 
 
 @pytest.mark.parametrize("layout", ["gqa", "sequence_major", "kv_batch_broadcast", "kv_expanded", "odd_length"])
@@ -164,16 +164,16 @@ def _hopper():
 
 def _last_plan_constexprs():
     # The kernel without mods for 16-bit inputs (forward_kernel's key: score, mask, tanh_approx).
-    import flexattn.runtime as rt
+    import flexattn.kernels.forward as rt
 
     kernel = rt._kernels[(None, None, True)]
-    return kernel.last_constexprs
+    return kernel.last_plan.constexprs("forward")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["contiguous", "gqa", "sequence_major"])
 def test_warp_specialized_loop(dtype, layout):
-    # The default for d=128 without mods on Hopper and Triton 3.6 (runtime._HOPPER_WS_CONFIG).
+    # The default for d=128 without mods on Hopper and Triton 3.6 (configs._HOPPER_WS_CONFIG).
     B, H, L, D = 2, 8, 4096, 128
     if layout == "sequence_major":  # [B, L, H, D] storage viewed as [B, H, L, D]
         q, k, v = (torch.randn(B, L, H, D, device="cuda", dtype=dtype).transpose(1, 2) for _ in range(3))
@@ -182,7 +182,7 @@ def test_warp_specialized_loop(dtype, layout):
         q = torch.randn(B, H, L, D, device="cuda", dtype=dtype)
         k, v = (torch.randn(B, hkv, L, D, device="cuda", dtype=dtype) for _ in range(2))
     gqa = layout == "gqa"
-    from flexattn.runtime import warp_specialization_validated
+    from flexattn.kernels.configs import warp_specialization_validated
 
     ref, ref_lse, _ = reference_attention(q.double(), k.double(), v.double(), enable_gqa=gqa)
     forced = flex_attention(q, k, v, enable_gqa=gqa, kernel_options={"USE_TMA": True, "WARP_SPECIALIZE": True})
@@ -206,7 +206,7 @@ def test_warp_specialized_loop(dtype, layout):
 
 
 def test_load_path_defaults():
-    from flexattn.runtime import select_config, warp_specialization_validated
+    from flexattn.kernels.configs import select_config, warp_specialization_validated
 
     dev = torch.device("cuda")
     bf16 = torch.bfloat16
@@ -233,7 +233,7 @@ def test_load_path_defaults():
 
 
 AUTOTUNE_CHILD = r"""
-import json, sys, time, torch, flexattn
+import json, sys, time, torch, flexattn, flexattn.kernels.configs
 from flexattn.variants import causal_mask
 q, k, v = (torch.randn(2, 8, 2048, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 bm = flexattn.create_block_mask(causal_mask, None, None, 2048, 2048, device="cuda")
@@ -241,7 +241,7 @@ t0 = time.perf_counter()
 out = flexattn.flex_attention(q, k, v, block_mask=bm, kernel_options={"AUTOTUNE": True})
 torch.cuda.synchronize()
 print(json.dumps({"seconds": time.perf_counter() - t0, "finite": bool(torch.isfinite(out).all()),
-                  "searches": flexattn.runtime.autotune_runs}))
+                  "searches": flexattn.kernels.configs.tuned_configs.searches}))
 """
 
 
@@ -371,7 +371,7 @@ def test_direct_launches_stay_correct_when_alignment_and_captured_tensors_change
     # flexattn.launch calls a compiled kernel directly once Triton's own launch chose it for the same
     # specialisation facts. The same shapes and strides must still reach a kernel specialised for
     # what each call passes: a misaligned view, a new (misaligned) learnable table, a new mask.
-    import flexattn.launch
+    import flexattn.kernels.launch
 
     B, H, L, D = 1, 4, 320, 64
     torch.manual_seed(0)
@@ -381,7 +381,7 @@ def test_direct_launches_stay_correct_when_alignment_and_captured_tensors_change
         return score + bias[h] * (q_idx - kv_idx)
 
     mask = create_block_mask(causal_mask, None, None, L, L, device="cuda")
-    before = flexattn.launch.fast_launches
+    before = flexattn.kernels.launch.fast_launches
     for step in range(6):
         q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         dout = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16)
@@ -403,7 +403,7 @@ def test_direct_launches_stay_correct_when_alignment_and_captured_tensors_change
         dec = flex_attention(last, k, v, score_mod=head_bias, kernel_options={"BACKEND": "TRITON_DECODE"})
         dec_ref = reference_attention(last.double(), k.double(), v.double(), score_mod=head_bias)[0]
         assert rel_err(dec, dec_ref) < 2e-2, f"step {step}"
-    assert flexattn.launch.fast_launches > before  # the direct path ran
+    assert flexattn.kernels.launch.fast_launches > before  # the direct path ran
 
 
 @pytest.mark.parametrize("variant, head_dim", [("longformer", 64), ("graphormer", 64), ("graphormer", 128), ("t5_bias", 128)])
@@ -411,8 +411,10 @@ def test_default_tiles_the_compiler_made_costly_are_replaced(variant, head_dim):
     """[Note] Tiles the compiler made costly: after the first call of a problem, a default plan whose
     kernel spilled or staged gathered tiles is replaced by a cheaper one, step by step, and every
     call stays equal to the float64 reference. On the H100 with Triton 3.6 each of these entries
-    starts from such a kernel (the census in runtime.py); elsewhere the test checks what happened."""
-    import flexattn.runtime as rt
+    starts from such a kernel (the census in kernels/family.py); elsewhere the test checks what happened."""
+    import flexattn.kernels.family as family
+    import flexattn.kernels.forward as rt
+    from flexattn.kernels.launch import spilled_bytes
 
     B, H, L = 1, 4, 2048
     q, k, v = (torch.randn(B, H, L, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -432,15 +434,16 @@ def test_default_tiles_the_compiler_made_costly_are_replaced(variant, head_dim):
             out = flex_attention(q, k, v, score_mod=inst.score_mod, block_mask=bm)
             assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
             kernel = list(rt._kernels.values())[-1]
-            plans.append(dict(kernel.last_constexprs))
+            plans.append(dict(kernel.last_plan.constexprs("forward")))
     finally:
         rt.launch = real
     first, last = launched[0], launched[-1]
-    costly_first = (rt.spilled_bytes(first) > rt.SPILL_LIMIT_BYTES
-                    or first.metadata.shared - rt._tile_bytes(plans[0], 2) >= rt.STAGED_GATHER_BYTES)
+    roles = rt.ForwardKernel.TILE_ROLES["forward"]
+    costly_first = (spilled_bytes(first) > family.SPILL_LIMIT_BYTES
+                    or first.metadata.shared - family._tile_bytes(plans[0], roles, 2) >= family.STAGED_GATHER_BYTES)
     if costly_first:
         assert plans[-1] != plans[0]
-    assert rt.spilled_bytes(last) <= rt.SPILL_LIMIT_BYTES or min(plans[-1]["BLOCK_M"], plans[-1]["BLOCK_N"]) == 32
-    assert (last.metadata.shared - rt._tile_bytes(plans[-1], 2) < rt.STAGED_GATHER_BYTES
+    assert spilled_bytes(last) <= family.SPILL_LIMIT_BYTES or min(plans[-1]["BLOCK_M"], plans[-1]["BLOCK_N"]) == 32
+    assert (last.metadata.shared - family._tile_bytes(plans[-1], roles, 2) < family.STAGED_GATHER_BYTES
             or plans[-1]["num_stages"] == 1)
     assert plans[-1] == plans[-2]  # settled

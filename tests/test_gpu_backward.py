@@ -198,8 +198,9 @@ def test_backward_tiles_the_compiler_made_costly_are_replaced(head_dim):
     tiles spill on the H100 (Triton 3.6, d=64: 258 bytes per thread); after the first backward the
     plan steps to cheaper tiles, and every backward, on every plan, keeps the flash-attention rule.
     Elsewhere the test checks whatever the compiler made of the first plan."""
-    import flexattn.backward as bw
-    import flexattn.runtime as rt
+    import flexattn.kernels.backward as bw
+    import flexattn.kernels.family as rt
+    from flexattn.kernels.launch import spilled_bytes
     from flexattn.variants import generate_t5_bias
 
     B, H, L = 1, 8, 2048
@@ -226,18 +227,21 @@ def test_backward_tiles_the_compiler_made_costly_are_replaced(head_dim):
     for name, walked, owned in (("dkdv", "BLOCK_M", "BLOCK_N"), ("dq", "BLOCK_N", "BLOCK_M")):
         runs = [(c, kernel) for n, c, kernel in launched if n == name]
         (first_c, first), (last_c, last) = runs[0], runs[-1]
-        tiles = bw._backward_tile_bytes
+        roles = bw.BackwardKernel.TILE_ROLES[name]
+
+        def tiles(c, elem, walked, owned):
+            return rt._tile_bytes(c, roles, elem)
         # Costly, with something left to change (T5's dQ at d=128 starts from the resource fallback's
         # one-stage plan: its extra shared memory is not staging then).
-        costly_first = ((rt.spilled_bytes(first) > rt.SPILL_LIMIT_BYTES and max(first_c[walked], first_c[owned]) > 32)
+        costly_first = ((spilled_bytes(first) > rt.SPILL_LIMIT_BYTES and max(first_c[walked], first_c[owned]) > 32)
                         or (first.metadata.shared - tiles(first_c, 2, walked, owned) >= rt.STAGED_GATHER_BYTES
                             and first_c["num_stages"] > 1))
-        print(name, [(c["BLOCK_M"], c["BLOCK_N"], c["num_stages"], rt.spilled_bytes(k), k.metadata.shared)
+        print(name, [(c["BLOCK_M"], c["BLOCK_N"], c["num_stages"], spilled_bytes(k), k.metadata.shared)
                      for c, k in runs])
         if costly_first:
             assert (last_c["BLOCK_M"], last_c["BLOCK_N"], last_c["num_stages"]) != (
                 first_c["BLOCK_M"], first_c["BLOCK_N"], first_c["num_stages"])
-        assert rt.spilled_bytes(last) <= rt.SPILL_LIMIT_BYTES or max(last_c[walked], last_c[owned]) <= 32
+        assert spilled_bytes(last) <= rt.SPILL_LIMIT_BYTES or max(last_c[walked], last_c[owned]) <= 32
         assert (last.metadata.shared - tiles(last_c, 2, walked, owned) < rt.STAGED_GATHER_BYTES
                 or last_c["num_stages"] == 1)
         assert runs[-2][0] == last_c  # settled

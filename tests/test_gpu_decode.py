@@ -8,7 +8,7 @@ import pytest
 import torch
 from numerics import rel_err
 
-import flexattn.decode
+import flexattn.kernels.decode
 from flexattn import AuxRequest, create_block_mask, flex_attention
 from flexattn.reference import reference_attention
 from flexattn.variants import CATALOGUE, causal_mask, generate_sliding_window
@@ -34,10 +34,10 @@ def run_and_check(q, k, v, score_mod, mask_mod, options=None):
     B, Hq, L, _ = q.shape
     S = k.shape[2]
     bm = create_block_mask(mask_mod, None, None, L, S, device="cuda") if mask_mod else None
-    before = flexattn.decode.launches
+    before = flexattn.kernels.decode.launches
     out, aux = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True, kernel_options=options,
                               return_aux=AuxRequest(lse=True))
-    assert flexattn.decode.launches > before, "the decode kernels did not run"
+    assert flexattn.kernels.decode.launches > before, "the decode kernels did not run"
     ref, ref_lse, _ = reference_attention(q[:REF_BATCH].double(), k[:REF_BATCH].double(), v[:REF_BATCH].double(),
                                           score_mod=score_mod, mask_mod=mask_mod, enable_gqa=True)
     assert rel_err(out[:REF_BATCH], ref) < 2e-2
@@ -87,9 +87,9 @@ def test_per_batch_lengths():
     k = torch.randn(B, Hkv, S, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(B, Hkv, S, d, device="cuda", dtype=torch.bfloat16)
     bm = create_block_mask(valid, B, None, 1, S, device="cuda")
-    before = flexattn.decode.launches
+    before = flexattn.kernels.decode.launches
     out = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
-    assert flexattn.decode.launches > before
+    assert flexattn.kernels.decode.launches > before
     ref, _, _ = reference_attention(q[:REF_BATCH].double(), k[:REF_BATCH].double(), v[:REF_BATCH].double(),
                                     mask_mod=valid, enable_gqa=True)
     assert rel_err(out[:REF_BATCH], ref) < 2e-2

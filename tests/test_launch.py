@@ -3,8 +3,8 @@ direct path itself needs a GPU (tests/test_gpu.py runs it with changing alignmen
 
 import torch
 
-import flexattn.launch as launch_module
-from flexattn.launch import _facts
+import flexattn.kernels.launch as launch_module
+from flexattn.kernels.launch import _facts
 
 
 def test_facts_tell_apart_what_triton_specialises_on():
@@ -37,7 +37,7 @@ def test_interpreted_kernels_take_the_ordinary_launch(monkeypatch):
 def test_a_profiler_hook_sends_launches_through_triton():
     from triton import knobs
 
-    from flexattn.launch import _idle
+    from flexattn.kernels.launch import _idle
 
     hook = knobs.runtime.launch_enter_hook
     assert _idle(hook) and _idle(None)

@@ -1,5 +1,5 @@
 """Runtime caches: what a launch plan is keyed by, data derived from a BlockMask, lowering variants,
-and block sizes the Triton backend can and cannot tile (see [Note] Cache keys in flexattn/runtime.py).
+and block sizes the Triton backend can and cannot tile (see [Note] Cache keys in flexattn/kernels/family.py).
 
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py), so shapes are small.
 """
@@ -11,9 +11,10 @@ import pytest
 import torch
 from numerics import rel_err
 
-import flexattn.runtime as rt
+import flexattn.kernels.forward as rt
 from flexattn import BlockMask, create_block_mask, flex_attention
 from flexattn.errors import InvalidInputError
+from flexattn.kernels.tables import block_mask_row_stats
 from flexattn.reference import reference_attention
 from flexattn.variants import causal_mask
 
@@ -67,7 +68,7 @@ def test_masks_rebuilt_every_step_with_recycled_ids_get_their_own_plans(one_thre
     # mask's id back, and with an id-keyed plan the freed mask's CONSECUTIVE_* constexprs.
     patterns = [mask_from_table(_dense(causal_mask)), mask_from_table(_dense(every_other_block))]
     tables = [_tables(m) for m in patterns]
-    flags = [rt.block_mask_row_stats(BlockMask.from_kv_blocks(*t, BLOCK_SIZE=BLOCK)) for t in tables]
+    flags = [block_mask_row_stats(BlockMask.from_kv_blocks(*t, BLOCK_SIZE=BLOCK)) for t in tables]
     assert flags[0].consecutive_full and not flags[1].consecutive_full  # the patterns differ where it matters
     q, k, v = qkv()
     # The first call compiles and traces; let its temporaries come and go before the loop.
@@ -130,7 +131,9 @@ def test_tables_edited_out_of_order_or_out_of_range(one_thread):
 def test_kernels_are_chosen_per_lowering_variant(monkeypatch, one_thread):
     # Contract with the lowering: lowering_variant(traced, IndexBounds) is asked once per plan, and
     # lower(..., variant=) once per distinct variant; warm calls ask nothing.
+    import flexattn.kernels.family as family
     import flexattn.lowering as lowering
+    import flexattn.lowering.ranges as ranges
 
     asked, lowered = [], []
     real_lower = lowering.lower
@@ -143,8 +146,8 @@ def test_kernels_are_chosen_per_lowering_variant(monkeypatch, one_thread):
         lowered.append((traced.name, variant))
         return real_lower(traced, inputs, prefix, tanh_approx=tanh_approx)
 
-    monkeypatch.setattr(lowering, "lowering_variant", lowering_variant, raising=False)
-    monkeypatch.setattr(lowering, "lower", lower)
+    monkeypatch.setattr(ranges, "lowering_variant", lowering_variant)
+    monkeypatch.setattr(family, "lower", lower)
     monkeypatch.setattr(rt, "_kernels", type(rt._kernels)())
 
     def shifted_causal(b, h, q_idx, kv_idx):  # a mod of its own: no kernel of it exists yet
@@ -157,7 +160,7 @@ def test_kernels_are_chosen_per_lowering_variant(monkeypatch, one_thread):
     assert asked == [("shifted_causal", 128, 128), ("shifted_causal", 256, 256)]  # one plan per shape
     assert lowered == [("shifted_causal", ("wide", False)), ("shifted_causal", ("wide", True))]
     (kernel,) = rt._kernels.values()
-    assert kernel.last_compiled.variants == (None, ("wide", False))
+    assert kernel.last_plan.compiled.variants == (None, ("wide", False))
 
 
 @pytest.mark.parametrize("block_size", [48, 80, 96, (48, 96), (96, 48)])
@@ -192,7 +195,7 @@ def test_pinned_tile_must_divide_a_block_that_is_not_a_power_of_two(one_thread):
 
 
 def test_default_mask_cache_is_bounded_and_keeps_recent_lengths():
-    from flexattn import api
+    from flexattn.masks import create as api
 
     for length in range(1, 80):
         q = torch.randn(1, 1, length, 8)
@@ -213,6 +216,7 @@ def _launch_through(monkeypatch, kernel, launcher):
         real = original(bounds)
         return dataclasses.replace(real, module=types.SimpleNamespace(flex_attention_forward=launcher))
 
+
     original = kernel.compiled
     monkeypatch.setattr(kernel, "compiled", compiled)
     kernel._plans.clear()
@@ -228,7 +232,7 @@ def test_out_of_resources_retries_with_smaller_tiles(monkeypatch, one_thread):
     block_mask = create_block_mask(causal_mask, 1, 1, L, L, device=q.device)
     flex_attention(q, k, v, block_mask=block_mask, kernel_options=TRITON)  # builds the kernel and a plan
     (kernel,) = rt._kernels.values()
-    launch = kernel.last_compiled.jit_fn
+    launch = kernel.last_plan.compiled.module.flex_attention_forward
     tiles = []
 
     class Tight:  # refuses tiles of more than 32 x 32 the way the compiler does
@@ -271,10 +275,11 @@ def test_out_of_resources_at_the_smallest_tile_is_our_error(monkeypatch, one_thr
 
 
 def test_lowering_variants_are_remembered_per_traced_mods_and_bounds():
-    # runtime.lowering_variants remembers the range analysis per (TracedMods, bounds): an entry must
+    # lowering_variants remembers the range analysis per (TracedMods, bounds): an entry must
     # never answer for other lengths, nor for a mod of the same code over a tensor of another size.
     import flexattn.lowering as lowering
-    from flexattn.index_bounds import index_bounds
+    import flexattn.lowering.ranges as ranges
+    from flexattn.lowering import index_bounds
     from flexattn.trace import trace_mod
 
     def over(table):
@@ -289,12 +294,12 @@ def test_lowering_variants_are_remembered_per_traced_mods_and_bounds():
     for _ in range(2):  # the second round answers from memory
         for traced in (short, long):
             for bounds in (small, large):
-                got = rt.lowering_variants(traced, None, bounds)
+                got = ranges.lowering_variants(traced, None, bounds)
                 assert got == (lowering.lowering_variant(traced, bounds), None)
                 seen[(traced.graph_module.code, traced.captured[0].shape, bounds)] = got
     assert seen[(short.graph_module.code, (100,), small)] != seen[(short.graph_module.code, (100,), large)]
     assert len({v for v in seen.values()}) >= 3  # lengths and the table's size both change the answer
-    assert len(rt._VARIANTS) <= rt._VARIANTS_KEPT
+    assert len(ranges._VARIANTS) <= ranges._VARIANTS_KEPT
 
 
 def test_a_mods_own_constants_are_copied_once_per_device_and_again_after_a_change():

@@ -10,7 +10,8 @@ import pytest
 import torch
 from numerics import rel_err
 
-import flexattn.runtime as rt
+import flexattn.kernels.family as family
+import flexattn.kernels.forward as rt
 from flexattn import api, create_block_mask, flex_attention
 from flexattn.errors import BackendUnavailableError, InvalidInputError
 from flexattn.reference import reference_attention
@@ -51,10 +52,11 @@ def test_torch_keys_are_accepted_fwd_keys_honoured_and_ignored_ones_named_once(m
     assert "bwd_BLOCK_M (not a backward option" in str(warning.message)
     assert "fwd_BLOCK_M" not in str(warning.message)
     assert rel_err(out, reference(q, k, v, mask_mod=causal_mask)) < 2e-5
-    (kernel,) = [kern for kern in rt._kernels.values() if kern.last_constexprs and kern.has_mask_mod
+    (kernel,) = [kern for kern in rt._kernels.values() if kern.last_plan and kern.has_mask_mod
                  and kern.mask.name == "causal_mask" and not kern.has_score_mod]
     # fwd_BLOCK_M wins over BLOCK_M (the interpreter's default tile would be 64 here).
-    assert kernel.last_constexprs["BLOCK_M"] == 32 and kernel.last_constexprs["num_warps"] == 2
+    constexprs = kernel.last_plan.constexprs("forward")
+    assert constexprs["BLOCK_M"] == 32 and constexprs["num_warps"] == 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once per process: no second warning
         flex_attention(q, k, v, block_mask=bm, kernel_options=options)
@@ -188,9 +190,12 @@ def test_interpreter_without_numpy_says_so():
 # ---- [Note] Tiles the compiler made costly: the plan after the first compiled launch ----
 
 def _default_plan(BLOCK_M=64, BLOCK_N=128, stages=3, L=1000):
+    from flexattn.codegen.params import FORWARD
+
     constexprs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_stages=stages, NUM_STAGES=stages, EVEN_M=L % BLOCK_M == 0,
                       QK_HEAD_DIM_P2=64, V_HEAD_DIM_P2=64, num_warps=4)
-    return rt._Plan((-(-L // BLOCK_M), 16, 4), constexprs, None, check_compiled=True)
+    return family.Plan(None, {"forward": family.Step(FORWARD, (-(-L // BLOCK_M), 16, 4), constexprs)}, (L, L), 2,
+                       check_compiled=True)
 
 
 def _compiled(spills=0, shared=0):
@@ -199,41 +204,49 @@ def _compiled(spills=0, shared=0):
     return SimpleNamespace(n_spills=spills, metadata=SimpleNamespace(shared=shared))
 
 
+def _after(plan, kernel, has_mods=True):
+    forward = rt.ForwardKernel(object() if has_mods else None, None, tanh_approx=False)
+    return forward._plan_after_compile(plan, {"forward": kernel})
+
+
 def test_a_spilling_default_tile_gets_half_the_key_tile_then_half_the_query_tile():
     plan = _default_plan()
     tiles = 2 * (64 * 64 + 3 * 128 * 128)  # within the staged tiles: only the spills count here
-    after = rt._plan_after_compile(plan, _compiled(spills=132, shared=tiles), 1000, 2, has_mods=True)
-    assert (after.constexprs["BLOCK_M"], after.constexprs["BLOCK_N"]) == (64, 64)
-    assert after.check_compiled and after.grid == plan.grid and plan.constexprs["BLOCK_N"] == 128
-    after = rt._plan_after_compile(_default_plan(BLOCK_N=32), _compiled(spills=132), 1000, 2, has_mods=True)
-    assert (after.constexprs["BLOCK_M"], after.constexprs["BLOCK_N"]) == (32, 32)
-    assert after.grid == (32, 16, 4) and after.constexprs["EVEN_M"] is False
+    after = _after(plan, _compiled(spills=132, shared=tiles))
+    assert (after.constexprs("forward")["BLOCK_M"], after.constexprs("forward")["BLOCK_N"]) == (64, 64)
+    assert after.check_compiled and after.steps["forward"].grid == plan.steps["forward"].grid
+    assert plan.constexprs("forward")["BLOCK_N"] == 128
+    after = _after(_default_plan(BLOCK_N=32), _compiled(spills=132))
+    assert (after.constexprs("forward")["BLOCK_M"], after.constexprs("forward")["BLOCK_N"]) == (32, 32)
+    assert after.steps["forward"].grid == (32, 16, 4) and after.constexprs("forward")["EVEN_M"] is False
     # Nothing smaller than 32 x 32: the plan is kept and marked as seen.
     smallest = _default_plan(BLOCK_M=32, BLOCK_N=32)
-    after = rt._plan_after_compile(smallest, _compiled(spills=500), 1000, 2, has_mods=True)
-    assert after.constexprs == smallest.constexprs and not after.check_compiled
+    after = _after(smallest, _compiled(spills=500))
+    assert after.constexprs("forward") == smallest.constexprs("forward") and not after.check_compiled
 
 
 def test_a_few_spilled_bytes_keep_the_tile():
     # The H100 census: 2 to 62 bytes at d=128 cost less than half the key tile does.
-    after = rt._plan_after_compile(_default_plan(), _compiled(spills=rt.SPILL_LIMIT_BYTES), 1000, 2, has_mods=True)
-    assert after.constexprs["BLOCK_N"] == 128 and not after.check_compiled
+    after = _after(_default_plan(), _compiled(spills=family.SPILL_LIMIT_BYTES))
+    assert after.constexprs("forward")["BLOCK_N"] == 128 and not after.check_compiled
 
 
 def test_staged_gathers_cost_a_pipeline_stage_for_mods_only():
     plan = _default_plan(BLOCK_M=64, BLOCK_N=64, stages=3)
-    tiles = rt._tile_bytes(plan.constexprs, 2)
-    staged = _compiled(shared=tiles + rt.STAGED_GATHER_BYTES)
-    after = rt._plan_after_compile(plan, staged, 1000, 2, has_mods=True)
-    assert after.constexprs["num_stages"] == after.constexprs["NUM_STAGES"] == 2 and after.check_compiled
+    tiles = family._tile_bytes(plan.constexprs("forward"), rt.ForwardKernel.TILE_ROLES["forward"], 2)
+    assert tiles == 2 * (64 * 64 + 3 * 64 * 128)  # the query tile once, K and V tiles per stage
+    staged = _compiled(shared=tiles + family.STAGED_GATHER_BYTES)
+    after = _after(plan, staged)
+    assert after.constexprs("forward")["num_stages"] == after.constexprs("forward")["NUM_STAGES"] == 2
+    assert after.check_compiled
     # Without mods the extra memory is the kernel's own (descriptors, the output tile): kept.
-    assert not rt._plan_after_compile(plan, staged, 1000, 2, has_mods=False).check_compiled
+    assert not _after(plan, staged, has_mods=False).check_compiled
     # Within the tiles: kept.
-    near = _compiled(shared=tiles + rt.STAGED_GATHER_BYTES - 1)
-    assert rt._plan_after_compile(plan, near, 1000, 2, has_mods=True).constexprs["num_stages"] == 3
+    near = _compiled(shared=tiles + family.STAGED_GATHER_BYTES - 1)
+    assert _after(plan, near).constexprs("forward")["num_stages"] == 3
     # One stage is the floor.
     one = _default_plan(stages=1)
-    assert not rt._plan_after_compile(one, _compiled(shared=1 << 20), 1000, 2, has_mods=True).check_compiled
+    assert not _after(one, _compiled(shared=1 << 20)).check_compiled
 
 
 @needs_interpreter

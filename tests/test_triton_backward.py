@@ -533,7 +533,7 @@ def test_triton_backward_equals_pytorch_backward(variant):
     leaves = qkv_leaves(B, H, H, L, L, 32)
     triton, upstream = check_grads(leaves, plain(score_mod), mask_mod, use_lse=True)
     again = {name: t.detach().clone().requires_grad_() for name, t in leaves.items()}
-    launcher = importlib.import_module("flexattn.backward")
+    launcher = importlib.import_module("flexattn.kernels.backward")
     before = launcher.launches
     pytorch, _ = check_grads(again, plain(score_mod), mask_mod, options=PYTORCH, use_lse=True,
                              upstream=upstream)
@@ -548,7 +548,7 @@ def test_triton_backward_equals_pytorch_backward(variant):
 def test_unlowerable_gradient_fails_at_the_forward_call_before_any_kernel(monkeypatch):
     # A learnable table read as vectors: its gradient has no Triton lowering. The error must come
     # from flex_attention itself (before the forward kernel runs), not from loss.backward().
-    import flexattn.runtime as runtime
+    import flexattn.kernels.forward as runtime
     from flexattn.errors import UnsupportedOpError
 
     emb = randn(64, 8)
@@ -574,42 +574,55 @@ def test_unlowerable_gradient_fails_at_the_forward_call_before_any_kernel(monkey
 # ------------------------------------------------------------------------------ resource fallback
 
 
-def test_smaller_backward_plans_step_down_to_16():
-    import flexattn.backward as bw
+def _backward_plan(dkdv, dq, dkdv_grid=(16, 2, 1), dq_grid=(8, 2, 1), check_compiled=False):
+    """A backward Plan of two steps with these constexprs, for 1000 queries and keys (bf16)."""
+    from flexattn.codegen.params import BACKWARD_DKDV, BACKWARD_DQ
+    from flexattn.kernels.family import Plan, Step
 
+    return Plan(None, {"dkdv": Step(BACKWARD_DKDV, dkdv_grid, dkdv), "dq": Step(BACKWARD_DQ, dq_grid, dq)},
+                (1000, 1000), 2, check_compiled=check_compiled)
+
+
+def _backward_family(has_mods=True):
+    import flexattn.kernels.backward as bw
+
+    return bw.BackwardKernel(object() if has_mods else None, None, tanh_approx=False)
+
+
+def test_smaller_backward_plans_step_down_to_16():
     def constexprs(M, N, stages):
         return dict(BLOCK_M=M, BLOCK_N=N, num_stages=stages, NUM_STAGES=stages, EVEN_M=True, EVEN_N=True)
 
-    plan = bw._BackwardPlan((16, 2, 1), (8, 2, 1), 64, constexprs(64, 64, 2), constexprs(128, 128, 2), None)
-    plan = bw._smaller_backward_plan(plan, 1000, 1000)
-    assert plan.dkdv_constexprs["num_stages"] == plan.dq_constexprs["NUM_STAGES"] == 1
-    plan = bw._smaller_backward_plan(plan, 1000, 1000)
+    family = _backward_family()
+    plan = _backward_plan(constexprs(64, 64, 2), constexprs(128, 128, 2))
+    plan = family._smaller_plan(plan, {})
+    assert plan.constexprs("dkdv")["num_stages"] == plan.constexprs("dq")["NUM_STAGES"] == 1
+    plan = family._smaller_plan(plan, {})
     # The larger program (dQ, 128x128) loses half its walked tile (its keys) first.
-    assert (plan.dq_constexprs["BLOCK_M"], plan.dq_constexprs["BLOCK_N"]) == (128, 64)
-    plan = bw._smaller_backward_plan(plan, 1000, 1000)
-    assert (plan.dq_constexprs["BLOCK_M"], plan.dq_constexprs["BLOCK_N"]) == (64, 64)
-    assert plan.dq_grid == (16, 2, 1) and plan.dq_constexprs["EVEN_M"] is False
+    assert (plan.constexprs("dq")["BLOCK_M"], plan.constexprs("dq")["BLOCK_N"]) == (128, 64)
+    plan = family._smaller_plan(plan, {})
+    assert (plan.constexprs("dq")["BLOCK_M"], plan.constexprs("dq")["BLOCK_N"]) == (64, 64)
+    assert plan.steps["dq"].grid == (16, 2, 1) and plan.constexprs("dq")["EVEN_M"] is False
     steps = 0
-    while (smaller := bw._smaller_backward_plan(plan, 1000, 1000)) is not None:
+    while (smaller := family._smaller_plan(plan, {})) is not None:
         plan, steps = smaller, steps + 1
-    for c in (plan.dkdv_constexprs, plan.dq_constexprs):
+    for c in (plan.constexprs("dkdv"), plan.constexprs("dq")):
         assert c["BLOCK_M"] == c["BLOCK_N"] == 16
-    assert plan.dkdv_grid == (63, 2, 1) and plan.dkdv_constexprs["EVEN_N"] is False and steps == 8
+    assert plan.steps["dkdv"].grid == (63, 2, 1) and plan.constexprs("dkdv")["EVEN_N"] is False and steps == 8
+    # Pinned tiles are never shrunk.
+    assert family._smaller_plan(plan, {"BLOCK_M1": 16}) is None
 
 
 # ------------------------------------------------------------------------------ costly tiles
 
 
 def _backward_default_plan(stages=2):
-    import flexattn.backward as bw
-
     def constexprs(M, N):
         # 1000 queries and keys: no tile of 32 or more divides them.
         return dict(BLOCK_M=M, BLOCK_N=N, num_stages=stages, NUM_STAGES=stages, EVEN_M=False, EVEN_N=False,
                     QK_HEAD_DIM_P2=64, V_HEAD_DIM_P2=64)
 
-    return bw._BackwardPlan((16, 2, 1), (16, 16, 1), 64, constexprs(64, 64), constexprs(64, 64), None,
-                            check_compiled=True)
+    return _backward_plan(constexprs(64, 64), constexprs(64, 64), (16, 2, 1), (16, 16, 1), check_compiled=True)
 
 
 def _compiled(spills=0, shared=0):
@@ -618,45 +631,48 @@ def _compiled(spills=0, shared=0):
     return SimpleNamespace(n_spills=spills, metadata=SimpleNamespace(shared=shared))
 
 
-def test_a_spilling_backward_kernel_halves_its_walked_tile_then_its_owned_one():
-    import flexattn.backward as bw
+def _after(plan, dkdv_kernel, dq_kernel, has_mods=True):
+    return _backward_family(has_mods)._plan_after_compile(plan, {"dkdv": dkdv_kernel, "dq": dq_kernel})
 
+
+def test_a_spilling_backward_kernel_halves_its_walked_tile_then_its_owned_one():
     plan = _backward_default_plan()
-    after = bw._backward_plan_after_compile(plan, _compiled(spills=258), _compiled(), 1000, 1000, 2, True)
+    after = _after(plan, _compiled(spills=258), _compiled())
     # dK/dV walks queries: BLOCK_M first; its grid (one program per owned key tile) is unchanged.
-    assert (after.dkdv_constexprs["BLOCK_M"], after.dkdv_constexprs["BLOCK_N"]) == (32, 64)
-    assert after.dq_constexprs == plan.dq_constexprs and after.dkdv_grid == plan.dkdv_grid and after.check_compiled
-    after = bw._backward_plan_after_compile(after, _compiled(spills=258), _compiled(spills=400), 1000, 1000, 2, True)
+    assert (after.constexprs("dkdv")["BLOCK_M"], after.constexprs("dkdv")["BLOCK_N"]) == (32, 64)
+    assert after.constexprs("dq") == plan.constexprs("dq") and after.steps["dkdv"].grid == plan.steps["dkdv"].grid
+    assert after.check_compiled
+    after = _after(after, _compiled(spills=258), _compiled(spills=400))
     # Now its owned key tile (more programs, bounds checks on the last), and dQ's walked key tile.
-    assert (after.dkdv_constexprs["BLOCK_M"], after.dkdv_constexprs["BLOCK_N"]) == (32, 32)
-    assert after.dkdv_grid == (32, 2, 1) and after.dkdv_constexprs["EVEN_N"] is False
-    assert (after.dq_constexprs["BLOCK_M"], after.dq_constexprs["BLOCK_N"]) == (64, 32) and after.dq_grid == (16, 16, 1)
+    assert (after.constexprs("dkdv")["BLOCK_M"], after.constexprs("dkdv")["BLOCK_N"]) == (32, 32)
+    assert after.steps["dkdv"].grid == (32, 2, 1) and after.constexprs("dkdv")["EVEN_N"] is False
+    assert (after.constexprs("dq")["BLOCK_M"], after.constexprs("dq")["BLOCK_N"]) == (64, 32)
+    assert after.steps["dq"].grid == (16, 16, 1)
     # Nothing below 32: the plan is kept and marked as seen.
-    after = bw._backward_plan_after_compile(after, _compiled(spills=500), _compiled(), 1000, 1000, 2, True)
-    after = bw._backward_plan_after_compile(after, _compiled(spills=500), _compiled(), 1000, 1000, 2, True)
-    assert after.dkdv_constexprs["BLOCK_M"] == after.dkdv_constexprs["BLOCK_N"] == 32
+    after = _after(after, _compiled(spills=500), _compiled())
+    after = _after(after, _compiled(spills=500), _compiled())
+    assert after.constexprs("dkdv")["BLOCK_M"] == after.constexprs("dkdv")["BLOCK_N"] == 32
     # A few spilled bytes keep the tiles.
-    few = bw._backward_plan_after_compile(plan, _compiled(spills=100), _compiled(spills=100), 1000, 1000, 2, True)
-    assert few.dkdv_constexprs == plan.dkdv_constexprs and not few.check_compiled
+    few = _after(plan, _compiled(spills=100), _compiled(spills=100))
+    assert few.constexprs("dkdv") == plan.constexprs("dkdv") and not few.check_compiled
 
 
 def test_staged_gathers_cost_the_backward_kernel_a_stage_for_mods_only():
-    import flexattn.backward as bw
-    import flexattn.runtime as rt
+    import flexattn.kernels.family as rt
 
     plan = _backward_default_plan()
     tiles = (64 + 2 * 64) * 128 * 2  # owned tiles once, walked ones per stage
     staged = _compiled(shared=tiles + rt.STAGED_GATHER_BYTES)
-    after = bw._backward_plan_after_compile(plan, _compiled(shared=tiles), staged, 1000, 1000, 2, True)
-    assert after.dq_constexprs["num_stages"] == after.dq_constexprs["NUM_STAGES"] == 1 and after.check_compiled
-    assert after.dkdv_constexprs["num_stages"] == 2
+    after = _after(plan, _compiled(shared=tiles), staged)
+    assert after.constexprs("dq")["num_stages"] == after.constexprs("dq")["NUM_STAGES"] == 1 and after.check_compiled
+    assert after.constexprs("dkdv")["num_stages"] == 2
     near = _compiled(shared=tiles + rt.STAGED_GATHER_BYTES - 1)
-    assert not bw._backward_plan_after_compile(plan, near, near, 1000, 1000, 2, True).check_compiled
-    assert not bw._backward_plan_after_compile(plan, staged, staged, 1000, 1000, 2, False).check_compiled
+    assert not _after(plan, near, near).check_compiled
+    assert not _after(plan, staged, staged, has_mods=False).check_compiled
 
 
 def test_the_interpreter_and_pinned_tiles_never_replan_the_backward():
-    import flexattn.backward as bw
+    import flexattn.kernels.backward as bw
 
     for options in (TRITON, {**TRITON, "BLOCK_M1": 16}):
         q, k, v = (randn(1, 2, 64, 16) for _ in range(3))
@@ -669,7 +685,7 @@ def test_a_backward_out_of_resources_runs_again_with_smaller_tiles(monkeypatch):
     """A kernel the GPU cannot fit (raised here for the first dQ launch, after the dK/dV kernel has
     added into the learnable slopes' gradient) is retried with a smaller plan from fresh buffers,
     and the gradients still equal the float64 reference's."""
-    import flexattn.backward as bw
+    import flexattn.kernels.backward as bw
     from triton.runtime.errors import OutOfResources
 
     real, failed = bw.launch, []
@@ -684,12 +700,12 @@ def test_a_backward_out_of_resources_runs_again_with_smaller_tiles(monkeypatch):
     check_grads(*learnable_alibi(), causal_mask)
     assert failed and failed[0]["num_stages"] >= 1
     kernel = list(bw._kernels.values())[-1]
-    assert any(plan.dq_constexprs is not failed[0] and plan.dq_constexprs["num_stages"] == 1
+    assert any(plan.constexprs("dq") is not failed[0] and plan.constexprs("dq")["num_stages"] == 1
                for plan in kernel._plans.values())
 
 
 def test_a_backward_that_fits_no_tile_or_was_pinned_says_so(monkeypatch):
-    import flexattn.backward as bw
+    import flexattn.kernels.backward as bw
     from flexattn.errors import ResourceError
     from triton.runtime.errors import OutOfResources
 

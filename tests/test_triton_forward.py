@@ -86,7 +86,7 @@ def test_block_sizes(block_size):
 
 def test_block_table_row_stats():
     # What the launcher reads from a BlockMask (see [Note] Consecutive blocks in the template).
-    from flexattn.runtime import block_mask_row_stats
+    from flexattn.kernels.tables import block_mask_row_stats
 
     causal = block_mask_row_stats(create_block_mask(causal_mask, 1, 1, 512, 512, device=DEVICE, BLOCK_SIZE=64))
     assert causal.consecutive_partial and causal.consecutive_full
@@ -162,17 +162,18 @@ def test_matches_torch_flex_attention():
 
 
 def test_warm_call_does_not_retrace_or_rerender():
+    import flexattn.codegen.source
     from flexattn import codegen, trace
 
     q, k, v = qkv(1, 1, 1, 128, 128, 32, 32, torch.float32)
     bm = create_block_mask(causal_mask, 1, 1, 128, 128, device=DEVICE)
     alibi = generate_alibi_bias(1, DEVICE)
     flex_attention(q, k, v, score_mod=alibi, block_mask=bm, kernel_options=TRITON)
-    traces, modules = trace.trace_count, len(codegen._loaded)
+    traces, modules = trace.trace_count, len(codegen.source._loaded)
     # A new closure over a new tensor of the same shape: same graph, same kernel.
     flex_attention(q, k, v, score_mod=generate_alibi_bias(1, DEVICE), block_mask=bm, kernel_options=TRITON)
     assert trace.trace_count == traces
-    assert len(codegen._loaded) == modules
+    assert len(codegen.source._loaded) == modules
 
 
 def test_triton_backend_on_cpu_without_interpreter_says_how(monkeypatch):
@@ -186,7 +187,7 @@ def test_triton_backend_on_cpu_without_interpreter_says_how(monkeypatch):
 def test_rendered_source_parses_and_is_on_disk():
     import ast
 
-    from flexattn.runtime import forward_kernel
+    from flexattn.kernels import forward_kernel
     from flexattn.trace import trace_mod
 
     score, _ = trace_mod(generate_alibi_bias(2), "score_mod")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from numerics import expect_triton_backward, rel_err
 
-import flexattn.decode
+import flexattn.kernels.decode
 import flexattn.variants
 from flexattn import AuxRequest, create_block_mask, decode_block_mask, flex_attention, offset_score_mod
 from flexattn.variants import CATALOGUE, FAMILY_MODULES, apply_sinks, bias_picture, picture
@@ -120,10 +120,10 @@ def test_decode(name, q_len):
             offset.fill_(start)
             step_mask = decode_block_mask(full_mask, offset, q_len) if full_mask is not None else None
             q = q_all[:, :, start:start + q_len]
-            before = flexattn.decode.launches
+            before = flexattn.kernels.decode.launches
             out, aux = flex_attention(q, k, v, score_mod=score_mod, block_mask=step_mask,
                                       return_aux=AuxRequest(lse=True), kernel_options={"BACKEND": "TRITON_DECODE"})
-            assert flexattn.decode.launches > before, "the decode kernels did not run"
+            assert flexattn.kernels.decode.launches > before, "the decode kernels did not run"
             if inst.sinks is not None:
                 out = apply_sinks(out, aux.lse, inst.sinks)
             want = ref[:, :, start:start + q_len]

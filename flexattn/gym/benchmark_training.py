@@ -61,7 +61,6 @@ BWD_FLOP_FACTOR = 2.5  # backward FLOPs per forward FLOP: five matmuls against t
 GRADS = ("dq", "dk", "dv")
 SDPA_BACKENDS = ("flash", "cudnn")
 SMOKE = {"seq_len": 256, "heads": 2, "batch": 1, "head_dims": [32]}
-COMPARED = ("flexattn", "torch_flex")  # implementations whose gradients are kept and checked
 
 
 def _first_line(err: BaseException) -> str:

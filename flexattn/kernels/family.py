@@ -24,7 +24,7 @@ Every cache is bounded (least recently used entries go first).
 The caches: each family module's ``_kernels`` (TracedMod pair, tanh flag), ``KernelFamily._compiled``
 (lowering variants), ``KernelFamily._plans`` (shapes, strides, dtype, device, BlockMask content,
 flags, options), the device copies of a mod's own constants (on the TracedMod, per device), the
-tables derived from a BlockMask (on the mask, kernels/tables.py), ``codegen.render._loaded`` (source
+tables derived from a BlockMask (on the mask, kernels/tables.py), ``codegen.source._loaded`` (source
 digest), the autotune store (source digest, device, shape class, Triton version; kernels/configs.py),
 ``masks.create._dense_masks`` (lengths, device), ``lowering.ranges._VARIANTS`` and ``_WIDE``
 (TracedMods, bounds), and the direct launches of kernels/launch.py (on each Triton kernel: device,

@@ -1,6 +1,6 @@
 """Lowering: a traced score_mod / mask_mod (an aten fx graph) becomes Triton source.
 
-Stage 2 of the pipeline (trace -> lowering -> codegen -> runtime)::
+Stage 2 of the pipeline (trace -> lowering -> codegen -> kernels)::
 
     traced, captured_values = trace_mod(alibi, "score_mod")
     lowered = lower(traced, ModInputs(), prefix="sm_")

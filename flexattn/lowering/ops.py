@@ -147,11 +147,6 @@ def literal(value: Any) -> tuple[str, int]:
     return repr(value), (ATOM if math.copysign(1.0, value) > 0 else UNARY)
 
 
-def _atom(x: Operand) -> str:
-    """``x`` fit to stand anywhere: bare if it is an atom, else in parentheses."""
-    return x.raw if x.prec >= ATOM else f"({x.raw})"
-
-
 def _at(x: Operand, need: int) -> str:
     return x.raw if x.prec >= need else f"({x.raw})"
 

@@ -560,7 +560,7 @@ def analyze(traced: TracedMod, bounds: IndexBounds) -> _Analysis:
 def lowering_variant(traced: TracedMod, bounds: IndexBounds) -> LoweringVariant:
     """The bound-dependent lowering decisions for this call (which integer nodes must be int64 at these
     lengths, which gathers need a wrap or a mask). Cheap, deterministic, hashable; equal variants give
-    identical lowered source, so the runtime caches kernels by it."""
+    identical lowered source, so the kernels are cached by it."""
     if not isinstance(bounds, IndexBounds):
         raise TypeError(f"bounds must be an IndexBounds, got {type(bounds).__name__}")
     return analyze(traced, bounds).variant()
@@ -569,7 +569,9 @@ def lowering_variant(traced: TracedMod, bounds: IndexBounds) -> LoweringVariant:
 def needs_wide_indices(traced: TracedMod, bounds: IndexBounds) -> bool:
     """True when integer arithmetic on the index arguments can leave int32 at these bounds; the
     vmap-based paths (BlockMask builder, PyTorch backend) then pass int64 index tensors."""
-    return lowering_variant(traced, bounds).torch_overflow
+    if not isinstance(bounds, IndexBounds):
+        raise TypeError(f"bounds must be an IndexBounds, got {type(bounds).__name__}")
+    return analyze(traced, bounds).variant().torch_overflow
 
 
 # ------------------------------------------------------------------------------------ per call

@@ -25,7 +25,7 @@ __all__ = [
 
 DEFAULT_BLOCK_SIZE = 128
 # The dtype of every block map, and of the index arguments mods receive unless their arithmetic
-# needs int64 at the call's lengths (see flexattn/index_bounds.py).
+# needs int64 at the call's lengths (see flexattn/lowering/ranges.py).
 INDEX_DTYPE = torch.int32
 
 BlockSize = Union[int, tuple[int, int]]

@@ -1,6 +1,6 @@
 """Codegen: plain values -> kernel source, written to the cache directory and imported as a module.
 
-Stage 3 of the pipeline (trace -> lowering -> codegen -> runtime). Templates take plain values
+Stage 3 of the pipeline (trace -> lowering -> codegen -> kernels). Templates take plain values
 only (the lowered mods' lines and parameter names), so a template can be read on its own. Each
 rendered kernel is written under a readable, content-addressed name, e.g.
 ``fwd_alibi_causal_3f2a9c01d4e5b677.py``, and imported from there: Triton's ``@jit`` needs a real
@@ -107,7 +107,7 @@ def _write_if_different(path: Path, text: str) -> None:
 
 
 # Content-keyed (the source's digest), bounded: an evicted module keeps working for whoever holds
-# it, and comes back from its file if needed again. See [Note] Cache keys in runtime.py.
+# it, and comes back from its file if needed again. See [Note] Cache keys in kernels/family.py.
 _loaded: "OrderedDict[str, ModuleType]" = OrderedDict()
 _LOADED_KEPT = 256
 

@@ -1,0 +1,138 @@
+"""The package's structure stays as designed: imports run one way (no cycle, counting the imports
+made inside functions too), and no module takes a private name from another package.
+
+docs/architecture.md draws the layers these tests keep apart.
+"""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "flexattn"
+
+
+def _modules() -> dict:
+    """Dotted module name -> file, for every module of the package."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict):
+    """(imported module, imported name or None) for every import in the file, function-level ones
+    included. ``from . import x`` names module x when x is a module, else the package."""
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, None
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                submodule = f"{target}.{alias.name}"
+                yield (submodule, None) if submodule in modules else (target, alias.name)
+
+
+def _graph(modules: dict) -> dict:
+    edges = {}
+    for name, path in modules.items():
+        for target, _ in _imports(name, path, modules):
+            if target in modules and target != name:
+                edges.setdefault(name, set()).add(target)
+    return edges
+
+
+def _cycles(edges: dict) -> list:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    cycles = _cycles(_graph(_modules()))
+    assert not cycles, "modules that import each other (directly or through others): " + "; ".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    # The test above can fail: two modules that import each other are one component.
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_private_names_taken_from_another_package():
+    modules = _modules()
+    taken = []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for target, attr in _imports(name, path, modules):
+            if not attr or not attr.startswith("_") or attr.startswith("__") or target not in modules:
+                continue
+            owner = target if modules[target].name == "__init__.py" else target.rpartition(".")[0]
+            if owner == "flexattn" or not (package == owner or package.startswith(owner + ".")):
+                taken.append(f"{name} takes {attr} from {target}")
+    assert not taken, "; ".join(taken)
+
+
+def test_the_layers_import_downward():
+    # The pipeline's stages, lowest first: a module may import its own layer and those below.
+    layers = [
+        {"flexattn.errors", "flexattn.options", "flexattn.trace", "flexattn._deprecated"},
+        {"flexattn.lowering", "flexattn.reference", "flexattn.blockwise"},
+        {"flexattn.masks", "flexattn.codegen"},
+        {"flexattn.kernels"},
+        {"flexattn.dispatch"},
+        {"flexattn.autograd"},
+        {"flexattn.api"},
+    ]
+
+    def layer_of(module):
+        for i, layer in enumerate(layers):
+            if any(module == top or module.startswith(top + ".") for top in layer):
+                return i
+        return None
+
+    modules = _modules()
+    upward = []
+    for name, targets in _graph(modules).items():
+        mine = layer_of(name)
+        if mine is None:
+            continue
+        for target in targets:
+            theirs = layer_of(target)
+            if theirs is not None and theirs > mine:
+                upward.append(f"{name} -> {target}")
+    assert not upward, "imports that run up the pipeline: " + ", ".join(sorted(upward))
