@@ -55,7 +55,7 @@ import torch.utils._pytree as pytree
 from .errors import InvalidInputError
 from .index_bounds import mod_index_dtype
 from .mods import MaskMod, noop_mask
-from .trace import GetItemToIndex
+from .trace import GathersReadZero
 
 __all__ = ["BlockMask", "create_block_mask", "create_mask", "as_block_mask", "arity_mistake"]
 
@@ -1013,7 +1013,7 @@ def _block_maps(
     vmapped = _vmap_over_bhqkv(mask_mod)
     b_step, h_step, r_step, c_step = _tile_plan(B, H, rows, cols, q_block * kv_block)
 
-    with torch.no_grad(), GetItemToIndex():  # tensor[idx] in the mod must stay a gather under vmap
+    with torch.no_grad(), GathersReadZero():  # tensor[idx] in the mod must stay a gather under vmap
         for b0, h0, r0, c0 in itertools.product(
             range(0, B, b_step), range(0, H, h_step), range(0, rows, r_step), range(0, cols, c_step)
         ):
@@ -1181,12 +1181,12 @@ def create_mask(
     H = 1 if H is None else _positive_int("H", H)
     Q_LEN = _positive_int("Q_LEN", Q_LEN)
     KV_LEN = _positive_int("KV_LEN", KV_LEN)
-    device = _default_device() if device is None else torch.device(device)
+    device = device_argument(device, "create_mask")
     arity = _required_positional_count(mod_fn)
     kind = "score_mod" if arity == 5 else "mask_mod"
     index_dtype = mod_index_dtype(mod_fn, kind, B, H, Q_LEN, KV_LEN) if arity in (4, 5) else INDEX_DTYPE
     indices = [torch.arange(n, dtype=index_dtype, device=device) for n in (B, H, Q_LEN, KV_LEN)]
-    with torch.no_grad(), GetItemToIndex():
+    with torch.no_grad(), GathersReadZero():
         if arity == 4:
             kept = _evaluate(_vmap_over_bhqkv(mod_fn), mod_fn, *indices)
             _check_tile(kept, mod_fn, (B, H, Q_LEN, KV_LEN))
