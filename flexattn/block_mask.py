@@ -113,6 +113,21 @@ def _default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def device_argument(device: Union[str, torch.device, None], where: str) -> torch.device:
+    """A ``device=`` argument as a torch.device (None: CUDA if available, else the CPU). A CUDA device
+    on a machine without one is refused here, naming the argument, rather than by torch's bare
+    "Torch not compiled with CUDA enabled" from the first tensor made there."""
+    if device is None:
+        return _default_device()
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError(
+            f"{where}: device={str(device)!r}, but CUDA is not available here (torch.cuda.is_available() is "
+            "False); pass the device of your tensors (device=q.device), or device='cpu'"
+        )
+    return device
+
+
 # --------------------------------------------------------------------------------------------
 # Ordered (num_blocks, indices) <-> dense block maps
 # --------------------------------------------------------------------------------------------
@@ -1140,7 +1155,7 @@ def create_block_mask(
     Q_LEN = _positive_int("Q_LEN", Q_LEN)
     KV_LEN = _positive_int("KV_LEN", KV_LEN)
     q_block, kv_block = _as_block_size(BLOCK_SIZE)
-    device = _default_device() if device is None else torch.device(device)
+    device = device_argument(device, "create_block_mask")
 
     index_dtype = mod_index_dtype(mask_mod, "mask_mod", B, H, Q_LEN, KV_LEN)
     any_kept, all_kept = _block_maps(mask_mod, B, H, Q_LEN, KV_LEN, q_block, kv_block, device, index_dtype)

@@ -35,7 +35,7 @@ import torch
 
 from .block_mask import (
     BlockMask, _cdiv, _check_mask_mod, _dense_to_ordered, _mod_name, _ordered_to_dense, _positive_int,
-    _sliced_rows_mask_mod, _default_device, arity_mistake, as_block_mask,
+    _sliced_rows_mask_mod, _default_device, arity_mistake, as_block_mask, device_argument,
 )
 from .errors import InvalidInputError
 from .mods import MaskMod, ScoreMod, identity_score_mod, noop_mask
@@ -140,7 +140,7 @@ def offset_mask_mod(
     if mask_mod is None:
         mask_mod = noop_mask
     _check_mask_mod(mask_mod, "offset_mask_mod")
-    device = device if device is not None else _device_of(offset, kv_lengths)
+    device = device_argument(device, "offset_mask_mod") if device is not None else _device_of(offset, kv_lengths)
     absolute = _absolute_position(index_tensor("offset", offset, device))
     if kv_lengths is None:
         def shifted(b, h, q_idx, kv_idx):
@@ -174,7 +174,7 @@ def offset_score_mod(
     mistake = arity_mistake(score_mod, "score_mod", "offset_score_mod")
     if mistake:
         raise InvalidInputError(mistake)
-    device = device if device is not None else _device_of(offset, kv_lengths)
+    device = device_argument(device, "offset_score_mod") if device is not None else _device_of(offset, kv_lengths)
     absolute = _absolute_position(index_tensor("offset", offset, device))
     if kv_lengths is None:
         def shifted(score, b, h, q_idx, kv_idx):

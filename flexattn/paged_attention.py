@@ -38,7 +38,9 @@ from typing import Optional, Union
 
 import torch
 
-from .block_mask import BlockMask, _cdiv, _dense_to_ordered, _mod_name, _ordered_to_dense, _positive_int, as_block_mask
+from .block_mask import (
+    BlockMask, _cdiv, _dense_to_ordered, _mod_name, _ordered_to_dense, _positive_int, as_block_mask, device_argument,
+)
 from .decoding import check_on_device, index_tensor
 from .errors import FlexAttentionError, InvalidInputError
 from .mods import MaskMod, ScoreMod, identity_score_mod, noop_mask
@@ -101,7 +103,7 @@ class PagedAttention:
                 f"n_pages * page_size = {self.n_pages * self.page_size} token slots: flexattn keeps cache positions "
                 "in int32, so the cache must hold fewer than 2**31 slots"
             )
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device is None else torch.device(device)
+        device = device_argument(device, "PagedAttention")
         self.page_table = torch.empty(0, device=device)
         device = self.page_table.device  # "cuda" names the current device as tensors do ("cuda:0"), so checks compare equal
         self.device = device

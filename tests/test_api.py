@@ -124,10 +124,15 @@ def test_error_query_not_4d():
         flex_attention(q[0], k, v)
 
 
-def test_error_dtypes_differ():
+def test_error_dtypes_differ_names_the_conversion():
     q, k, v = qkv()
-    with pytest.raises(InvalidInputError, match="one dtype.*float32.*float64"):
+    with pytest.raises(InvalidInputError, match=r"one dtype.*float32.*float64.*convert key, e.g. key.to\(torch.float32\)"):
         flex_attention(q, k.double(), v)
+    # issue 19: a float32 query with bf16 keys and values: the query is the odd one out.
+    with pytest.raises(InvalidInputError, match=r"convert query, e.g. query.to\(torch.bfloat16\)"):
+        flex_attention(q, k.bfloat16(), v.bfloat16())
+    with pytest.raises(InvalidInputError, match=r"convert them to one, e.g. key.to\(query.dtype\)"):
+        flex_attention(q, k.bfloat16(), v.half())
 
 
 def test_error_integer_dtype():
@@ -155,11 +160,34 @@ def test_error_gqa_needs_enable_gqa():
         flex_attention(q, k, v)
 
 
-def test_error_gqa_heads_not_multiple():
-    q = torch.randn(1, 5, 32, 16)
-    k = v = torch.randn(1, 2, 32, 16)
-    with pytest.raises(InvalidInputError, match=r"query heads \(5\) must be a multiple of the key/value heads \(2\)"):
-        flex_attention(q, k, v, enable_gqa=True)
+@pytest.mark.parametrize("enable_gqa", [True, False])
+def test_error_gqa_heads_not_multiple(enable_gqa):
+    # issue 19: without enable_gqa, 6 query heads over 4 key/value heads once advised enable_gqa=True,
+    # which then failed; the divisibility comes first either way.
+    q = torch.randn(1, 6, 32, 16)
+    k = v = torch.randn(1, 4, 32, 16)
+    with pytest.raises(InvalidInputError, match=r"query has 6 heads and key/value have 4: .*6 is not a multiple of 4") as err:
+        flex_attention(q, k, v, enable_gqa=enable_gqa)
+    assert "pass enable_gqa" not in str(err.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_error_device_cuda_without_cuda_names_the_argument_and_the_fix():
+    # issue 19: torch's bare "AssertionError: Torch not compiled with CUDA enabled" before.
+    import flexattn
+
+    calls = {
+        "create_block_mask": lambda: create_block_mask(causal_mask, 1, 1, 64, 64, device="cuda"),
+        "create_mask": lambda: flexattn.create_mask(causal_mask, 1, 1, 64, 64, device=torch.device("cuda:0")),
+        "offset_mask_mod": lambda: flexattn.offset_mask_mod(causal_mask, 3, device="cuda"),
+        "PagedAttention": lambda: flexattn.PagedAttention(4, 128, 2, device="cuda"),
+    }
+    for where, call in calls.items():
+        with pytest.raises(InvalidInputError) as err:
+            call()
+        message = str(err.value)
+        assert message.startswith(f"{where}: device='cuda") and "CUDA is not available here" in message, message
+        assert "device=q.device" in message and "device='cpu'" in message
 
 
 def test_error_head_dims_differ():
