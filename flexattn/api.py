@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import warnings
 from collections import OrderedDict
 from typing import NamedTuple, Optional, Union
@@ -20,6 +21,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from . import blockwise
+from .codegen import debug_enabled
 from .block_mask import BlockMask, _sliced_rows_mask_mod, arity_mistake, as_block_mask, torch_counterpart
 from .errors import BackendUnavailableError, InvalidInputError
 from .index_bounds import index_bounds, index_dtype
@@ -319,18 +321,60 @@ class _Call(NamedTuple):
     index_dtype: torch.dtype  # of the index tensors the PyTorch backend passes to the mods
 
 
+# ------------------------------------------------------------------------------------ FLEXATTN_DEBUG
+
+# Read once, at import, like FLEXATTN_CHECK_INDICES: an unset variable costs a call nothing.
+_DEBUG = debug_enabled()
+
+
+def _tiles(constexprs: dict) -> str:
+    shown = [f"{key}={constexprs[key]}" for key in ("BLOCK_M", "BLOCK_N", "NUM_SPLITS", "num_warps", "num_stages")
+             if key in constexprs]
+    shown += [key for key in ("USE_TMA", "HOST_DESCRIPTORS", "WARP_SPECIALIZE") if constexprs.get(key)]
+    return " ".join(shown)
+
+
+def _blockwise_plan(call: _Call) -> str:
+    q_block, kv_block = call.block_mask.BLOCK_SIZE
+    return (f"blockwise: query tiles of up to {min(q_block, blockwise.Q_TILE_MAX)} rows, chunks of up to "
+            f"{blockwise.TILE_ELEMENTS} scores, {str(call.index_dtype).replace('torch.', '')} indices")
+
+
+def _debug_report(stage: str, call: _Call, q, k, v, plan: str) -> None:
+    """One line on stderr per forward or backward (FLEXATTN_DEBUG=1): the backend and what it ran."""
+    q_block, kv_block = call.block_mask.BLOCK_SIZE
+    print(
+        f"[flexattn] {stage} {call.backend}: q {_shape(q)} k {_shape(k)} v {_shape(v)} "
+        f"{str(q.dtype).replace('torch.', '')} on {q.device}, score_mod={call.score.name if call.score else None}, "
+        f"mask_mod={call.mask.name if call.mask else None}, BlockMask {q_block}x{kv_block}; {plan}",
+        file=sys.stderr,
+    )
+
+
+# ------------------------------------------------------------------------------------ running a call
+
+
 def _run_forward(call: _Call, q, k, v, score_captured, need_lse, need_max):
     if call.backend == "TRITON_DECODE":
         kernel = decode_kernel(call.score, call.mask, tanh_approx=_use_tanh_approx(q, call.options))
         out, lse = kernel(q, k, v, call.block_mask, call.scale, score_captured, call.mask_captured,
                           need_lse=need_lse, options=call.options)
+        if _DEBUG:
+            plan = kernel.last_plan
+            _debug_report("forward", call, q, k, v, f"{_tiles(plan.constexprs)}, kernel {plan.compiled.module.__file__}")
         return out, lse, None
     if call.backend == "TRITON":
         kernel = forward_kernel(call.score, call.mask, tanh_approx=_use_tanh_approx(q, call.options))
-        return kernel(
+        result = kernel(
             q, k, v, call.block_mask, call.scale, score_captured, call.mask_captured,
             need_lse=need_lse, need_max=need_max, options=call.options,
         )
+        if _DEBUG:
+            _debug_report("forward", call, q, k, v,
+                          f"{_tiles(kernel.last_constexprs)}, kernel {kernel.last_compiled.module.__file__}")
+        return result
+    if _DEBUG:
+        _debug_report("forward", call, q, k, v, _blockwise_plan(call))
     return blockwise.blockwise_forward(
         q, k, v, call.block_mask, call.scale,
         call.score.graph_module_on(q.device) if call.score else None, score_captured,

@@ -66,17 +66,23 @@ class FlexAttentionFunction(torch.autograd.Function):
 
 
 def _backward(ctx, grad_out, grad_lse):
+    from . import api  # imports this module
+
     call: "_Call" = ctx.call
     q, k, v, out, lse, *score_captured = ctx.saved_tensors
     if call.backend == "TRITON":
-        from .api import _use_tanh_approx
-
-        kernel = backward_kernel(call.score, call.mask, tanh_approx=_use_tanh_approx(q, call.options))
+        kernel = backward_kernel(call.score, call.mask, tanh_approx=api._use_tanh_approx(q, call.options))
         dq, dk, dv, d_captured = kernel(
             q, k, v, out, lse, grad_out.contiguous(), grad_lse, call.block_mask, call.scale,
             score_captured, call.mask_captured, call.options,
         )
+        if api._DEBUG:
+            plan = kernel.last_plan
+            api._debug_report("backward", call, q, k, v, f"dK/dV {api._tiles(plan.dkdv_constexprs)}; dQ "
+                              f"{api._tiles(plan.dq_constexprs)}, kernel {plan.compiled.module.__file__}")
     else:
+        if api._DEBUG:
+            api._debug_report("backward", call, q, k, v, api._blockwise_plan(call))
         dq, dk, dv, d_captured = blockwise.blockwise_backward(
             q, k, v, out, lse, grad_out, grad_lse, call.block_mask, call.scale,
             call.score.graph_module_on(q.device) if call.score else None, score_captured,

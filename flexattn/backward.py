@@ -329,6 +329,7 @@ class BackwardKernel(KernelFamily):
     def __init__(self, score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool):
         super().__init__(score, mask, tanh_approx=tanh_approx)
         self.last_config: Optional[BackwardConfig] = None
+        self.last_plan: Optional[_BackwardPlan] = None  # what the latest launch used (FLEXATTN_DEBUG reads it)
 
     def _compile(self, variants: tuple) -> CompiledBackward:
         spec = KernelSpec("backward", **self._lowered_mods(variants),
@@ -364,6 +365,7 @@ class BackwardKernel(KernelFamily):
             # Same shapes and strides as the plan's first call, but an unaligned view this time.
             plan = plan._replace(dkdv_constexprs={**plan.dkdv_constexprs, "USE_TMA": False},
                                  dq_constexprs={**plan.dq_constexprs, "USE_TMA": False})
+        self.last_plan = plan
         if plan.dkdv_constexprs["USE_TMA"]:
             _install_tma_allocator()  # this thread's: autograd runs the backward in a worker thread
 

@@ -379,3 +379,63 @@ def test_gym_startup_says_it_needs_a_gpu(tmp_path):
     ran = subprocess.run([sys.executable, "-m", "flexattn.gym.startup"], cwd=tmp_path, env=env,
                          capture_output=True, text=True)
     assert ran.returncode == 2 and "CUDA GPU" in ran.stderr
+
+
+# ------------------------------------------------------------------------------ FLEXATTN_DEBUG
+
+
+_DEBUG_SCRIPT = """
+import torch
+from flexattn import create_block_mask, flex_attention
+from flexattn.variants import causal_mask
+
+slopes = torch.rand(2)
+def alibi(score, b, h, q_idx, kv_idx):
+    return score + slopes[h] * (kv_idx - q_idx)
+
+bm = create_block_mask(causal_mask, 1, 1, 64, 64, device="cpu", BLOCK_SIZE=32)
+for backend in BACKENDS:
+    q, k, v = (torch.randn(1, 2, 64, 16, requires_grad=True) for _ in range(3))
+    out = flex_attention(q, k, v, score_mod=alibi, block_mask=bm, kernel_options={"BACKEND": backend})
+    out.sum().backward()
+    print("ran", backend)
+"""
+
+
+def _run_debug_script(tmp_path, backends, debug: str):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "FLEXATTN_DEBUG": debug, "FLEXATTN_CACHE_DIR": str(tmp_path)}
+    ran = subprocess.run([sys.executable, "-c", f"BACKENDS = {backends!r}\n" + _DEBUG_SCRIPT], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    return ran.stderr
+
+
+def test_flexattn_debug_names_backend_and_plan_on_the_pytorch_backend(tmp_path):
+    # issue 19: FLEXATTN_DEBUG=1 printed nothing on CPU, where no kernel is generated.
+    lines = [line for line in _run_debug_script(tmp_path, ["PYTORCH"], "1").splitlines() if "[flexattn]" in line]
+    assert len(lines) == 2, lines
+    forward, backward = lines
+    assert forward.startswith("[flexattn] forward PYTORCH: q [1, 2, 64, 16] k [1, 2, 64, 16] v [1, 2, 64, 16] "
+                              "float32 on cpu, score_mod=alibi, mask_mod=causal_mask, BlockMask 32x32; blockwise:")
+    assert "query tiles of up to 32 rows" in forward and "int32 indices" in forward
+    assert backward.startswith("[flexattn] backward PYTORCH: ")
+    assert "[flexattn]" not in _run_debug_script(tmp_path, ["PYTORCH"], "0")
+
+
+@needs_interpreter
+def test_flexattn_debug_names_tiles_and_kernel_files_on_the_triton_backend(tmp_path):
+    stderr = _run_debug_script(tmp_path, ["TRITON"], "1")
+    lines = [line for line in stderr.splitlines() if "] forward TRITON" in line or "] backward TRITON" in line]
+    assert len(lines) == 2, stderr
+    forward, backward = lines
+    assert "score_mod=alibi, mask_mod=causal_mask, BlockMask 32x32; BLOCK_M=" in forward
+    assert "num_warps=" in forward and "num_stages=" in forward
+    assert "dK/dV BLOCK_M=" in backward and "; dQ BLOCK_M=" in backward
+    for line, prefix in ((forward, "fwd_alibi_causal_mask_"), (backward, "bwd_alibi_causal_mask_")):
+        path = line.rsplit("kernel ", 1)[1]
+        assert os.path.basename(path).startswith(prefix) and os.path.isfile(path), line
+        assert path.startswith(str(tmp_path))
