@@ -24,7 +24,7 @@ class FlexKernelOptions(TypedDict, total=False):
 
     BACKEND: Literal["AUTO", "TRITON", "TRITON_DECODE", "PYTORCH"]
     """Which implementation runs. ``AUTO`` (default): the Triton kernels for CUDA tensors (the
-    split-KV decode kernels for queries of up to 16 rows when no gradient is needed, the forward
+    split-KV decode kernels for queries of up to 64 rows when no gradient is needed, the forward
     kernel otherwise), the blockwise PyTorch path for other devices. ``TRITON``: the fused forward
     kernel, or an error saying why it cannot run (on CPU tensors it needs ``TRITON_INTERPRET=1``).
     ``TRITON_DECODE``: the split-KV decode kernels (flash-decoding: the KV sequence split across
