@@ -585,10 +585,10 @@ class GetItemToIndex(TorchFunctionMode):
                         f"supported (got index {index!r}); index every leading dimension with an integer "
                         "or an index tensor, e.g. bias[h, q_idx - kv_idx]"
                     )
-                for dim, i in enumerate(items):
+                for dim, (i, size) in enumerate(zip(items, tensor.shape)):
                     # A constant is out of range at every position: a bug, which torch reports too.
-                    if not isinstance(i, torch.Tensor) and not -tensor.shape[dim] <= i < tensor.shape[dim]:
-                        raise IndexError(f"index {i} is out of bounds for dimension {dim} with size {tensor.shape[dim]}")
+                    if not isinstance(i, torch.Tensor) and not -size <= i < size:
+                        raise IndexError(f"index {i} is out of bounds for dimension {dim} with size {size}")
                 items = [i if isinstance(i, torch.Tensor) else torch.tensor(i, dtype=INDEX_DTYPE) for i in items]
                 return self.gather(tensor, items)
         return func(*args, **(kwargs or {}))
@@ -609,7 +609,8 @@ def gather_or_zero(tensor: torch.Tensor, indices: list) -> torch.Tensor:
     by 0, so its gradient is 0: an out-of-range read adds nothing to a learnable tensor's gradient. Works on
     vmapped and on plain tensors. Indices that are not positions (bool masks) keep torch's meaning.
     """
-    if not indices or any(i is None or i.dtype not in _POSITION_DTYPES for i in indices):
+    if (not indices or len(indices) > tensor.dim()  # aten.index reports too many indices its own way
+            or any(i is None or i.dtype not in _POSITION_DTYPES for i in indices)):
         return torch.ops.aten.index.Tensor(tensor, indices)
     inside, safe = None, []
     for dim, index in enumerate(indices):
