@@ -21,8 +21,8 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from . import blockwise
-from .codegen import debug_enabled
 from .block_mask import BlockMask, _sliced_rows_mask_mod, arity_mistake, as_block_mask, torch_counterpart
+from .codegen import debug_enabled
 from .errors import BackendUnavailableError, InvalidInputError
 from .index_bounds import index_bounds, index_dtype
 from .index_check import check_indices
@@ -361,7 +361,8 @@ def _run_forward(call: _Call, q, k, v, score_captured, need_lse, need_max):
                           need_lse=need_lse, options=call.options)
         if _DEBUG:
             plan = kernel.last_plan
-            _debug_report("forward", call, q, k, v, f"{_tiles(plan.constexprs)}, kernel {plan.compiled.module.__file__}")
+            _debug_report("forward", call, q, k, v,
+                          f"{_tiles(plan.constexprs)}, kernel {plan.compiled.module.__file__}")
         return out, lse, None
     if call.backend == "TRITON":
         kernel = forward_kernel(call.score, call.mask, tanh_approx=_use_tanh_approx(q, call.options))
