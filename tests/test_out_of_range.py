@@ -16,7 +16,7 @@ from numerics import rel_err
 from flexattn import create_block_mask, create_mask, flex_attention
 from flexattn.errors import ModTraceError
 from flexattn.reference import reference_attention
-from flexattn.trace import gather_or_zero
+from flexattn.trace import GathersReadZero, gather_or_zero
 
 needs_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="Triton on CPU tensors needs TRITON_INTERPRET=1"
@@ -69,6 +69,11 @@ def test_gather_or_zero_is_torch_in_range_and_zero_outside():
     assert gather_or_zero(flags, [torch.tensor([0, 3, -4, -1])]).tolist() == [True, False, False, True]
     ints = torch.arange(10, 15, dtype=torch.int32)
     assert gather_or_zero(ints, [torch.tensor([-6, -5, 4, 5], dtype=torch.int32)]).tolist() == [0, 10, 14, 0]
+    # More indices than dimensions: torch's own error, from tensor[...] in a mod too.
+    with pytest.raises(IndexError, match="too many indices for tensor of dimension 1"):
+        gather_or_zero(ints, [torch.tensor(1), torch.tensor(2)])
+    with GathersReadZero(), pytest.raises(IndexError, match="too many indices for tensor of dimension 1"):
+        ints[torch.tensor(1), 2]
 
 
 def test_gather_or_zero_under_vmap_and_autograd():
