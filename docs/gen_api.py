@@ -9,7 +9,8 @@ added later appear without a change here). tests/test_docs.py runs the check.
 
 The output must not depend on the machine: signatures are formatted here (a function used as a
 default value prints as its name, never as ``<function ... at 0x...>``), and docstrings are printed
-as written, in text blocks (they use reST markup, which Markdown would misread).
+as written, in text blocks (they use reST markup, which Markdown would misread). Signatures are text
+blocks too: they are not code that runs, and tests/test_doc_examples.py runs every python block.
 """
 
 from __future__ import annotations
@@ -114,17 +115,17 @@ def _entry(module_name: str, name: str, obj, aliases: dict) -> list[str]:
         kind = "exception" if issubclass(obj, BaseException) else "class"
         out += [f"*{kind}*", ""]
         if sig and not typing.is_typeddict(obj):
-            out += ["```python", sig, "```", ""]
+            out += ["```text", sig, "```", ""]
         out += _doc_block(obj)
         for attr, member in _own_public_members(obj):
             if isinstance(member, property):
                 out += [f"#### `{name}.{attr}` (property)", ""] + _doc_block(member)
                 continue
-            out += [f"#### `{name}.{attr}`", "", "```python", signature(member, attr) or attr, "```", ""]
+            out += [f"#### `{name}.{attr}`", "", "```text", signature(member, attr) or attr, "```", ""]
             out += _doc_block(member)
         return out
     if callable(obj):
-        out += ["```python", signature(obj, name) or name, "```", ""] + _doc_block(obj)
+        out += ["```text", signature(obj, name) or name, "```", ""] + _doc_block(obj)
         return out
     if isinstance(obj, dict):
         out += [f"*a dict of {len(obj)} entries; see the table below*", ""]

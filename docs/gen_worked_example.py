@@ -48,7 +48,7 @@ def causal(b, h, q_idx, kv_idx):
 def forward_source(score_mod, mask_mod, *, bounds):
     """The forward kernel flexattn renders for these mods: (CompiledForward, score TracedMod, mask
     TracedMod). ``bounds`` None gives the source that is right at any lengths."""
-    from flexattn.runtime import forward_kernel
+    from flexattn.kernels import forward_kernel
     from flexattn.trace import trace_mod
 
     score, _ = trace_mod(score_mod, "score_mod")
@@ -88,7 +88,7 @@ def _code(text: str, lang: str = "python") -> str:
 def blocks() -> dict[str, str]:
     sys.path.insert(0, str(ROOT))
     import flexattn
-    from flexattn.index_bounds import index_bounds
+    from flexattn.lowering import index_bounds
 
     alibi = make_alibi(H)
     compiled, score, mask = forward_source(alibi, causal, bounds=index_bounds(B, H, Q_LEN, KV_LEN))
@@ -121,11 +121,13 @@ def blocks() -> dict[str, str]:
         "graphs": _code(graph_text(score) + "\n\n" + graph_text(mask)),
         "lowered": _code("# score_mod (prefix sm_)\n" + lowered_text(compiled.spec.score_mod)
                          + "\n# mask_mod (prefix mm_)\n" + lowered_text(compiled.spec.mask_mod)),
-        "hooks": _code(_function(source, "score_mod") + "\n\n\n" + _function(source, "mask_mod")),
-        "hooks-any-length": _code(_function(any_length.source, "score_mod")),
-        "signature": _code("@triton.jit\n" + signature),
-        "rows": _code(_between(source, "if HAS_PARTIAL_BLOCKS:", "# [Note] Fully masked rows")),
-        "tile": _code(_function(source, "forward_tile")),
+        # Triton source runs only inside its generated module (excerpts, too): text, not python, since
+        # tests/test_doc_examples.py runs every python block of the docs as copied.
+        "hooks": _code(_function(source, "score_mod") + "\n\n\n" + _function(source, "mask_mod"), "text"),
+        "hooks-any-length": _code(_function(any_length.source, "score_mod"), "text"),
+        "signature": _code("@triton.jit\n" + signature, "text"),
+        "rows": _code(_between(source, "if HAS_PARTIAL_BLOCKS:", "# [Note] Fully masked rows"), "text"),
+        "tile": _code(_function(source, "forward_tile"), "text"),
         "file-name": _code(f"{compiled.spec.readable_name()}_<sha256 of the source, 16 hex digits>.py", "text"),
     }
 

@@ -45,7 +45,8 @@ def _validate_tensors(query, key, value, enable_gqa: bool) -> None:
             raise InvalidInputError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
     if not (query.dtype == key.dtype == value.dtype):
         raise InvalidInputError(
-            f"query, key and value must have one dtype, got {query.dtype}, {key.dtype} and {value.dtype}"
+            f"query, key and value must have one dtype, got {query.dtype}, {key.dtype} and {value.dtype}; "
+            f"{_dtype_fix(query, key, value)}"
         )
     if not (query.device == key.device == value.device):
         raise InvalidInputError(
@@ -65,18 +66,32 @@ def _validate_tensors(query, key, value, enable_gqa: bool) -> None:
     if Ek != E:
         raise InvalidInputError(f"query and key must have the same head_dim, got {E} (query) and {Ek} (key)")
     if Hk != Hq:
+        # Divisibility first: enable_gqa=True cannot fix a head count that is not a multiple.
+        if Hq % Hk != 0:
+            raise InvalidInputError(
+                f"query has {Hq} heads and key/value have {Hk}: grouped-query attention needs the query heads to be "
+                f"a multiple of the key/value heads (query head h reads key/value head h // (Hq / Hkv)), and {Hq} "
+                f"is not a multiple of {Hk}; give query and key/value the same number of heads, or key/value a "
+                f"number of heads that divides {Hq} (with enable_gqa=True)"
+            )
         if not enable_gqa:
             raise InvalidInputError(
                 f"query has {Hq} heads and key/value have {Hk}; pass enable_gqa=True for grouped-query attention"
-            )
-        if Hq % Hk != 0:
-            raise InvalidInputError(
-                f"with enable_gqa=True the query heads ({Hq}) must be a multiple of the key/value heads ({Hk})"
             )
     if min(L, S, E, Ev) == 0:
         raise InvalidInputError(
             f"empty inputs are not supported: query {_shape(query)}, key {_shape(key)}, value {_shape(value)}"
         )
+
+
+def _dtype_fix(query, key, value) -> str:
+    """The conversion that gives query, key and value one dtype: the odd one out to the others'."""
+    names = {"query": query.dtype, "key": key.dtype, "value": value.dtype}
+    for name, dtype in names.items():
+        others = {d for n, d in names.items() if n != name}
+        if len(others) == 1 and dtype not in others:
+            return f"convert {name}, e.g. {name}.to({others.pop()})"
+    return "convert them to one, e.g. key.to(query.dtype) and value.to(query.dtype)"
 
 
 def _validate_block_mask(block_mask: BlockMask, query, key) -> None:

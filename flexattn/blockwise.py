@@ -46,7 +46,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .trace import GetItemToIndex
+from .trace import GathersReadZero
 
 __all__ = ["blockwise_forward", "blockwise_backward", "TILE_ELEMENTS", "Q_TILE_MAX"]
 
@@ -291,7 +291,7 @@ def _vmap_over_tile(fn: Callable, tile_args: Sequence[torch.Tensor], captured: S
         # every argument keeps each one a batched value, promoted as torch promotes per element.
         squeezed = [a.unsqueeze(0) for a in squeezed]
         fn = torch.vmap(fn, in_dims=(0,) * len(tile_args) + (None,) * len(captured))
-    with GetItemToIndex():
+    with GathersReadZero():
         out = fn(*squeezed, *captured)
     return out.reshape(shape)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import hashlib
 import importlib
 import sys
 import time
@@ -100,6 +101,21 @@ def _require(module: str, command: str, purpose: str):
 # ---------------------------------------------------------------------------------------- gym
 
 
+def _default_results(device: str, only: Optional[list[str]]) -> Path:
+    """Where results go without --out: gym/gym-DEVICE under flexattn's cache directory for the whole
+    catalogue; a run of --only variants gets a name of its own (gym-cpu-only-causal-alibi), so it
+    never replaces the full run's results."""
+    from flexattn.codegen import cache_dir
+
+    name = f"gym-{device}"
+    if only:
+        joined = "-".join(only)
+        if len(joined) > 80:  # a file name must stay short; the digest keeps distinct subsets apart
+            joined = f"{len(only)}-variants-{hashlib.sha256(joined.encode()).hexdigest()[:8]}"
+        name += f"-only-{joined}"
+    return cache_dir() / "gym" / name
+
+
 def _cmd_gym(args, parser) -> int:
     import torch
 
@@ -123,9 +139,7 @@ def _cmd_gym(args, parser) -> int:
     sizes = default_sizes(device, args.seq)
     names = args.only or list(_catalogue())
     if args.out is None:
-        from flexattn.codegen import cache_dir
-
-        args.out = cache_dir() / "gym" / f"gym-{device}"
+        args.out = _default_results(device, args.only)
 
     err = Console(stderr=True)
     start = time.perf_counter()
@@ -271,7 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     gym.add_argument("--only", type=_variant_names, default=None, metavar="NAME[,NAME]",
                      help="run these variants only ('flexattn list' names them)")
     gym.add_argument("--out", default=None, metavar="PATH",
-                     help="write PATH.json and PATH.md (default: gym/gym-DEVICE under flexattn's cache directory)")
+                     help="write PATH.json and PATH.md (default: gym/gym-DEVICE under flexattn's cache directory; "
+                          "with --only, gym/gym-DEVICE-only-NAMES)")
     gym.add_argument("--threads", type=_positive_int, default=1, metavar="N",
                      help="CPU threads for torch (default 1: timings stay steady on a shared machine)")
     gym.add_argument("--no-torch-flex", action="store_true", help="GPU: skip torch's compiled flex_attention")

@@ -14,11 +14,13 @@ and it imports neither.
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple, Optional
 
 import torch
 
-from .blockwise import blockwise_backward, blockwise_forward
+from .blockwise import Q_TILE_MAX, TILE_ELEMENTS, blockwise_backward, blockwise_forward
+from .codegen import debug_enabled
 from .errors import BackendUnavailableError, InvalidInputError
 from .kernels import (
     MAX_AUTO_QUERY_LEN, backward_kernel, decode_kernel, forward_kernel, interpreter_enabled, unsupported_reason,
@@ -106,19 +108,73 @@ def use_tanh_approx(q: torch.Tensor, options: dict) -> bool:
     return q.is_cuda and torch.version.cuda is not None and q.dtype in (torch.float16, torch.bfloat16)
 
 
+# ------------------------------------------------------------------------------------ FLEXATTN_DEBUG
+
+# Read once, at import, like FLEXATTN_CHECK_INDICES: an unset variable costs a call nothing.
+_DEBUG = debug_enabled()
+
+# What a step of a plan is called in the report, and the constexprs it shows.
+_STEP_NAMES = {"forward": "", "dkdv": "dK/dV ", "dq": "dQ ", "partial": "", "merge": "merge "}
+_SHOWN = ("BLOCK_M", "BLOCK_N", "NUM_SPLITS", "num_warps", "num_stages")
+
+
+def _kernel_plan(plan) -> str:
+    """The tiles of each step of a kernel family's plan, and the kernel file."""
+    steps = []
+    for role, step in plan.steps.items():
+        if role not in _STEP_NAMES:
+            continue  # the backward's preprocess: nothing to choose
+        c = step.constexprs
+        shown = [f"{key}={c[key]}" for key in _SHOWN if key in c]
+        shown += [key for key in ("USE_TMA", "HOST_DESCRIPTORS", "WARP_SPECIALIZE") if c.get(key)]
+        steps.append(_STEP_NAMES[role] + " ".join(shown))
+    return f"{'; '.join(steps)}, kernel {plan.compiled.module.__file__}"
+
+
+def _blockwise_plan(call: Call) -> str:
+    q_block, _ = call.block_mask.BLOCK_SIZE
+    return (f"blockwise: query tiles of up to {min(q_block, Q_TILE_MAX)} rows, chunks of up to "
+            f"{TILE_ELEMENTS} scores, {str(call.index_dtype).replace('torch.', '')} indices")
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _debug_report(stage: str, call: Call, q, k, v, plan: str) -> None:
+    """One line on stderr per forward or backward (FLEXATTN_DEBUG=1): the backend and what it ran."""
+    q_block, kv_block = call.block_mask.BLOCK_SIZE
+    print(
+        f"[flexattn] {stage} {call.backend}: q {_shape(q)} k {_shape(k)} v {_shape(v)} "
+        f"{str(q.dtype).replace('torch.', '')} on {q.device}, score_mod={call.score.name if call.score else None}, "
+        f"mask_mod={call.mask.name if call.mask else None}, BlockMask {q_block}x{kv_block}; {plan}",
+        file=sys.stderr,
+    )
+
+
+# ------------------------------------------------------------------------------------ running a call
+
+
 def run_forward(call: Call, q, k, v, score_captured, need_lse, need_max):
     """``(out, lse or None, max_scores or None)`` from the call's backend."""
     if call.backend == "TRITON_DECODE":
         kernel = decode_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
         out, lse = kernel(q, k, v, call.block_mask, call.scale, score_captured, call.mask_captured,
                           need_lse=need_lse, options=call.options)
+        if _DEBUG:
+            _debug_report("forward", call, q, k, v, _kernel_plan(kernel.last_plan))
         return out, lse, None
     if call.backend == "TRITON":
         kernel = forward_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
-        return kernel(
+        result = kernel(
             q, k, v, call.block_mask, call.scale, score_captured, call.mask_captured,
             need_lse=need_lse, need_max=need_max, options=call.options,
         )
+        if _DEBUG:
+            _debug_report("forward", call, q, k, v, _kernel_plan(kernel.last_plan))
+        return result
+    if _DEBUG:
+        _debug_report("forward", call, q, k, v, _blockwise_plan(call))
     return blockwise_forward(
         q, k, v, call.block_mask, call.scale,
         call.score.graph_module_on(q.device) if call.score else None, score_captured,
@@ -141,10 +197,15 @@ def run_backward(call: Call, q, k, v, out, lse, grad_out, grad_lse, score_captur
     PyTorch backward (the oracle the tests compare with) everywhere else."""
     if call.backend == "TRITON":
         kernel = backward_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
-        return kernel(
+        grads = kernel(
             q, k, v, out, lse, grad_out.contiguous(), grad_lse, call.block_mask, call.scale,
             score_captured, call.mask_captured, call.options,
         )
+        if _DEBUG:
+            _debug_report("backward", call, q, k, v, _kernel_plan(kernel.last_plan))
+        return grads
+    if _DEBUG:
+        _debug_report("backward", call, q, k, v, _blockwise_plan(call))
     return blockwise_backward(
         q, k, v, out, lse, grad_out, grad_lse, call.block_mask, call.scale,
         call.score.graph_module_on(q.device) if call.score else None, score_captured,

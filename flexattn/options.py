@@ -24,7 +24,7 @@ class FlexKernelOptions(TypedDict, total=False):
 
     BACKEND: Literal["AUTO", "TRITON", "TRITON_DECODE", "PYTORCH"]
     """Which implementation runs. ``AUTO`` (default): the Triton kernels for CUDA tensors (the
-    split-KV decode kernels for queries of up to 16 rows when no gradient is needed, the forward
+    split-KV decode kernels for queries of up to 64 rows when no gradient is needed, the forward
     kernel otherwise), the blockwise PyTorch path for other devices. ``TRITON``: the fused forward
     kernel, or an error saying why it cannot run (on CPU tensors it needs ``TRITON_INTERPRET=1``).
     ``TRITON_DECODE``: the split-KV decode kernels (flash-decoding: the KV sequence split across
@@ -92,7 +92,7 @@ class FlexKernelOptions(TypedDict, total=False):
     """Debug mode: before running, evaluate the score_mod and mask_mod with torch over every
     ``(b, h, q_idx, kv_idx)`` of the call (tile by tile, on the query's device) and raise an
     ``InvalidInputError`` naming the mod, the tensor, the index and one position where a gather
-    reads outside a captured tensor (torch would raise an IndexError there; the kernels read 0).
+    reads outside a captured tensor (torch would raise an IndexError there; every backend reads 0).
     Slow: for finding a bug, not for training. The environment variable
     ``FLEXATTN_CHECK_INDICES=1``, read when flexattn is imported, turns it on for every call
     that does not set this option."""

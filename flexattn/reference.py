@@ -32,7 +32,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .trace import GetItemToIndex
+from .trace import GathersReadZero
 
 __all__ = ["reference_attention", "working_dtype"]
 
@@ -128,7 +128,7 @@ def reference_attention(
     q_idx = torch.arange(L, device=device, dtype=INDEX_DTYPE)
     kv_idx = torch.arange(S, device=device, dtype=INDEX_DTYPE)
 
-    with GetItemToIndex():  # tensor[idx] inside the mods must stay a gather under vmap
+    with GathersReadZero():  # tensor[idx] inside the mods must stay a gather under vmap
         if score_mod is not None:
             scores = _vmap_bhqkv(score_mod, with_score=True)(scores, b, h, q_idx, kv_idx).to(dtype)
         if mask_mod is not None:

@@ -51,6 +51,8 @@ __all__ = [
     "TracedMod",
     "trace_mod",
     "GetItemToIndex",
+    "GathersReadZero",
+    "gather_or_zero",
 ]
 
 SCORE_MOD_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
@@ -564,7 +566,8 @@ class GetItemToIndex(TorchFunctionMode):
     """Turn ``tensor[idx]`` with tensor indices into ``aten.index``.
 
     Plain ``__getitem__`` with a 0-d integer tensor would call ``__index__`` on it (a data-dependent
-    read); ``aten.index`` keeps it a gather, which tiles, vmaps and lowers to a load.
+    read); ``aten.index`` keeps it a gather, which tiles, vmaps and lowers to a load. Tracing uses
+    this mode; code that evaluates mods with torch uses GathersReadZero.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -578,9 +581,58 @@ class GetItemToIndex(TorchFunctionMode):
                         f"supported (got index {index!r}); index every leading dimension with an integer "
                         "or an index tensor, e.g. bias[h, q_idx - kv_idx]"
                     )
+                for dim, (i, size) in enumerate(zip(items, tensor.shape)):
+                    # A constant is out of range at every position: a bug, which torch reports too.
+                    if not isinstance(i, torch.Tensor) and not -size <= i < size:
+                        raise IndexError(f"index {i} is out of bounds for dimension {dim} with size {size}")
                 items = [i if isinstance(i, torch.Tensor) else torch.tensor(i, dtype=INDEX_DTYPE) for i in items]
-                return torch.ops.aten.index.Tensor(tensor, items)
+                return self.gather(tensor, items)
         return func(*args, **(kwargs or {}))
+
+    def gather(self, tensor: torch.Tensor, indices: list) -> torch.Tensor:
+        return torch.ops.aten.index.Tensor(tensor, indices)
+
+
+_POSITION_DTYPES = (torch.int32, torch.int64)  # what aten.index takes as positions (bool and uint8 are masks)
+
+
+def gather_or_zero(tensor: torch.Tensor, indices: list) -> torch.Tensor:
+    """``aten.index(tensor, indices)`` where a position outside ``[-n, n)`` of its dimension reads 0.
+
+    The rule of every backend (the kernels' guarded loads in lowering/emit.py do the same): negative
+    indices down to ``-n`` wrap as in torch, anything further out reads 0 (False for a bool tensor)
+    instead of raising. An out-of-range position reads at the nearest end, and that value is replaced
+    by 0, so its gradient is 0: an out-of-range read adds nothing to a learnable tensor's gradient. Works on
+    vmapped and on plain tensors. Indices that are not positions (bool masks) keep torch's meaning.
+    """
+    if (not indices or len(indices) > tensor.dim()  # aten.index reports too many indices its own way
+            or any(i is None or i.dtype not in _POSITION_DTYPES for i in indices)):
+        return torch.ops.aten.index.Tensor(tensor, indices)
+    inside, safe = None, []
+    for dim, index in enumerate(indices):
+        size = tensor.shape[dim]
+        clamped = index.clamp(-size, size - 1)  # in range: read there, then zeroed where it moved
+        ok = clamped == index
+        safe.append(clamped)
+        inside = ok if inside is None else inside & ok
+    out = torch.ops.aten.index.Tensor(tensor, safe)
+    # inside has the indices' broadcast shape, which leads the result's; the dims not indexed follow.
+    inside = inside.reshape(inside.shape + (1,) * (out.dim() - inside.dim()))
+    return out & inside if out.dtype == torch.bool else torch.where(inside, out, 0)
+
+
+class GathersReadZero(GetItemToIndex):
+    """GetItemToIndex for evaluating mods with torch (the PyTorch backend, the float64 reference,
+    the BlockMask builder, pictures): every gather, ``tensor[idx]`` in a callable or ``aten.index``
+    in a traced graph, follows gather_or_zero, so an index out of range reads 0 as in the kernels."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.index.Tensor:
+            return gather_or_zero(*args, **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
+
+    def gather(self, tensor: torch.Tensor, indices: list) -> torch.Tensor:
+        return gather_or_zero(tensor, indices)
 
 
 def _example_args(kind: str) -> list[torch.Tensor]:

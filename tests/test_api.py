@@ -124,10 +124,15 @@ def test_error_query_not_4d():
         flex_attention(q[0], k, v)
 
 
-def test_error_dtypes_differ():
+def test_error_dtypes_differ_names_the_conversion():
     q, k, v = qkv()
-    with pytest.raises(InvalidInputError, match="one dtype.*float32.*float64"):
+    with pytest.raises(InvalidInputError, match=r"one dtype.*float32.*float64.*convert key, e.g. key.to\(torch.float32\)"):
         flex_attention(q, k.double(), v)
+    # issue 19: a float32 query with bf16 keys and values: the query is the odd one out.
+    with pytest.raises(InvalidInputError, match=r"convert query, e.g. query.to\(torch.bfloat16\)"):
+        flex_attention(q, k.bfloat16(), v.bfloat16())
+    with pytest.raises(InvalidInputError, match=r"convert them to one, e.g. key.to\(query.dtype\)"):
+        flex_attention(q, k.bfloat16(), v.half())
 
 
 def test_error_integer_dtype():
@@ -155,11 +160,34 @@ def test_error_gqa_needs_enable_gqa():
         flex_attention(q, k, v)
 
 
-def test_error_gqa_heads_not_multiple():
-    q = torch.randn(1, 5, 32, 16)
-    k = v = torch.randn(1, 2, 32, 16)
-    with pytest.raises(InvalidInputError, match=r"query heads \(5\) must be a multiple of the key/value heads \(2\)"):
-        flex_attention(q, k, v, enable_gqa=True)
+@pytest.mark.parametrize("enable_gqa", [True, False])
+def test_error_gqa_heads_not_multiple(enable_gqa):
+    # issue 19: without enable_gqa, 6 query heads over 4 key/value heads once advised enable_gqa=True,
+    # which then failed; the divisibility comes first either way.
+    q = torch.randn(1, 6, 32, 16)
+    k = v = torch.randn(1, 4, 32, 16)
+    with pytest.raises(InvalidInputError, match=r"query has 6 heads and key/value have 4: .*6 is not a multiple of 4") as err:
+        flex_attention(q, k, v, enable_gqa=enable_gqa)
+    assert "pass enable_gqa" not in str(err.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_error_device_cuda_without_cuda_names_the_argument_and_the_fix():
+    # issue 19: torch's bare "AssertionError: Torch not compiled with CUDA enabled" before.
+    import flexattn
+
+    calls = {
+        "create_block_mask": lambda: create_block_mask(causal_mask, 1, 1, 64, 64, device="cuda"),
+        "create_mask": lambda: flexattn.create_mask(causal_mask, 1, 1, 64, 64, device=torch.device("cuda:0")),
+        "offset_mask_mod": lambda: flexattn.offset_mask_mod(causal_mask, 3, device="cuda"),
+        "PagedAttention": lambda: flexattn.PagedAttention(4, 128, 2, device="cuda"),
+    }
+    for where, call in calls.items():
+        with pytest.raises(InvalidInputError) as err:
+            call()
+        message = str(err.value)
+        assert message.startswith(f"{where}: device='cuda") and "CUDA is not available here" in message, message
+        assert "device=q.device" in message and "device='cpu'" in message
 
 
 def test_error_head_dims_differ():
@@ -351,3 +379,67 @@ def test_gym_startup_says_it_needs_a_gpu(tmp_path):
     ran = subprocess.run([sys.executable, "-m", "flexattn.gym.startup"], cwd=tmp_path, env=env,
                          capture_output=True, text=True)
     assert ran.returncode == 2 and "CUDA GPU" in ran.stderr
+
+
+# ------------------------------------------------------------------------------ FLEXATTN_DEBUG
+
+
+_DEBUG_SCRIPT = """
+import torch
+from flexattn import create_block_mask, flex_attention
+from flexattn.variants import causal_mask
+
+slopes = torch.rand(2)
+def alibi(score, b, h, q_idx, kv_idx):
+    return score + slopes[h] * (kv_idx - q_idx)
+
+bm = create_block_mask(causal_mask, 1, 1, 64, 64, device="cpu", BLOCK_SIZE=32)
+for backend in BACKENDS:
+    decode = backend == "TRITON_DECODE"  # inference only, and its queries fit one block of the mask
+    q, k, v = (torch.randn(1, 2, 64, 16, requires_grad=not decode) for _ in range(3))
+    out = flex_attention(q, k, v, score_mod=alibi, block_mask=None if decode else bm,
+                         kernel_options={"BACKEND": backend})
+    if not decode:
+        out.sum().backward()
+"""
+
+
+def _run_debug_script(tmp_path, backends, debug: str):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "FLEXATTN_DEBUG": debug, "FLEXATTN_CACHE_DIR": str(tmp_path)}
+    ran = subprocess.run([sys.executable, "-c", f"BACKENDS = {backends!r}\n" + _DEBUG_SCRIPT], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    return ran.stderr
+
+
+def test_flexattn_debug_names_backend_and_plan_on_the_pytorch_backend(tmp_path):
+    # issue 19: FLEXATTN_DEBUG=1 printed nothing on CPU, where no kernel is generated.
+    lines = [line for line in _run_debug_script(tmp_path, ["PYTORCH"], "1").splitlines() if "[flexattn]" in line]
+    assert len(lines) == 2, lines
+    forward, backward = lines
+    assert forward.startswith("[flexattn] forward PYTORCH: q [1, 2, 64, 16] k [1, 2, 64, 16] v [1, 2, 64, 16] "
+                              "float32 on cpu, score_mod=alibi, mask_mod=causal_mask, BlockMask 32x32; blockwise:")
+    assert "query tiles of up to 32 rows" in forward and "int32 indices" in forward
+    assert backward.startswith("[flexattn] backward PYTORCH: ")
+    assert "[flexattn]" not in _run_debug_script(tmp_path, ["PYTORCH"], "0")
+
+
+@needs_interpreter
+def test_flexattn_debug_names_tiles_and_kernel_files_on_the_triton_backends(tmp_path):
+    stderr = _run_debug_script(tmp_path, ["TRITON", "TRITON_DECODE"], "1")
+    lines = [line for line in stderr.splitlines() if "] forward TRITON" in line or "] backward TRITON" in line]
+    assert len(lines) == 3, stderr
+    forward, backward, decode = lines
+    assert "score_mod=alibi, mask_mod=causal_mask, BlockMask 32x32; BLOCK_M=" in forward
+    assert "num_warps=" in forward and "num_stages=" in forward
+    assert "dK/dV BLOCK_M=" in backward and "; dQ BLOCK_M=" in backward
+    assert decode.startswith("[flexattn] forward TRITON_DECODE: ") and "NUM_SPLITS=" in decode
+    for line, prefix in ((forward, "fwd_alibi_causal_mask_"), (backward, "bwd_alibi_causal_mask_"),
+                         (decode, "dec_alibi_none_")):
+        path = line.rsplit("kernel ", 1)[1]
+        assert os.path.basename(path).startswith(prefix) and os.path.isfile(path), line
+        assert path.startswith(str(tmp_path))

@@ -65,6 +65,21 @@ def test_gym_checks_and_times_the_chosen_variants(tmp_path, capsys, keep_threads
     assert "| variant | sparsity | fwd err | grad err |" in markdown and "| alibi |" in markdown
 
 
+def test_gym_only_writes_its_results_under_a_name_of_its_own(tmp_path, capsys, keep_threads, monkeypatch):
+    # issue 19: `--only X` used to overwrite the full run's gym-cpu.json and .md.
+    from flexattn.cli import _default_results
+
+    monkeypatch.setenv("FLEXATTN_CACHE_DIR", str(tmp_path))
+    assert main(["gym", "--device", "cpu", "--only", "causal,alibi", "--seq", "128"]) == 0
+    results = tmp_path / "gym"
+    assert sorted(p.name for p in results.iterdir()) == ["gym-cpu-only-causal-alibi.json", "gym-cpu-only-causal-alibi.md"]
+    assert str(results / "gym-cpu-only-causal-alibi.json") in capsys.readouterr().out.replace("\n", "")
+    assert _default_results("cpu", None) == results / "gym-cpu"
+    many = _default_results("cuda", list(CATALOGUE))  # a long list: a short name that still tells subsets apart
+    assert many.name.startswith(f"gym-cuda-only-{len(CATALOGUE)}-variants-") and len(many.name) < 60
+    assert many != _default_results("cuda", list(CATALOGUE)[1:])
+
+
 def test_gym_exits_non_zero_when_an_error_exceeds_its_tolerance(tmp_path, capsys, keep_threads, monkeypatch):
     # fp32 errors against float64 are ~1e-7: a tolerance far below that must fail the run.
     monkeypatch.setitem(job.TOLERANCE, torch.float32, 1e-12)

@@ -166,3 +166,17 @@ def test_ops_the_docs_call_unsupported_are_still_missing_from_the_table():
         assert lookup(op.default, LOWERINGS) is None and lookup(op, LOWERINGS) is None, (
             f"aten.{name} is in the lowering table now: update docs/limitations.md and docs/adding_an_op.md"
         )
+
+
+def test_pages_give_the_decode_kernels_automatic_limit_the_code_uses():
+    # issue 19: three pages said 16 rows while decode.MAX_AUTO_QUERY_LEN was 64.
+    from flexattn.decode import MAX_AUTO_QUERY_LEN as n
+
+    def words(page: str) -> str:
+        return " ".join((ROOT / page).read_text().split())
+
+    assert f"Short queries (up to {n} rows, no gradient)" in words("README.md")
+    assert f"CUDA, at most {n} query rows" in words("docs/architecture.md")
+    assert f"chosen automatically for at most {n} query rows" in words("docs/limitations.md")
+    # options.py's BACKEND description, through docs/api.md (kept equal to it by the test above)
+    assert f"decode kernels for queries of up to {n} rows" in words("docs/api.md")

@@ -92,6 +92,10 @@ MASK_MODS = {
 }
 
 
+# Some of these mods pass through inf or NaN on purpose (log1p at -1, softplus's exp past its
+# threshold, a division in torch.where's untaken branch). Triton's interpreter computes with NumPy,
+# which warns there; a GPU computes the same IEEE values silently, and the results are compared.
+@pytest.mark.filterwarnings("ignore:(invalid value|divide by zero|overflow) encountered in:RuntimeWarning")
 @pytest.mark.parametrize("name", list(SCORE_MODS))
 def test_new_score_mod_ops_match_torch(name):
     loose = dict(rtol=2e-5, atol=2e-5) if name in ("gelu_erf", "log1p_expm1", "relu_softplus_silu_hardtanh") else {}

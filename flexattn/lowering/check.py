@@ -1,7 +1,8 @@
 """CHECK_INDICES: find the gathers of a mod that read outside a captured tensor, before a call runs.
 
 torch raises an IndexError for ``bias[i]`` with ``i`` outside ``[-n, n)``; a kernel cannot raise, and
-reads 0 there instead (negative indices wrap, as in torch). This debug mode, turned on by
+every backend reads 0 there instead (negative indices wrap, as in torch; trace.gather_or_zero is
+the rule on the PyTorch backend, the reference and the BlockMask builder). This debug mode, turned on by
 ``kernel_options={"CHECK_INDICES": True}`` or ``FLEXATTN_CHECK_INDICES=1``, evaluates each traced
 mod with torch over every ``(b, h, q_idx, kv_idx)`` of the call and raises an InvalidInputError that
 names the mod, its line, the tensor, the index and one position where it is out of range.
@@ -149,7 +150,7 @@ def check_indices(traced: TracedMod, captured: list, B: int, H: int, L: int, S: 
     raise InvalidInputError(
         f"CHECK_INDICES: {traced.kind} '{traced.name}' reads {tensor} at index {value} in dim {site.position} "
         f"(size {size}), outside {valid}, at b={b}, h={h}, q_idx={q_idx}, kv_idx={kv_idx} (the read is "
-        f"{'; '.join(describe_site(traced, site.node))}). torch raises an IndexError there, and flexattn's kernels read 0 "
+        f"{'; '.join(describe_site(traced, site.node))}). torch raises an IndexError there, and flexattn reads 0 "
         f"instead. Fix the mod so the index stays in range for every position of the call (B={B}, H={H}, "
         f"Q_LEN={L}, KV_LEN={S}): make {tensor} large enough, or clamp the index, e.g. "
         f"{tensor}[i.clamp(0, {size - 1 if size else 'n - 1'})]"

@@ -530,8 +530,9 @@ class _Emitter:
         if v.value is not None:
             position_value = int(v.value) + (view.size if int(v.value) < 0 else 0)
             if not 0 <= position_value < view.size:
-                raise self.unsupported(node, f"index {v.value} for a dimension of size {view.size}",
-                                       "torch raises an IndexError for it too.")  # fmt: skip
+                # A constant tensor out of range reads 0 at every pair, as on every backend (a Python
+                # int index out of range is already an IndexError when the mod is traced).
+                return sympy.Integer(0), ["False"]
             return sympy.Integer(position_value) * view.stride, []
         check = self.variant.gather_check(node.name, position)
         if not (check.wrap or check.masked):

@@ -14,9 +14,9 @@ import torch
 
 from ..errors import InvalidInputError
 from ..lowering.ranges import mod_index_dtype
-from ..trace import GetItemToIndex
+from ..trace import GathersReadZero
 from .block_mask import BlockMask
-from .layout import DEFAULT_BLOCK_SIZE, INDEX_DTYPE, BlockSize, as_block_size, cdiv, default_device, positive_int
+from .layout import DEFAULT_BLOCK_SIZE, INDEX_DTYPE, BlockSize, as_block_size, cdiv, device_argument, positive_int
 from .mods import MaskMod, check_mask_mod, mod_name
 
 __all__ = ["create_block_mask", "create_mask", "dense_block_mask", "TILE_ELEMENTS"]
@@ -147,7 +147,7 @@ def _block_maps(
     vmapped = _vmap_over_bhqkv(mask_mod)
     b_step, h_step, r_step, c_step = _tile_plan(B, H, rows, cols, q_block * kv_block)
 
-    with torch.no_grad(), GetItemToIndex():  # tensor[idx] in the mod must stay a gather under vmap
+    with torch.no_grad(), GathersReadZero():  # tensor[idx] in the mod must stay a gather under vmap
         for b0, h0, r0, c0 in itertools.product(
             range(0, B, b_step), range(0, H, h_step), range(0, rows, r_step), range(0, cols, c_step)
         ):
@@ -213,7 +213,7 @@ def create_block_mask(
     Q_LEN = positive_int("Q_LEN", Q_LEN)
     KV_LEN = positive_int("KV_LEN", KV_LEN)
     q_block, kv_block = as_block_size(BLOCK_SIZE)
-    device = default_device() if device is None else torch.device(device)
+    device = device_argument(device, "create_block_mask")
 
     index_dtype = mod_index_dtype(mask_mod, "mask_mod", B, H, Q_LEN, KV_LEN)
     any_kept, all_kept = _block_maps(mask_mod, B, H, Q_LEN, KV_LEN, q_block, kv_block, device, index_dtype)
@@ -254,12 +254,12 @@ def create_mask(
     H = 1 if H is None else positive_int("H", H)
     Q_LEN = positive_int("Q_LEN", Q_LEN)
     KV_LEN = positive_int("KV_LEN", KV_LEN)
-    device = default_device() if device is None else torch.device(device)
+    device = device_argument(device, "create_mask")
     arity = _required_positional_count(mod_fn)
     kind = "score_mod" if arity == 5 else "mask_mod"
     index_dtype = mod_index_dtype(mod_fn, kind, B, H, Q_LEN, KV_LEN) if arity in (4, 5) else INDEX_DTYPE
     indices = [torch.arange(n, dtype=index_dtype, device=device) for n in (B, H, Q_LEN, KV_LEN)]
-    with torch.no_grad(), GetItemToIndex():
+    with torch.no_grad(), GathersReadZero():
         if arity == 4:
             kept = _evaluate(_vmap_over_bhqkv(mod_fn), mod_fn, *indices)
             _check_tile(kept, mod_fn, (B, H, Q_LEN, KV_LEN))

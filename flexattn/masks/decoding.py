@@ -35,7 +35,7 @@ import torch
 
 from ..errors import InvalidInputError
 from .block_mask import TABLES_IN_RANGE, BlockMask, as_block_mask, sliced_rows_mask_mod
-from .layout import cdiv, default_device, dense_to_ordered, ordered_to_dense, positive_int
+from .layout import cdiv, default_device, dense_to_ordered, device_argument, ordered_to_dense, positive_int
 from .mods import MaskMod, ScoreMod, arity_mistake, check_mask_mod, identity_score_mod, mod_name, noop_mask
 
 __all__ = ["offset_mask_mod", "offset_score_mod", "decode_block_mask"]
@@ -138,7 +138,7 @@ def offset_mask_mod(
     if mask_mod is None:
         mask_mod = noop_mask
     check_mask_mod(mask_mod, "offset_mask_mod")
-    device = device if device is not None else _device_of(offset, kv_lengths)
+    device = device_argument(device, "offset_mask_mod") if device is not None else _device_of(offset, kv_lengths)
     absolute = _absolute_position(index_tensor("offset", offset, device))
     if kv_lengths is None:
         def shifted(b, h, q_idx, kv_idx):
@@ -172,7 +172,7 @@ def offset_score_mod(
     mistake = arity_mistake(score_mod, "score_mod", "offset_score_mod")
     if mistake:
         raise InvalidInputError(mistake)
-    device = device if device is not None else _device_of(offset, kv_lengths)
+    device = device_argument(device, "offset_score_mod") if device is not None else _device_of(offset, kv_lengths)
     absolute = _absolute_position(index_tensor("offset", offset, device))
     if kv_lengths is None:
         def shifted(score, b, h, q_idx, kv_idx):

@@ -19,6 +19,7 @@ from ..errors import InvalidInputError
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE", "INDEX_DTYPE", "BlockSize", "cdiv", "positive_int", "as_block_size", "default_device",
+    "device_argument",
     "dense_to_ordered", "ordered_to_dense", "as_4d", "ascending", "checked_table", "checked_indices",
     "check_visited_once", "widened", "transposed_tables",
 ]
@@ -65,6 +66,21 @@ def as_block_size(block_size: BlockSize) -> tuple[int, int]:
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def device_argument(device: Union[str, torch.device, None], where: str) -> torch.device:
+    """A ``device=`` argument as a torch.device (None: CUDA if available, else the CPU). A CUDA device
+    on a machine without one is refused here, naming the argument, rather than by torch's bare
+    "Torch not compiled with CUDA enabled" from the first tensor made there."""
+    if device is None:
+        return default_device()
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError(
+            f"{where}: device={str(device)!r}, but CUDA is not available here (torch.cuda.is_available() is "
+            "False); pass the device of your tensors (device=q.device), or device='cpu'"
+        )
+    return device
 
 
 # --------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ import torch
 from ..errors import FlexAttentionError, InvalidInputError
 from .block_mask import TABLES_IN_RANGE, BlockMask, as_block_mask
 from .decoding import check_on_device, index_tensor
-from .layout import cdiv, dense_to_ordered, ordered_to_dense, positive_int
+from .layout import cdiv, dense_to_ordered, device_argument, ordered_to_dense, positive_int
 from .mods import MaskMod, ScoreMod, identity_score_mod, mod_name, noop_mask
 
 __all__ = ["PagedAttention", "OutOfPagesError"]
@@ -102,7 +102,7 @@ class PagedAttention:
                 f"n_pages * page_size = {self.n_pages * self.page_size} token slots: flexattn keeps cache positions "
                 "in int32, so the cache must hold fewer than 2**31 slots"
             )
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device is None else torch.device(device)
+        device = device_argument(device, "PagedAttention")
         self.page_table = torch.empty(0, device=device)
         device = self.page_table.device  # "cuda" names the current device as tensors do ("cuda:0"), so checks compare equal
         self.device = device

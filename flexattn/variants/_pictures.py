@@ -8,7 +8,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..trace import GetItemToIndex
+from ..trace import GathersReadZero
 
 KEEP, DROP = "#", "-"
 LEVELS = "0123456789"
@@ -25,7 +25,7 @@ def _grid(fn: Callable, with_score: bool, b: int, h: int, Q_LEN: int, KV_LEN: in
     else:
         def pair(qi, ki):
             return fn(bt, ht, qi, ki)
-    with torch.no_grad(), GetItemToIndex():
+    with torch.no_grad(), GathersReadZero():
         return torch.vmap(torch.vmap(pair, in_dims=(None, 0)), in_dims=(0, None))(q, kv)
 
 
