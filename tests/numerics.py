@@ -17,12 +17,12 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 @contextlib.contextmanager
 def expect_triton_backward():
-    """Fails unless the block ran the Triton backward: ``flexattn.backward.launches`` (bumped once
+    """Fails unless the block ran the Triton backward: ``flexattn.kernels.backward.launches`` (bumped once
     per Triton backward call) must grow. A backward that silently fell back to the blockwise
     PyTorch path would pass every numerical check, so this is what says the kernels were tested."""
     launcher = importlib.import_module("flexattn.kernels.backward")
     before = launcher.launches
     yield
     assert launcher.launches > before, (
-        "the backward did not run the Triton kernels (flexattn.backward.launches did not grow)"
+        "the backward did not run the Triton kernels (flexattn.kernels.backward.launches did not grow)"
     )

@@ -170,7 +170,7 @@ def test_ops_the_docs_call_unsupported_are_still_missing_from_the_table():
 
 def test_pages_give_the_decode_kernels_automatic_limit_the_code_uses():
     # issue 19: three pages said 16 rows while decode.MAX_AUTO_QUERY_LEN was 64.
-    from flexattn.decode import MAX_AUTO_QUERY_LEN as n
+    from flexattn.kernels import MAX_AUTO_QUERY_LEN as n
 
     def words(page: str) -> str:
         return " ".join((ROOT / page).read_text().split())

@@ -368,7 +368,7 @@ def _misaligned_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_direct_launches_stay_correct_when_alignment_and_captured_tensors_change():
-    # flexattn.launch calls a compiled kernel directly once Triton's own launch chose it for the same
+    # flexattn.kernels.launch calls a compiled kernel directly once Triton's own launch chose it for the same
     # specialisation facts. The same shapes and strides must still reach a kernel specialised for
     # what each call passes: a misaligned view, a new (misaligned) learnable table, a new mask.
     import flexattn.kernels.launch

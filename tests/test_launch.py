@@ -1,4 +1,4 @@
-"""flexattn.launch: the facts that key its direct launches, and the interpreter's ordinary path. The
+"""flexattn.kernels.launch: the facts that key its direct launches, and the interpreter's ordinary path. The
 direct path itself needs a GPU (tests/test_gpu.py runs it with changing alignment and tensors)."""
 
 import torch
