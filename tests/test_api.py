@@ -370,13 +370,13 @@ def test_gym_startup_says_it_needs_a_gpu(tmp_path):
     import subprocess
     import sys
 
-    # Installed with flexattn (flexattn.gym), so it runs from any directory, not only the checkout's root.
+    # Installed with flexattn (flexattn.bench), so it runs from any directory, not only the checkout's root.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root}
-    helped = subprocess.run([sys.executable, "-m", "flexattn.gym.startup", "--help"], cwd=tmp_path, env=env,
+    helped = subprocess.run([sys.executable, "-m", "flexattn.bench.startup", "--help"], cwd=tmp_path, env=env,
                             capture_output=True, text=True)
     assert helped.returncode == 0 and "usage" in helped.stdout
-    ran = subprocess.run([sys.executable, "-m", "flexattn.gym.startup"], cwd=tmp_path, env=env,
+    ran = subprocess.run([sys.executable, "-m", "flexattn.bench.startup"], cwd=tmp_path, env=env,
                          capture_output=True, text=True)
     assert ran.returncode == 2 and "CUDA GPU" in ran.stderr
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from flexattn.cli import main
-from flexattn.gym import job
-from flexattn.gym.picture import EMPTY, FULL, PARTIAL, block_map, variant_mask
+from flexattn.cli import gym as job
+from flexattn.cli.picture import EMPTY, FULL, PARTIAL, block_map, variant_mask
 from flexattn.variants import CATALOGUE, Instance, Variant
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,7 +67,7 @@ def test_gym_checks_and_times_the_chosen_variants(tmp_path, capsys, keep_threads
 
 def test_gym_only_writes_its_results_under_a_name_of_its_own(tmp_path, capsys, keep_threads, monkeypatch):
     # issue 19: `--only X` used to overwrite the full run's gym-cpu.json and .md.
-    from flexattn.cli import _default_results
+    from flexattn.cli.main import _default_results
 
     monkeypatch.setenv("FLEXATTN_CACHE_DIR", str(tmp_path))
     assert main(["gym", "--device", "cpu", "--only", "causal,alibi", "--seq", "128"]) == 0
@@ -262,13 +262,32 @@ def test_help_everywhere(command, capsys):
     assert capsys.readouterr().out.startswith("usage: flexattn" + "".join(" " + c for c in command))
 
 
-@pytest.mark.parametrize("module", ["benchmark", "benchmark_decode", "benchmark_learnable", "sweep", "sweep_backward", "startup", "tile_census"])
-def test_the_gym_modules_keep_their_help(module, capsys):
+@pytest.mark.parametrize("module", ["forward", "backward", "decode", "learnable", "sweep", "sweep_backward", "startup",
+                                    "tile_census"])
+def test_the_bench_modules_keep_their_help(module, capsys):
     import importlib
 
     with pytest.raises(SystemExit) as exited:
-        importlib.import_module(f"flexattn.gym.{module}").main(["--help"])
+        importlib.import_module(f"flexattn.bench.{module}").main(["--help"])
     assert exited.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_the_old_gym_module_names_still_run_and_warn(tmp_path):
+    # Deprecated for one release: python -m flexattn.gym.benchmark is python -m flexattn.bench.forward.
+    ran = subprocess.run([sys.executable, "-W", "default", "-m", "flexattn.gym.benchmark", "--help"], cwd=tmp_path,
+                         env=_env(), capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0 and "usage:" in ran.stdout, ran.stderr
+    assert "flexattn.gym.benchmark is deprecated" in ran.stderr and "flexattn.bench.forward" in ran.stderr
+    with pytest.warns(DeprecationWarning, match="flexattn.cli.report"):
+        import flexattn.gym.report  # noqa: F401
+
+
+def test_python_m_flexattn_bench_takes_a_mode(capsys):
+    from flexattn.bench.__main__ import main as bench_main
+
+    with pytest.raises(SystemExit) as exited:
+        bench_main(["--mode", "bwd", "--help"])
+    assert exited.value.code == 0 and "--smoke" in capsys.readouterr().out  # the training benchmark's options
 
 
 def test_the_repository_gym_folder_is_no_package():
@@ -306,7 +325,7 @@ def test_the_console_script_runs_the_main_job_and_reports_errors(tmp_path):
 
 
 def test_the_gpu_table_gives_speed_ups_and_says_why_a_baseline_is_missing():
-    from flexattn.gym.report import DENSE_MARK, table, to_markdown
+    from flexattn.cli.report import DENSE_MARK, table, to_markdown
 
     base = {"summary": "", "sparsity": 50.0, "fwd_err": 1e-3, "grad_err": 2e-3, "backend": "triton",
             "backend_bwd": "triton", "tolerance": 3e-2, "ok": True, "fwd_ms": 1.0, "bwd_ms": 2.0}

@@ -242,7 +242,7 @@ def run_variant(name: str, variant: Variant, sizes: GymSizes, device: str, *, re
 def compile_torch_flex() -> Optional[Callable]:
     """torch's flex_attention under torch.compile, or None where this torch has none."""
     try:
-        from flexattn.gym.benchmark import compile_torch_flex as compile_it
+        from flexattn.bench.common import compile_torch_flex as compile_it
 
         return compile_it()
     except Exception:

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from flexattn.bench import MODES as BENCH_MODES
+
 __all__ = ["main"]
 
 EXTRA_HINT = "pip install 'flexattn[gym]'"
@@ -119,8 +121,8 @@ def _default_results(device: str, only: Optional[list[str]]) -> Path:
 def _cmd_gym(args, parser) -> int:
     import torch
 
-    from flexattn.gym.job import default_sizes, run_gym
-    from flexattn.gym.report import describe, failures, table, write_results
+    from flexattn.cli.gym import default_sizes, run_gym
+    from flexattn.cli.report import describe, failures, table, write_results
 
     _require("rich", "gym", "its table and progress bar")
     from rich.console import Console
@@ -178,7 +180,7 @@ def _cmd_gym(args, parser) -> int:
 
 
 def _cmd_show(args, parser) -> int:
-    from flexattn.gym.picture import text_picture, variant_mask, write_png
+    from flexattn.cli.picture import text_picture, variant_mask, write_png
 
     variant = _catalogue()[args.name]
     L = args.seq
@@ -211,7 +213,7 @@ def _cmd_show(args, parser) -> int:
 
 
 def _cmd_kernel(args, parser) -> int:
-    from flexattn.gym.kernel_source import kernel_source
+    from flexattn.cli.kernel_source import kernel_source
 
     variant = _catalogue()[args.name]
     kind = "backward" if args.backward else "decode" if args.decode else "forward"
@@ -231,23 +233,16 @@ def _cmd_kernel(args, parser) -> int:
 
 # ---------------------------------------------------------------------------------------- bench
 
-BENCH_MODES = {
-    "fwd": ("flexattn.gym.benchmark", []),
-    "bwd": ("flexattn.gym.benchmark", ["--mode", "bwd"]),
-    "decode": ("flexattn.gym.benchmark_decode", []),
-}
-
-
 def _cmd_bench(args, parser) -> int:
     import torch
+
+    from flexattn.bench import run_mode
 
     if not torch.cuda.is_available():
         raise _CommandError(
             "the benchmark needs a CUDA GPU, and this machine has none (torch.cuda.is_available() is False); "
             "on a CPU, 'flexattn gym' checks every variant and times the PyTorch backend", USAGE_ERROR)
-    module_name, prefix = BENCH_MODES[args.mode]
-    module = importlib.import_module(module_name)
-    return int(module.main(prefix + args.bench_args) or 0)
+    return run_mode(args.mode, args.bench_args)
 
 
 # ---------------------------------------------------------------------------------------- list

@@ -1,6 +1,6 @@
 """Decode benchmark: one query token against a long KV cache, side by side in one process.
 
-    python -m flexattn.gym.benchmark_decode --out decode.json
+    python -m flexattn.bench.decode --out decode.json
 
 bf16. Every implementation is timed as a CUDA-graph replay of its call (how a serving loop runs a
 decoding step; eager times are kept too, as *_eager_ms). For each case: flexattn (the split-KV decode kernel, chosen automatically for short queries),
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", type=int, default=len(CASES), help="run the first N cases")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("flexattn.gym.benchmark_decode times GPU kernels: it needs a CUDA device", file=sys.stderr)
+        print("flexattn.bench.decode times GPU kernels: it needs a CUDA device", file=sys.stderr)
         return 2
     import triton
 
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     print(f"{env['device']}: copy bandwidth {env['copy_GBps']} GB/s (read + write)", flush=True)
     torch_flex = None
     if not args.no_torch_flex:
-        from flexattn.gym.benchmark import compile_torch_flex
+        from flexattn.bench.common import compile_torch_flex
 
         torch_flex = compile_torch_flex()
     rows = []

@@ -1,10 +1,10 @@
 """Training benchmark: forward and backward in the FlexAttention paper's setup, side by side in one process.
 
-    python -m flexattn.gym.benchmark --mode bwd --out bench_bwd.json
-    TRITON_INTERPRET=1 python -m flexattn.gym.benchmark --mode bwd --smoke     # CPU: code paths only
+    python -m flexattn.bench.backward --out bench_bwd.json            # or: flexattn bench --mode bwd
+    TRITON_INTERPRET=1 python -m flexattn.bench.backward --smoke      # CPU: code paths only
 
 bf16, 16k tokens, 16 heads, batch chosen so that K (and V) are 128 MiB each: B = 4 at d = 64 and
-B = 2 at d = 128 (issue 9; the forward mode uses 256 MiB). The paper's seven variants. For each,
+B = 2 at d = 128 (issue 9; the forward benchmark uses 256 MiB). The paper's seven variants. For each,
 in one process: flexattn, torch's flex_attention under torch.compile(dynamic=False) with a torch
 BlockMask from torch's create_block_mask over the same mods, and SDPA (flash and cuDNN where they
 express the variant; the memory-efficient kernel with a dense boolean mask where only a mask does).
@@ -41,6 +41,7 @@ backends record their errors. The timings then mean nothing; the run checks the 
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -53,8 +54,11 @@ from typing import Callable, Optional
 import torch
 
 import flexattn
+from flexattn.bench.common import block_density, compile_torch_flex, dense_mask_sdpa, sdpa_fn
 from flexattn.reference import reference_attention
 from flexattn.variants import CATALOGUE
+
+PAPER_VARIANTS = [name for name, variant in CATALOGUE.items() if variant.paper]
 
 TRAIN_KV_BYTES = 128 * 2**20  # K (and V) bytes per case: B = 4 at d = 64, B = 2 at d = 128, 16 heads, 16k
 BWD_FLOP_FACTOR = 2.5  # backward FLOPs per forward FLOP: five matmuls against the forward's two
@@ -221,7 +225,6 @@ def _git_commit() -> Optional[str]:
 
 
 def _run_case(name: str, B: int, H: int, L: int, D: int, dtype, device, options, torch_flex, bench, args) -> dict:
-    from flexattn.gym.benchmark import block_density, dense_mask_sdpa, sdpa_fn
 
     S = L
     torch.manual_seed(0)
@@ -329,8 +332,33 @@ def _below_targets(rows: list[dict]) -> list[str]:
     return misses
 
 
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=None, help="default 64 128")
+    parser.add_argument("--variants", nargs="+", default=PAPER_VARIANTS, choices=list(CATALOGUE), metavar="VARIANT",
+                        help="default: the paper's seven (" + " ".join(PAPER_VARIANTS) + ")")
+    parser.add_argument("--seq-len", type=int, default=None, help="default 16384")
+    parser.add_argument("--heads", type=int, default=None, help="default 16")
+    parser.add_argument("--no-torch-flex", action="store_true", help="skip torch.compile(flex_attention)")
+    parser.add_argument("--out", default=None, help="write all numbers as JSON here")
+    parser.add_argument("--kernel-options", default="{}", help="JSON FlexKernelOptions for flexattn")
+    parser.add_argument("--batch", type=int, default=None, help="default: K and V 128 MiB each (B4 at d=64, B2 at d=128)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--rep", type=float, default=100, help="do_bench budget per timing, ms (default 100)")
+    parser.add_argument("--min-reps", type=int, default=5, help="at least this many timed calls (default 5)")
+    parser.add_argument("--grad-tol", type=float, default=2e-2,
+                          help="flag gradients whose relative error against torch's exceeds this (default 2e-2)")
+    parser.add_argument("--oracle-floor", type=float, default=5e-3,
+                          help="flexattn's error against the float32 oracle may reach max(2x torch's, this)")
+    parser.add_argument("--no-oracle", dest="oracle", action="store_false",
+                          help="skip the float32 oracle on one (batch, head) slice")
+    parser.add_argument("--smoke", action="store_true",
+                          help="tiny sizes (256 tokens, B1 H2 d32 unless given) that run on CPU under TRITON_INTERPRET=1")
+    return run(parser.parse_args(argv))
+
+
 def run(args) -> int:
-    """The training benchmark for ``flexattn.gym.benchmark``'s parsed arguments (``--mode bwd``)."""
+    """The training benchmark for the parsed arguments of ``main``."""
     import triton
 
     cuda = torch.cuda.is_available()
@@ -351,8 +379,6 @@ def run(args) -> int:
     torch_flex, torch_flex_how = None, "skipped (--no-torch-flex)"
     if not args.no_torch_flex:
         if cuda:
-            from flexattn.gym.benchmark import compile_torch_flex
-
             torch_flex, torch_flex_how = compile_torch_flex(), "torch.compile(flex_attention, dynamic=False)"
         else:
             # torch's flex_attention has no CPU backward (eager or compiled); a smoke run checks the
@@ -423,3 +449,7 @@ def run(args) -> int:
         print(f"gradient checks: all {len(rows)} cases agree")
     write()
     return 1 if mismatched else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Sweep flexattn forward launch configurations on the local GPU (how runtime defaults were chosen).
 
-    python -m flexattn.gym.sweep --head-dims 64 128 --variants noop causal alibi
+    python -m flexattn.bench.sweep --head-dims 64 128 --variants noop causal alibi
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import torch
 
 import flexattn
-from flexattn.gym.benchmark import KV_BYTES, bench, block_density
+from flexattn.bench.common import KV_BYTES, bench, block_density
 from flexattn.variants import CATALOGUE
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, USE_TMA, WARP_SPECIALIZE)

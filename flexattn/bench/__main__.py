@@ -1,0 +1,20 @@
+"""``python -m flexattn.bench [--mode fwd|bwd|decode] [ARGS]``: one of the paper benchmarks; ARGS go
+to it (``--help`` after the mode lists them)."""
+
+import argparse
+import sys
+
+from flexattn.bench import MODES, run_mode
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flexattn.bench", add_help=False,
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=tuple(MODES), default="fwd",
+                        help="fwd: forward (default); bwd: forward and backward; decode: one query token")
+    args, rest = parser.parse_known_args(argv)
+    return run_mode(args.mode, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""What the benchmarks share: the timer, the block density a TFLOP/s figure is scaled by, and the
+implementations flexattn is compared with (SDPA's kernels, torch's compiled flex_attention)."""
+
+from __future__ import annotations
+
+import torch
+
+import flexattn
+
+__all__ = ["KV_BYTES", "block_density", "bench", "sdpa_fn", "dense_mask_sdpa", "compile_torch_flex"]
+
+KV_BYTES = 256 * 2**20  # K (and V) bytes per forward case: the paper's setup
+
+
+def block_density(block_mask) -> float:
+    q_len, kv_len = block_mask.seq_lengths
+    bq, bkv = block_mask.BLOCK_SIZE
+    blocks = block_mask.kv_num_blocks.sum().item()
+    if block_mask.full_kv_num_blocks is not None:
+        blocks += block_mask.full_kv_num_blocks.sum().item()
+    per_head = blocks / (block_mask.kv_num_blocks.shape[0] * block_mask.kv_num_blocks.shape[1])
+    return min(1.0, per_head * bq * bkv / (q_len * kv_len))
+
+
+def bench(fn, rep_ms: int = 200) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+
+
+def sdpa_fn(variant: str, q, k, v, backend_name: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+               "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend_name]
+    if variant in ("noop", "causal"):
+        causal = variant == "causal"
+
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        return run
+    return None
+
+
+def dense_mask_sdpa(q, k, v, mask_mod, device):
+    """SDPA's memory-efficient kernel with a dense [L, S] boolean mask built from the mask_mod."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    dense = flexattn.create_mask(mask_mod, 1, 1, q.shape[2], k.shape[2], device=device)
+
+    def run():
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+
+    return run
+
+
+def compile_torch_flex():
+    """torch's flex_attention under torch.compile(dynamic=False), with Dynamo's recompile limits lifted:
+    every (variant, head dim) is a new specialisation, and none may silently fall back to the unfused path."""
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+    from torch import _dynamo
+
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(_dynamo.config, name):
+            setattr(_dynamo.config, name, 1024)
+    # The backward is timed by calling autograd.grad repeatedly on one graph (retain_graph=True);
+    # donated buffers (on by default in torch 2.11's AOTAutograd) forbid that for some shapes.
+    from torch._functorch import config as functorch_config
+
+    if hasattr(functorch_config, "donated_buffer"):
+        functorch_config.donated_buffer = False
+    return torch.compile(torch_flex, dynamic=False)
