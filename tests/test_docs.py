@@ -180,3 +180,10 @@ def test_pages_give_the_decode_kernels_automatic_limit_the_code_uses():
     assert f"chosen automatically for at most {n} query rows" in words("docs/limitations.md")
     # options.py's BACKEND description, through docs/api.md (kept equal to it by the test above)
     assert f"decode kernels for queries of up to {n} rows" in words("docs/api.md")
+
+
+def test_docs_data_holds_only_what_a_page_cites():
+    # Raw run files are evidence for a page's numbers; one that no page names is clutter.
+    pages = "".join(p.read_text() for p in [ROOT / "README.md", *DOCS.glob("*.md")])
+    uncited = sorted(p.name for p in (DOCS / "data").iterdir() if p.name not in pages)
+    assert not uncited, f"docs/data files no page cites (cite them or remove them): {uncited}"
