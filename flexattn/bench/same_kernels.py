@@ -1,0 +1,338 @@
+"""Do two versions of flexattn generate the same kernels and compute the same bits?
+
+A change meant to leave behaviour and speed alone (a refactor, a template tidied) is checked with it:
+run each step once with the old checkout on PYTHONPATH and once with the new one, then diff. The
+file runs on its own (``python path/to/same_kernels.py``), so the flexattn it measures is whichever
+PYTHONPATH names::
+
+    PYTHONPATH=OLD python flexattn/bench/same_kernels.py record old.rec.json     # CPU, Triton interpreter
+    PYTHONPATH=OLD python flexattn/bench/same_kernels.py compile old.rec.json old.sass.json
+    PYTHONPATH=NEW python ... (the same two steps for the new checkout)
+    python flexattn/bench/same_kernels.py diff old.sass.json new.sass.json
+
+    PYTHONPATH=OLD python flexattn/bench/same_kernels.py run old.gpu.json        # on a GPU
+    PYTHONPATH=NEW python flexattn/bench/same_kernels.py run new.gpu.json
+    python flexattn/bench/same_kernels.py diff old.gpu.json new.gpu.json
+
+* ``record`` runs every catalogue variant through the forward (with its backward) and the decode
+  kernels at small sizes in Triton's interpreter, and records every launch: kernel name, source,
+  argument types and constexprs.
+* ``compile`` compiles each recorded kernel for sm_90 (no GPU needed) under GPU-like constexprs
+  (pointer and tensor-descriptor loads, several tiles, warps and stages) and keeps a digest of its
+  TTIR (locations stripped) and of its SASS (addresses stripped), with registers and shared memory.
+* ``run`` runs every catalogue variant on the GPU at d=64 and d=128 (bf16, B2 H4, 1000 tokens, odd,
+  so the boundary paths run): the forward with the LSE, the backward (dq, dk, dv and the gradients of
+  learnable tensors) and a decoding step of 4 query rows. It keeps a digest of every output's bytes
+  and, for every launch, the compiled kernel's registers, spilled bytes and shared memory.
+  ``--shard I/N`` takes every N-th variant from the I-th, so several processes can share the
+  compile time.
+* ``diff`` compares two such files (several, comma-separated, for the shards of one side). The
+  gradients of learnable tensors are summed with float32 atomics, whose order is the hardware's:
+  they are compared by relative error, everything else bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+TORCH_TO_TRITON = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int32": "i32",
+                   "int64": "i64", "bool": "i1", "int8": "i8", "uint8": "u8", "int16": "i16"}
+
+
+def _spy_on_launches(record) -> None:
+    """Wrap the ``launch`` each flexattn module imported (the direct launcher, in every layout so far),
+    so that every kernel launch is passed to ``record(jit_fn, grid, args, constexprs, kernel)``."""
+    for name, module in list(sys.modules.items()):
+        launch = getattr(module, "launch", None) if name.startswith("flexattn") and module else None
+        if launch is None or getattr(launch, "spied", False) or getattr(launch, "__name__", "") != "launch":
+            continue
+
+        def spy(jit_fn, grid, args, constexprs, _real=launch):
+            kernel = _real(jit_fn, grid, args, constexprs)
+            record(jit_fn, grid, args, constexprs, kernel)
+            return kernel
+
+        spy.spied, spy.__name__ = True, "launch"
+        setattr(module, "launch", spy)
+
+
+# ------------------------------------------------------------------------------------ record, compile
+
+
+def record(out_path: str) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: @jit reads it then
+    import torch
+
+    import flexattn
+    from flexattn.variants import CATALOGUE
+
+    records, case = [], {}
+
+    def keep(jit_fn, grid, args, constexprs, kernel):
+        fn = getattr(jit_fn, "fn", jit_fn)
+        types = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                types.append("*" + TORCH_TO_TRITON[str(a.dtype).replace("torch.", "")])
+            elif isinstance(a, bool):
+                types.append("i1")
+            elif isinstance(a, int):
+                types.append("i32" if -2**31 <= a < 2**31 else "i64")
+            elif isinstance(a, float):
+                types.append("fp32")
+            else:
+                raise TypeError(f"an argument of type {type(a).__name__}: not recorded")
+        records.append(dict(case=dict(case), kernel=fn.__name__, source=open(fn.__code__.co_filename).read(),
+                            types=types, constexprs=dict(constexprs)))
+
+    torch.manual_seed(0)
+    for name, variant in CATALOGUE.items():
+        for length in (256, 200):  # a block multiple and not
+            case.update(variant=name, L=length, part="train")
+            inst = variant.make(1, 2, length, length, "cpu")
+            q, k, v = (torch.randn(1, 2, length, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+            mask = inst.block_mask(1, 2, length, length, "cpu")
+            _spy_on_launches(keep)
+            out = inst.attend(q, k, v, block_mask=mask, kernel_options={"BACKEND": "TRITON"})
+            _spy_on_launches(keep)
+            out.float().sum().backward()
+            if variant.decode and not variant.square_only:
+                case["part"] = "decode"
+                with torch.no_grad():
+                    step = flexattn.decode_block_mask(mask, length - 1, q_len=1) if mask is not None else None
+                    _spy_on_launches(keep)
+                    inst.attend(torch.randn(1, 2, 1, 32, dtype=torch.bfloat16), k.detach(), v.detach(),
+                                block_mask=step, kernel_options={"BACKEND": "TRITON_DECODE"})
+    with open(out_path, "w") as f:
+        json.dump(records, f)
+    print(f"{len(records)} launches recorded")
+
+
+# GPU-like constexprs each recorded kernel is compiled with (the interpreter's own are not a GPU's).
+GPU_CONSTEXPRS = {
+    "flex_attention_forward": {
+        "ptr_64x128_s3": dict(BLOCK_M=64, BLOCK_N=128, NUM_STAGES=3, num_stages=3, num_warps=4, USE_TMA=False),
+        "tma_128x64_s2": dict(BLOCK_M=128, BLOCK_N=64, NUM_STAGES=2, num_stages=2, num_warps=4, USE_TMA=True),
+        "ptr_128x128_w8_max": dict(BLOCK_M=128, BLOCK_N=128, NUM_STAGES=3, num_stages=3, num_warps=8, USE_TMA=False,
+                                   OUTPUT_MAX=True),
+    },
+    "flex_attention_backward_dkdv": {
+        "tma_64x64_s2": dict(BLOCK_M=64, BLOCK_N=64, NUM_STAGES=2, num_stages=2, num_warps=4, USE_TMA=True),
+        "ptr_32x64_w8": dict(BLOCK_M=32, BLOCK_N=64, NUM_STAGES=2, num_stages=2, num_warps=8, USE_TMA=False),
+    },
+    "flex_attention_backward_dq": {
+        "tma_64x64_s2": dict(BLOCK_M=64, BLOCK_N=64, NUM_STAGES=2, num_stages=2, num_warps=4, USE_TMA=True),
+        "ptr_128x128_w8": dict(BLOCK_M=128, BLOCK_N=128, NUM_STAGES=2, num_stages=2, num_warps=8, USE_TMA=False),
+    },
+    "flex_attention_backward_preprocess": {"64": dict(BLOCK_M=64)},
+    "flex_attention_decode_partial": {
+        "128_s2": dict(BLOCK_N=128, NUM_STAGES=2, num_stages=2, num_warps=4),
+        "64_s3": dict(BLOCK_N=64, NUM_STAGES=3, num_stages=3, num_warps=4),
+    },
+}
+_COMPILED_ON_GPU = dict(UPCAST_DOTS=False, HOST_DESCRIPTORS=False, WARP_SPECIALIZE=False)
+
+
+def _without_locations(ttir: str) -> str:
+    ttir = re.sub(r"loc\([^()]*(\([^()]*\))*[^()]*\)", "", ttir)
+    return "\n".join(line for line in ttir.splitlines() if not line.startswith("#loc"))
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def compile_records(record_path: str, out_path: str) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    scratch = tempfile.mkdtemp()
+    modules, results = {}, {}
+    for rec in json.load(open(record_path)):
+        for label, changes in GPU_CONSTEXPRS.get(rec["kernel"], {"as_recorded": {}}).items():
+            key = "|".join(str(rec["case"][k]) for k in ("variant", "L", "part")) + f"|{rec['kernel']}|{label}"
+            if key in results:
+                continue
+            stem = "k_" + _digest(rec["source"])
+            if stem not in modules:
+                path = os.path.join(scratch, stem + ".py")
+                with open(path, "w") as f:
+                    f.write(rec["source"])
+                spec = importlib.util.spec_from_file_location(stem, path)
+                modules[stem] = importlib.util.module_from_spec(spec)
+                sys.modules[stem] = modules[stem]
+                spec.loader.exec_module(modules[stem])
+            fn = getattr(modules[stem], rec["kernel"])
+            constexprs = {**rec["constexprs"], **{k: v for k, v in _COMPILED_ON_GPU.items() if k in rec["constexprs"]},
+                          **changes}
+            options = {"num_warps": constexprs.pop("num_warps", 4), "num_stages": constexprs.pop("num_stages", 2)}
+            signature = {name: rec["types"][i] if i < len(rec["types"]) else "constexpr"
+                         for i, name in enumerate(fn.arg_names)}
+            fixed = {name: constexprs[name] for name in fn.arg_names[len(rec["types"]):]}
+            try:
+                compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=fixed),
+                                          target=GPUTarget("cuda", 90, 32), options=options)
+            except Exception as err:  # recorded, and compared like a result
+                results[key] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+                continue
+            cubin = os.path.join(scratch, "kernel.cubin")
+            with open(cubin, "wb") as f:
+                f.write(compiled.asm["cubin"])
+            sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout
+            sass = re.sub(r"/\*[0-9a-f]{4}\*/", "", "\n".join(
+                line for line in sass.splitlines() if "Function :" not in line and "code for" not in line))
+            usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True).stdout
+            regs = re.search(r"REG:(\d+)", usage)
+            results[key] = dict(ttir=_digest(_without_locations(compiled.asm["ttir"])), sass=_digest(sass),
+                                regs=int(regs.group(1)) if regs else None, shared=compiled.metadata.shared,
+                                types=rec["types"], constexprs=rec["constexprs"])
+    with open(out_path, "w") as f:
+        json.dump({"kind": "compile", "triton": triton.__version__, "results": results}, f, indent=0, sort_keys=True)
+    print(f"{len(results)} kernels compiled for sm_90; {sum('error' in r for r in results.values())} errors")
+
+
+# ------------------------------------------------------------------------------------ run on a GPU
+
+
+def _bytes_digest(t) -> str:
+    import torch
+
+    return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:20]
+
+
+def run(out_path: str, shard: tuple = (0, 1)) -> None:
+    import torch
+    import triton
+
+    import flexattn
+    from flexattn.variants import CATALOGUE
+
+    launches, case = [], {}
+
+    def keep(jit_fn, grid, args, constexprs, kernel):
+        launches.append(dict(case, kernel=getattr(jit_fn, "__name__", "?"), grid=list(grid),
+                             constexprs=dict(constexprs), regs=getattr(kernel, "n_regs", None),
+                             spills=getattr(kernel, "n_spills", None),
+                             shared=getattr(getattr(kernel, "metadata", None), "shared", None)))
+
+    results = {}
+    names = sorted(CATALOGUE)[shard[0]::shard[1]]
+    B, H, L = 2, 4, 1000
+    for head_dim in (64, 128):
+        for name in names:
+            variant = CATALOGUE[name]
+            case["case"] = key = f"{name}|{head_dim}"
+            torch.manual_seed(1234)
+            inst = variant.make(B, H, L, L, "cuda")
+            q, k, v = (torch.randn(B, H, L, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+            mask = inst.block_mask(B, H, L, L, "cuda")
+            _spy_on_launches(keep)
+            out, aux = flexattn.flex_attention(q, k, v, score_mod=inst.score_mod, block_mask=mask,
+                                               return_aux=flexattn.AuxRequest(lse=True))
+            _spy_on_launches(keep)
+            leaves = [q, k, v, *inst.learnable]
+            grads = torch.autograd.grad(out, leaves, torch.randn_like(out))
+            entry = {"out": _bytes_digest(out), "lse": _bytes_digest(aux.lse)}
+            for i, grad in enumerate(grads):
+                label = ("dq", "dk", "dv")[i] if i < 3 else f"learnable{i - 3}"
+                entry[label] = _bytes_digest(grad)
+                if i >= 3:
+                    entry[label + "_values"] = grad.float().flatten()[:4096].cpu().tolist()
+            if variant.decode and not variant.square_only:
+                with torch.no_grad():
+                    step = flexattn.decode_block_mask(mask, L - 4, q_len=4) if mask is not None else None
+                    _spy_on_launches(keep)
+                    entry["decode"] = _bytes_digest(flexattn.flex_attention(
+                        q[:, :, -4:].detach(), k.detach(), v.detach(), score_mod=inst.score_mod, block_mask=step))
+            torch.cuda.synchronize()
+            results[key] = entry
+            print(key, "ran", flush=True)
+    with open(out_path, "w") as f:
+        json.dump({"kind": "run", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "triton": triton.__version__, "results": results, "launches": launches}, f)
+
+
+# ------------------------------------------------------------------------------------ diff
+
+
+def _load(paths: str) -> dict:
+    merged = {"results": {}, "launches": []}
+    for path in paths.split(","):
+        data = json.load(open(path))
+        merged["kind"] = data["kind"]
+        merged["results"].update(data["results"])
+        merged["launches"] += data.get("launches", [])
+    return merged
+
+
+def diff(paths_a: str, paths_b: str) -> bool:
+    a, b = _load(paths_a), _load(paths_b)
+    ra, rb = a["results"], b["results"]
+    only_a, only_b = sorted(set(ra) - set(rb)), sorted(set(rb) - set(ra))
+    same = differ = 0
+    atomics = []
+    for key in sorted(set(ra) & set(rb)):
+        for field in sorted(set(ra[key]) | set(rb[key])):
+            x, y = ra[key].get(field), rb[key].get(field)
+            if field.endswith("_values") or x == y:
+                same += not field.endswith("_values")
+            elif field.startswith("learnable"):
+                p, q = ra[key][field + "_values"], rb[key][field + "_values"]
+                norm = math.sqrt(sum(u * u for u in p)) or 1.0
+                atomics.append(math.sqrt(sum((u - w) ** 2 for u, w in zip(p, q))) / norm)
+            else:
+                differ += 1
+                print(f"differs: {key} {field}")
+    for key in only_a + only_b:
+        print(f"only in {'A' if key in ra else 'B'}: {key}")
+    print(f"{a['kind']}: {same} fields identical, {differ} differ, {len(only_a)} cases only in A, {len(only_b)} only in B")
+    if atomics:
+        print(f"learnable-tensor gradients (float32 atomics) not bit-identical: {len(atomics)}, largest relative "
+              f"difference {max(atomics):.1e}")
+    ok = differ == 0 and not only_a and not only_b
+    if a["kind"] == "run":
+        def facts(launches):
+            return {(r["case"], r["kernel"], json.dumps(r["constexprs"], sort_keys=True)):
+                    (r["regs"], r["spills"], r["shared"], tuple(r["grid"])) for r in launches}
+
+        fa, fb = facts(a["launches"]), facts(b["launches"])
+        changed = [k for k in set(fa) & set(fb) if fa[k] != fb[k]]
+        for k in changed[:20]:
+            print(f"kernel differs: {k[0]} {k[1]}: A {fa[k]}, B {fb[k]}")
+        print(f"kernels (case, name, constexprs): {len(set(fa) & set(fb)) - len(changed)} with the same registers, "
+              f"spills, shared memory and grid; {len(changed)} differ; {len(set(fa) - set(fb))} only in A, "
+              f"{len(set(fb) - set(fa))} only in B")
+        ok = ok and not changed and set(fa) == set(fb)
+    return ok
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) >= 2 and argv[0] == "record":
+        record(argv[1])
+    elif len(argv) >= 3 and argv[0] == "compile":
+        compile_records(argv[1], argv[2])
+    elif len(argv) >= 2 and argv[0] == "run":
+        shard = tuple(int(x) for x in argv[3].split("/")) if len(argv) >= 4 and argv[2] == "--shard" else (0, 1)
+        run(argv[1], shard)
+    elif len(argv) >= 3 and argv[0] == "diff":
+        return 0 if diff(argv[1], argv[2]) else 1
+    else:
+        print(__doc__, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
