@@ -14,6 +14,10 @@ PYTHONPATH names::
     PYTHONPATH=NEW python flexattn/bench/same_kernels.py run new.gpu.json
     python flexattn/bench/same_kernels.py diff old.gpu.json new.gpu.json
 
+    PYTHONPATH=OLD python flexattn/bench/same_kernels.py time old.1.json         # on a GPU, alternately:
+    PYTHONPATH=NEW python flexattn/bench/same_kernels.py time new.1.json         # old, new, old, new
+    python flexattn/bench/same_kernels.py diff old.1.json,old.2.json new.1.json,new.2.json
+
 * ``record`` runs every catalogue variant through the forward (with its backward) and the decode
   kernels at small sizes in Triton's interpreter, and records every launch: kernel name, source,
   argument types and constexprs.
@@ -26,9 +30,17 @@ PYTHONPATH names::
   and, for every launch, the compiled kernel's registers, spilled bytes and shared memory.
   ``--shard I/N`` takes every N-th variant from the I-th, so several processes can share the
   compile time.
-* ``diff`` compares two such files (several, comma-separated, for the shards of one side). The
-  gradients of learnable tensors are summed with float32 atomics, whose order is the hardware's:
-  they are compared by relative error, everything else bit for bit.
+* ``time`` times flexattn alone on the paper benchmarks' cases (the seven paper variants at 16k
+  tokens, d=64 and 128: the forward at K/V of 256 MiB, the backward at 128 MiB, as
+  flexattn/bench/forward.py and backward.py size them) and on decoding steps (one query token, the
+  shapes of flexattn/bench/decode.py, noop, ALiBi and soft-cap): medians of CUDA-event timings.
+  ``--warm`` only runs each case once, so that several processes can compile the kernels in
+  parallel before the timed rounds, which then run one at a time.
+* ``diff`` compares two such files (several, comma-separated, for the shards or rounds of one
+  side). The gradients of learnable tensors are summed with float32 atomics, whose order is the
+  hardware's: they are compared by relative error, everything else bit for bit. Timings are
+  compared case by case: the ratio of the medians over the rounds, beside the spread between the
+  rounds of each side.
 """
 
 from __future__ import annotations
@@ -263,21 +275,111 @@ def run(out_path: str, shard: tuple = (0, 1)) -> None:
                    "triton": triton.__version__, "results": results, "launches": launches}, f)
 
 
+# ------------------------------------------------------------------------------------ time on a GPU
+
+PAPER = ("noop", "causal", "alibi", "sliding_window", "prefix_lm", "softcap", "document_mask")
+DECODE_CASES = [(8, 16, 16, 16384, 64), (8, 16, 2, 131072, 64), (8, 12, 2, 32768, 128), (8, 16, 2, 16384, 128),
+                (1, 16, 2, 131072, 128), (1, 12, 2, 65536, 64)]  # (B, Hq, Hkv, S, D), as bench/decode.py
+
+
+def time_cases(out_path: str, shard: tuple = (0, 1), warm_only: bool = False) -> None:
+    import torch
+    import triton
+    import triton.testing
+
+    import flexattn
+    from flexattn.variants import CATALOGUE, generate_alibi_bias, generate_tanh_softcap
+
+    def median_ms(fn) -> float:
+        fn()
+        if warm_only:
+            torch.cuda.synchronize()
+            return 0.0
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    cases = [("fwd", name, d) for d in (64, 128) for name in PAPER]
+    cases += [("bwd", name, d) for d in (64, 128) for name in PAPER]
+    cases += [("decode", f"{score}|{B}x{Hq}:{Hkv}x{S}", D) for B, Hq, Hkv, S, D in DECODE_CASES
+              for score in ("noop", "alibi", "softcap")]
+    results = {}
+    L = 16384
+    for mode, name, d in cases[shard[0]::shard[1]]:
+        torch.manual_seed(0)
+        if mode in ("fwd", "bwd"):
+            B, H = (256 if mode == "fwd" else 128) * 2**20 // (16 * L * d * 2), 16
+            q, k, v = (torch.randn(B, H, L, d, device="cuda", dtype=torch.bfloat16, requires_grad=mode == "bwd")
+                       for _ in range(3))
+            score_mod, mask_mod = CATALOGUE[name].build(B, H, L, L, "cuda")
+            mask = flexattn.create_block_mask(mask_mod, None, None, L, L, device="cuda") if mask_mod else None
+            if mode == "fwd":
+                ms = median_ms(lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=mask))
+            else:
+                out = flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=mask)
+                grad = torch.randn_like(out)
+                ms = median_ms(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))
+        else:
+            score, shape = name.split("|")
+            B, Hq, Hkv, S, D = next(c for c in DECODE_CASES if f"{c[0]}x{c[1]}:{c[2]}x{c[3]}" == shape and c[4] == d)
+            q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            score_mod = {"noop": None, "alibi": generate_alibi_bias(Hq, "cuda"),
+                         "softcap": generate_tanh_softcap(30.0)}[score]
+            ms = median_ms(lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, enable_gqa=Hq != Hkv))
+        results[f"{mode}|{name}|{d}"] = {"ms": ms}
+        print(f"{mode} {name} d={d}: {ms:.4f} ms", flush=True)
+    with open(out_path, "w") as f:
+        json.dump({"kind": "time", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "triton": triton.__version__, "results": results}, f)
+
+
 # ------------------------------------------------------------------------------------ diff
 
 
 def _load(paths: str) -> dict:
-    merged = {"results": {}, "launches": []}
+    merged = {"results": {}, "launches": [], "rounds": []}
     for path in paths.split(","):
         data = json.load(open(path))
         merged["kind"] = data["kind"]
         merged["results"].update(data["results"])
         merged["launches"] += data.get("launches", [])
+        merged["rounds"].append(data["results"])
     return merged
+
+
+def _diff_times(a: dict, b: dict) -> bool:
+    """Each case's median over the rounds of A and of B, their ratio, and each side's spread (the
+    largest relative difference between two of its rounds)."""
+    def per_case(rounds):
+        times: dict = {}
+        for results in rounds:
+            for case, r in results.items():
+                times.setdefault(case, []).append(r["ms"])
+        return times
+
+    ta, tb = per_case(a["rounds"]), per_case(b["rounds"])
+    worst = 0.0
+    print(f"{'case':<44}{'A ms':>10}{'B ms':>10}{'B/A':>8}{'spread A':>10}{'spread B':>10}  within")
+    outside = 0
+    for case in sorted(set(ta) & set(tb)):
+        xa, xb = sorted(ta[case]), sorted(tb[case])
+        ma, mb = xa[len(xa) // 2], xb[len(xb) // 2]
+        spread = max(xa[-1] / xa[0] - 1, xb[-1] / xb[0] - 1)
+        ratio = mb / ma
+        # Within the spread: B's median no further from A's than the rounds of one side differ.
+        within = abs(ratio - 1) <= spread + 1e-12
+        outside += not within
+        worst = max(worst, abs(ratio - 1))
+        print(f"{case:<44}{ma:>10.4f}{mb:>10.4f}{ratio:>8.3f}{xa[-1] / xa[0] - 1:>10.3f}{xb[-1] / xb[0] - 1:>10.3f}"
+              f"  {'yes' if within else 'NO'}")
+    print(f"time: {len(set(ta) & set(tb))} cases, {outside} outside the run-to-run spread, largest |B/A - 1| "
+          f"{worst:.3f}")
+    return outside == 0
 
 
 def diff(paths_a: str, paths_b: str) -> bool:
     a, b = _load(paths_a), _load(paths_b)
+    if a["kind"] == "time":
+        return _diff_times(a, b)
     ra, rb = a["results"], b["results"]
     only_a, only_b = sorted(set(ra) - set(rb)), sorted(set(rb) - set(ra))
     same = differ = 0
@@ -323,9 +425,12 @@ def main(argv=None) -> int:
         record(argv[1])
     elif len(argv) >= 3 and argv[0] == "compile":
         compile_records(argv[1], argv[2])
-    elif len(argv) >= 2 and argv[0] == "run":
-        shard = tuple(int(x) for x in argv[3].split("/")) if len(argv) >= 4 and argv[2] == "--shard" else (0, 1)
-        run(argv[1], shard)
+    elif len(argv) >= 2 and argv[0] in ("run", "time"):
+        shard = tuple(int(x) for x in argv[argv.index("--shard") + 1].split("/")) if "--shard" in argv else (0, 1)
+        if argv[0] == "run":
+            run(argv[1], shard)
+        else:
+            time_cases(argv[1], shard, warm_only="--warm" in argv)
     elif len(argv) >= 3 and argv[0] == "diff":
         return 0 if diff(argv[1], argv[2]) else 1
     else:

@@ -19,7 +19,8 @@ from typing import NamedTuple, Sequence
 
 __all__ = [
     "Group", "KernelParams", "mods_group", "FORWARD", "BACKWARD_PREPROCESS", "BACKWARD_DKDV", "BACKWARD_DQ",
-    "DECODE_PARTIAL", "DECODE_MERGE", "KERNELS",
+    "DECODE_PARTIAL", "DECODE_MERGE", "KERNELS", "FORWARD_HELPERS", "BACKWARD_HELPERS", "DECODE_HELPERS",
+    "TEMPLATE_GROUPS",
 ]
 
 
@@ -62,6 +63,12 @@ class Group(NamedTuple):
             return "".join(f"{n}={n}, " for n in self.expanded()).rstrip(" ")
         return "".join(f"{n}, " for n in self.expanded()).rstrip(" ")
 
+    @property
+    def tail(self) -> str:
+        """The names after a call's or a def's own arguments, on one line: ``, a, b`` (nothing when
+        the group is empty). For the mods' hooks, whose groups hold no constexprs."""
+        return "".join(f", {n}" for n in self.expanded())
+
     def __str__(self) -> str:
         return self.args
 
@@ -93,9 +100,15 @@ class KernelParams:
         lines = [(mods if g.kind == "mods" else g).params for g in self.groups]
         return "\n".join(indent + line for line in lines if line)
 
+    def names(self, mods: Group = mods_group()) -> tuple:
+        """The kernel's parameter names in signature order (``mods``: this render's)."""
+        return tuple(n for g in self.groups for n in (mods if g.kind == "mods" else g).expanded())
+
     def argument_count(self, mods: int = 0) -> int:
-        """How many runtime arguments a launch passes with ``mods`` mod arguments."""
-        return sum(len(g.expanded()) for g in self.runtime if g.kind != "mods") + mods
+        """How many runtime arguments a launch passes with ``mods`` mod arguments (none for a kernel
+        that takes no mods, such as the backward's preprocess)."""
+        takes_mods = any(g.kind == "mods" for g in self.runtime)
+        return sum(len(g.expanded()) for g in self.runtime if g.kind != "mods") + (mods if takes_mods else 0)
 
     def _packer(self):
         """``pack(**values) -> tuple``: the runtime arguments in signature order. Generated once per
@@ -243,4 +256,98 @@ KERNELS = {
     "forward": (FORWARD,),
     "backward": (BACKWARD_PREPROCESS, BACKWARD_DKDV, BACKWARD_DQ),
     "decode": (DECODE_PARTIAL, DECODE_MERGE),
+}
+
+
+# ---- What a kernel hands its inner helpers ----------------------------------------------------------
+# Triton inlines the helpers, so the order of their parameters is free and costs nothing (unlike the
+# kernels' above, which the launchers fill positionally). A helper's def and each call of it list the
+# same groups, one a line: runtime groups and its own values first, then constexpr groups and its own
+# constexprs, which a call passes by name (keyword arguments come after the positional ones).
+
+
+def _values(name: str, *names: str, doc: str = "") -> Group:
+    return Group(name, names, doc=doc)
+
+
+def _flags(name: str, *names: str, doc: str = "") -> Group:
+    return Group(name, names, kind="constexprs", doc=doc)
+
+
+def _by_name(*groups: Group) -> dict:
+    named = {g.name: g for g in groups}
+    if len(named) != len(groups):
+        raise ValueError("two helper groups of one template share a name")
+    return named
+
+
+_HELPER_HEAD_DIMS = _flags("head_dims", *_HEAD_DIMS.names)
+_HELPER_MOD_FLAGS = _flags("mod_flags", "HAS_SCORE_MOD", "SCALE_FIRST",
+                           doc="whether a score_mod runs, and whether the scale is applied before it")
+# A program owns a block of rows (queries in the forward, the decode and dQ; keys in dK/dV) and walks
+# tiles of the other side's rows.
+_SOFTMAX = _values("softmax", "acc", "l_i", "m_i", doc="the online softmax's running output, row sum and row max")
+_QUERY_BLOCK = _values("query_block", "q", "off_z", "off_hq", "q_idx", "SM_SCALE",
+                       doc="this program's query tile, what the mods see of it (batch, head, positions), the scale")
+_KEY_TILES = _flags("key_tiles", "SPARSE_KV_BLOCK_SIZE", "BLOCK_N", "EVEN_N",
+                    doc="a sparse block's keys, walked BLOCK_N at a time; EVEN_N: no tile crosses KV_LEN")
+
+FORWARD_HELPERS = _by_name(
+    _SOFTMAX,
+    _QUERY_BLOCK,
+    _values("key_rows", "k_src", "v_src", "kv_z", "off_hkv", "offs_d", "offs_dv",
+            "stride_kn", "stride_kd", "stride_vn", "stride_vd", "KV_LEN",
+            doc="where the key and value tiles are read: pointers or descriptors, and how"),
+    _HELPER_HEAD_DIMS,
+    _KEY_TILES,
+    _HELPER_MOD_FLAGS,
+    _flags("loads", "INPUT_PRECISION", "NUM_STAGES", "UPCAST_DOTS", "USE_TMA", "HOST_DESCRIPTORS",
+           doc="how tiles are loaded and multiplied"),
+)
+
+BACKWARD_HELPERS = _by_name(
+    # dK/dV: a program owns a block of keys and walks the query rows that see them.
+    _values("grads", "dk", "dv", doc="the program's running dK (not yet scaled) and dV"),
+    _values("key_block", "k", "v", "off_z", "kv_idx", "offs_n", "KV_LEN", "SM_SCALE",
+            doc="this program's key and value tiles, what the mods see of them, the scale"),
+    _values("query_rows", "off_hq", "q_src", "do_src", "offs_d", "offs_dv",
+            "stride_qm", "stride_qd", "stride_dom", "stride_dod", "Q_LEN",
+            doc="the query head walked: where its Q and dO tiles are read"),
+    _flags("query_tiles", "SPARSE_Q_BLOCK_SIZE", "BLOCK_M", "EVEN_M", "EVEN_N",
+           doc="a sparse block's queries, walked BLOCK_M at a time; EVEN_*: no tile crosses a length"),
+    # dQ: a program owns a block of queries and walks the key rows they see.
+    _values("query_block", "q", "do", "lse", "delta", "off_z", "off_hq", "q_idx", "offs_m", "Q_LEN", "SM_SCALE",
+            doc="this program's query rows (Q, dO, LSE, DELTA), what the mods see of them, the scale"),
+    _values("key_rows", "k_src", "v_src", "offs_d", "offs_dv", "stride_kn", "stride_kd", "stride_vn", "stride_vd",
+            "KV_LEN", doc="where the key and value tiles are read"),
+    _flags("key_tiles", "SPARSE_KV_BLOCK_SIZE", "BLOCK_N", "EVEN_M", "EVEN_N",
+           doc="a sparse block's keys, walked BLOCK_N at a time; EVEN_*: no tile crosses a length"),
+    _HELPER_HEAD_DIMS,
+    _HELPER_MOD_FLAGS,
+    _flags("loads", "INPUT_PRECISION", "NUM_STAGES", "UPCAST_DOTS", "USE_TMA"),
+)
+
+DECODE_HELPERS = _by_name(
+    _SOFTMAX,
+    _QUERY_BLOCK,  # the packed rows of [Note] Decode tiles: off_hq and q_idx are columns
+    _values("key_rows", "k_base", "v_base", "offs_d", "offs_dv", "stride_kn", "stride_kd", "stride_vn", "stride_vd",
+            "KV_LEN", doc="where the key and value tiles are read"),
+    _HELPER_HEAD_DIMS,
+    _KEY_TILES,
+    _HELPER_MOD_FLAGS,
+    _flags("loads", "INPUT_PRECISION", "NUM_STAGES", "UPCAST_DOTS"),
+    # store_rows: where finished rows go
+    _values("outputs", "OUT", "LSE", "stride_oz", "stride_oh", "stride_om", "stride_od"),
+    _values("packed_rows", "off_z", "heads", "queries", "row_ok",
+            doc="each packed row's batch, head and query, and whether it is a real row"),
+    _flags("output_dims", "NUM_HEADS_Q", "QUERY_LEN", "V_HEAD_DIM", doc="OUT's heads, queries and head dim"),
+)
+
+# What codegen.render hands each family's template besides the mods: its kernels' declarations, by
+# their names above, and its helpers' groups.
+TEMPLATE_GROUPS = {
+    "forward": dict(FORWARD=FORWARD, **FORWARD_HELPERS),
+    "backward": dict(BACKWARD_PREPROCESS=BACKWARD_PREPROCESS, BACKWARD_DKDV=BACKWARD_DKDV, BACKWARD_DQ=BACKWARD_DQ,
+                     **BACKWARD_HELPERS),
+    "decode": dict(DECODE_PARTIAL=DECODE_PARTIAL, DECODE_MERGE=DECODE_MERGE, **DECODE_HELPERS),
 }

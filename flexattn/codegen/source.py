@@ -1,7 +1,8 @@
 """Codegen: plain values -> kernel source, written to the cache directory and imported as a module.
 
 Stage 3 of the pipeline (trace -> lowering -> codegen -> kernels). Templates take plain values
-only (the lowered mods' lines and parameter names), so a template can be read on its own. Each
+only (the lowered mods' lines and parameter names, and the declarations of codegen/params.py), so a
+template can be read on its own. Each
 rendered kernel is written under a readable, content-addressed name, e.g.
 ``fwd_alibi_causal_3f2a9c01d4e5b677.py``, and imported from there: Triton's ``@jit`` needs a real
 file, and a file is what a user opens when a kernel misbehaves. ``FLEXATTN_DEBUG=1`` prints where.
@@ -23,6 +24,7 @@ from typing import Optional
 import jinja2
 
 from ..lowering import LoweredMod
+from .params import TEMPLATE_GROUPS, mods_group
 
 __all__ = ["FAMILIES", "KernelSpec", "render", "cache_dir", "load_kernel_module", "debug_enabled"]
 
@@ -82,18 +84,34 @@ def _slug(name: str) -> str:
 
 
 def render(spec: KernelSpec) -> str:
-    """The kernel module's source: the family's template filled with plain values."""
+    """The kernel module's source: the family's template filled with plain values.
+
+    Besides the lowered mods, a template gets the declarations of codegen/params.py: its kernels'
+    parameters and its helpers' groups, and this render's groups of the mods' parameters."""
     template, kernel_name, _ = FAMILIES[spec.family]
-    return _environment.get_template(template).render(
+    score_params = mods_group(spec.score_mod.kernel_params if spec.score_mod else ())
+    mask_params = mods_group(spec.mask_mod.kernel_params if spec.mask_mod else ())
+    # The backward's kernels hand the score_mod's gradient its parameters: the score_mod's (first),
+    # then the gradient buffers of its trainable captured tensors.
+    grad_params = mods_group(spec.score_grad.kernel_params if spec.score_grad else ())
+    kernel_mods = grad_params if spec.family == "backward" else score_params
+    source = _environment.get_template(template).render(
         kernel_name=kernel_name,
         description=f"score_mod={spec.score_name}, mask_mod={spec.mask_name}",
         score_mod=spec.score_mod,
         mask_mod=spec.mask_mod,
         score_grad=spec.score_grad,
-        score_params=list(spec.score_mod.kernel_params) if spec.score_mod else [],
-        grad_params=list(spec.score_grad.kernel_params) if spec.score_grad else [],
-        mask_params=list(spec.mask_mod.kernel_params) if spec.mask_mod else [],
+        score_params=score_params,
+        grad_params=grad_params,
+        mask_params=mask_params,
+        mods=mods_group(kernel_mods.names, mask_params.names),
+        **TEMPLATE_GROUPS[spec.family],
     )
+    # A group with no names (no mods) leaves a line of spaces where it stood; drop it.
+    return _BLANK_GROUP_LINE.sub("", source)
+
+
+_BLANK_GROUP_LINE = re.compile(r"^[ \t]+\n", re.M)
 
 
 def _write_if_different(path: Path, text: str) -> None:
