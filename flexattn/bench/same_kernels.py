@@ -32,8 +32,11 @@ PYTHONPATH names::
   compile time.
 * ``time`` times flexattn alone on the paper benchmarks' cases (the seven paper variants at 16k
   tokens, d=64 and 128: the forward at K/V of 256 MiB, the backward at 128 MiB, as
-  flexattn/bench/forward.py and backward.py size them) and on decoding steps (one query token, the
-  shapes of flexattn/bench/decode.py, noop, ALiBi and soft-cap): medians of CUDA-event timings.
+  flexattn/bench/forward.py and backward.py size them; medians of CUDA-event timings) and on
+  decoding steps (one query token, the shapes of flexattn/bench/decode.py, noop, ALiBi and
+  soft-cap; the step captured in a CUDA graph and its replays timed, as bench/decode.py does), and
+  the host time of a call: decoding steps, and a small forward and backward (B1 H8, 1024 tokens,
+  d=64, ALiBi + causal), whose kernels take less time than the host needs to launch them.
   ``--warm`` only runs each case once, so that several processes can compile the kernels in
   parallel before the timed rounds, which then run one at a time.
 * ``diff`` compares two such files (several, comma-separated, for the shards or rounds of one
@@ -54,6 +57,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 TORCH_TO_TRITON = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int32": "i32",
                    "int64": "i64", "bool": "i1", "int8": "i8", "uint8": "u8", "int16": "i16"}
@@ -135,6 +139,14 @@ GPU_CONSTEXPRS = {
         "tma_128x64_s2": dict(BLOCK_M=128, BLOCK_N=64, NUM_STAGES=2, num_stages=2, num_warps=4, USE_TMA=True),
         "ptr_128x128_w8_max": dict(BLOCK_M=128, BLOCK_N=128, NUM_STAGES=3, num_stages=3, num_warps=8, USE_TMA=False,
                                    OUTPUT_MAX=True),
+        # Descriptors built on the host (Q, K, V and OUT arrive as tensor descriptors), and Triton's
+        # warp specialisation of the key loop (compiled only for kernels without mods, as launched).
+        "host_64x32_s2": dict(BLOCK_M=64, BLOCK_N=32, NUM_STAGES=2, num_stages=2, num_warps=4, USE_TMA=True,
+                              HOST_DESCRIPTORS=True),
+        "host_64x128_s2": dict(BLOCK_M=64, BLOCK_N=128, NUM_STAGES=2, num_stages=2, num_warps=4, USE_TMA=True,
+                               HOST_DESCRIPTORS=True),
+        "ws_128x128_s2": dict(BLOCK_M=128, BLOCK_N=128, NUM_STAGES=2, num_stages=2, num_warps=4, USE_TMA=True,
+                              WARP_SPECIALIZE=True),
     },
     "flex_attention_backward_dkdv": {
         "tma_64x64_s2": dict(BLOCK_M=64, BLOCK_N=64, NUM_STAGES=2, num_stages=2, num_warps=4, USE_TMA=True),
@@ -187,10 +199,19 @@ def compile_records(record_path: str, out_path: str) -> None:
             fn = getattr(modules[stem], rec["kernel"])
             constexprs = {**rec["constexprs"], **{k: v for k, v in _COMPILED_ON_GPU.items() if k in rec["constexprs"]},
                           **changes}
+            if constexprs.get("WARP_SPECIALIZE") and (constexprs["HAS_SCORE_MOD"] or constexprs["HAS_PARTIAL_BLOCKS"]):
+                continue  # never launched with mods in the loop (kernels/forward.py)
+            types = list(rec["types"])
+            if constexprs.get("HOST_DESCRIPTORS"):
+                # Q, K, V and OUT (the first four arguments) are 4-D descriptors with the tiles as blocks.
+                dtype = types[0].lstrip("*")
+                rows = (constexprs["BLOCK_M"], constexprs["BLOCK_N"], constexprs["BLOCK_N"], constexprs["BLOCK_M"])
+                dims = ("QK_HEAD_DIM_P2", "QK_HEAD_DIM_P2", "V_HEAD_DIM_P2", "V_HEAD_DIM_P2")
+                for i, (r, d) in enumerate(zip(rows, dims)):
+                    types[i] = f"tensordesc<{dtype}[1,1,{r},{constexprs[d]}]>"
             options = {"num_warps": constexprs.pop("num_warps", 4), "num_stages": constexprs.pop("num_stages", 2)}
-            signature = {name: rec["types"][i] if i < len(rec["types"]) else "constexpr"
-                         for i, name in enumerate(fn.arg_names)}
-            fixed = {name: constexprs[name] for name in fn.arg_names[len(rec["types"]):]}
+            signature = {name: types[i] if i < len(types) else "constexpr" for i, name in enumerate(fn.arg_names)}
+            fixed = {name: constexprs[name] for name in fn.arg_names[len(types):]}
             try:
                 compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=fixed),
                                           target=GPUTarget("cuda", 90, 32), options=options)
@@ -297,10 +318,40 @@ def time_cases(out_path: str, shard: tuple = (0, 1), warm_only: bool = False) ->
             return 0.0
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
+    def graph_ms(fn) -> float:
+        """The GPU time of ``fn``'s kernels: captured once in a CUDA graph, replays timed."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return median_ms(graph.replay)
+
+    def host_us(fn, calls: int = 50) -> float:
+        """Host time per call: the fastest of five bursts of calls, the GPU not waited on inside one."""
+        fn()
+        torch.cuda.synchronize()
+        if warm_only:
+            return 0.0
+        best = float("inf")
+        for _ in range(5):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.perf_counter() - start) / calls)
+        torch.cuda.synchronize()
+        return best * 1e6
+
     cases = [("fwd", name, d) for d in (64, 128) for name in PAPER]
     cases += [("bwd", name, d) for d in (64, 128) for name in PAPER]
     cases += [("decode", f"{score}|{B}x{Hq}:{Hkv}x{S}", D) for B, Hq, Hkv, S, D in DECODE_CASES
               for score in ("noop", "alibi", "softcap")]
+    cases += [("host", "fwd", 64), ("host", "bwd", 64)]
     results = {}
     L = 16384
     for mode, name, d in cases[shard[0]::shard[1]]:
@@ -317,6 +368,22 @@ def time_cases(out_path: str, shard: tuple = (0, 1), warm_only: bool = False) ->
                 out = flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=mask)
                 grad = torch.randn_like(out)
                 ms = median_ms(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))
+        elif mode == "host":
+            q, k, v = (torch.randn(1, 8, 1024, d, device="cuda", dtype=torch.bfloat16, requires_grad=name == "bwd")
+                       for _ in range(3))
+            alibi = generate_alibi_bias(8, "cuda")
+            mask = flexattn.create_block_mask(CATALOGUE["causal"].build(1, 8, 1024, 1024, "cuda")[1], None, None,
+                                              1024, 1024, device="cuda")
+            if name == "fwd":
+                results[f"{mode}|{name}|{d}"] = {"ms": host_us(
+                    lambda: flexattn.flex_attention(q, k, v, score_mod=alibi, block_mask=mask)) / 1e3}
+            else:
+                out = flexattn.flex_attention(q, k, v, score_mod=alibi, block_mask=mask)
+                grad = torch.randn_like(out)
+                results[f"{mode}|{name}|{d}"] = {"ms": host_us(
+                    lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)) / 1e3}
+            print(f"host {name}: {results[f'{mode}|{name}|{d}']['ms'] * 1e3:.1f} us", flush=True)
+            continue
         else:
             score, shape = name.split("|")
             B, Hq, Hkv, S, D = next(c for c in DECODE_CASES if f"{c[0]}x{c[1]}:{c[2]}x{c[3]}" == shape and c[4] == d)
@@ -324,7 +391,11 @@ def time_cases(out_path: str, shard: tuple = (0, 1), warm_only: bool = False) ->
             k, v = (torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             score_mod = {"noop": None, "alibi": generate_alibi_bias(Hq, "cuda"),
                          "softcap": generate_tanh_softcap(30.0)}[score]
-            ms = median_ms(lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, enable_gqa=Hq != Hkv))
+            def step():
+                return flexattn.flex_attention(q, k, v, score_mod=score_mod, enable_gqa=Hq != Hkv)
+
+            ms = 0.0 if warm_only else graph_ms(step)
+            results[f"host|decode {name}|{d}"] = {"ms": host_us(step) / 1e3}
         results[f"{mode}|{name}|{d}"] = {"ms": ms}
         print(f"{mode} {name} d={d}: {ms:.4f} ms", flush=True)
     with open(out_path, "w") as f:
