@@ -38,7 +38,8 @@ PYTHONPATH names::
   the host time of a call: decoding steps, and a small forward and backward (B1 H8, 1024 tokens,
   d=64, ALiBi + causal), whose kernels take less time than the host needs to launch them.
   ``--warm`` only runs each case once, so that several processes can compile the kernels in
-  parallel before the timed rounds, which then run one at a time.
+  parallel before the timed rounds, which then run one at a time; ``--only host`` (or ``fwd``,
+  ``bwd``, ``decode``) runs one kind of case.
 * ``diff`` compares two such files (several, comma-separated, for the shards or rounds of one
   side). The gradients of learnable tensors are summed with float32 atomics, whose order is the
   hardware's: they are compared by relative error, everything else bit for bit. Timings are
@@ -303,7 +304,7 @@ DECODE_CASES = [(8, 16, 16, 16384, 64), (8, 16, 2, 131072, 64), (8, 12, 2, 32768
                 (1, 16, 2, 131072, 128), (1, 12, 2, 65536, 64)]  # (B, Hq, Hkv, S, D), as bench/decode.py
 
 
-def time_cases(out_path: str, shard: tuple = (0, 1), warm_only: bool = False) -> None:
+def time_cases(out_path: str, shard: tuple = (0, 1), warm_only: bool = False, only: tuple = ()) -> None:
     import torch
     import triton
     import triton.testing
@@ -352,6 +353,8 @@ def time_cases(out_path: str, shard: tuple = (0, 1), warm_only: bool = False) ->
     cases += [("decode", f"{score}|{B}x{Hq}:{Hkv}x{S}", D) for B, Hq, Hkv, S, D in DECODE_CASES
               for score in ("noop", "alibi", "softcap")]
     cases += [("host", "fwd", 64), ("host", "bwd", 64)]
+    if only:  # e.g. ("host",): the host-time cases alone (decoding steps give theirs with their GPU time)
+        cases = [c for c in cases if c[0] in only or ("host" in only and c[0] == "decode")]
     results = {}
     L = 16384
     for mode, name, d in cases[shard[0]::shard[1]]:
@@ -394,7 +397,7 @@ def time_cases(out_path: str, shard: tuple = (0, 1), warm_only: bool = False) ->
             def step():
                 return flexattn.flex_attention(q, k, v, score_mod=score_mod, enable_gqa=Hq != Hkv)
 
-            ms = 0.0 if warm_only else graph_ms(step)
+            ms = 0.0 if warm_only or only == ("host",) else graph_ms(step)
             results[f"host|decode {name}|{d}"] = {"ms": host_us(step) / 1e3}
         results[f"{mode}|{name}|{d}"] = {"ms": ms}
         print(f"{mode} {name} d={d}: {ms:.4f} ms", flush=True)
@@ -501,7 +504,8 @@ def main(argv=None) -> int:
         if argv[0] == "run":
             run(argv[1], shard)
         else:
-            time_cases(argv[1], shard, warm_only="--warm" in argv)
+            only = tuple(argv[argv.index("--only") + 1].split(",")) if "--only" in argv else ()
+            time_cases(argv[1], shard, warm_only="--warm" in argv, only=only)
     elif len(argv) >= 3 and argv[0] == "diff":
         return 0 if diff(argv[1], argv[2]) else 1
     else:
