@@ -427,7 +427,8 @@ def _diff_times(a: dict, b: dict) -> bool:
         times: dict = {}
         for results in rounds:
             for case, r in results.items():
-                times.setdefault(case, []).append(r["ms"])
+                if r["ms"] > 0:  # 0: not timed in this round (--warm, or --only another kind)
+                    times.setdefault(case, []).append(r["ms"])
         return times
 
     ta, tb = per_case(a["rounds"]), per_case(b["rounds"])
