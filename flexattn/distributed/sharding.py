@@ -1,0 +1,189 @@
+"""How a sequence is cut into units and dealt to the ranks: the three balance modes.
+
+A *unit* is the smallest piece of the sequence a rank holds: a whole number of query blocks and of
+key blocks of the BlockMask, so every tile of the mask lies in one (query shard, K/V shard) pair.
+A :class:`Layout` lists, for every rank, the units it holds in its local order; a rank's shard is
+those units' tokens, concatenated. Every rank holds the same number of units, so every shard has
+the same length and the ranks exchange buffers of one shape.
+
+* ``"contiguous"``: rank r holds units ``r*n .. r*n + n - 1``.
+* ``"zigzag"``: the sequence is cut into 2R chunks and rank r holds chunks r and 2R-1-r, the classic
+  head-tail split that evens out causal work.
+* ``"mask"``: units are dealt from the mask's own tile counts (:func:`mask_balanced_units`), so that
+  the full and partial tiles each rank computes are as even as the units allow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..errors import InvalidInputError
+from ..masks.layout import cdiv
+
+__all__ = ["BALANCE_MODES", "Layout", "padded_units", "contiguous_units", "zigzag_units", "mask_balanced_units",
+           "imbalance"]
+
+BALANCE_MODES = ("mask", "zigzag", "contiguous")
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """One sequence cut into ``unit``-token units and dealt to the ranks.
+
+    ``length``: tokens of the sequence before padding. ``units``: int64 ``[world, per_rank]`` (on the
+    CPU), the global unit ids each rank holds, in its local order. Units past ``length`` are padding.
+    """
+
+    length: int
+    unit: int
+    units: torch.Tensor
+
+    @property
+    def world(self) -> int:
+        return self.units.shape[0]
+
+    @property
+    def per_rank(self) -> int:
+        return self.units.shape[1]
+
+    @property
+    def padded_length(self) -> int:
+        return self.units.numel() * self.unit
+
+    @property
+    def local_length(self) -> int:
+        return self.per_rank * self.unit
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """Global token positions of ``rank``'s shard, in its local order (int64, CPU); positions
+        from ``length`` on are padding."""
+        return (self.units[rank].unsqueeze(1) * self.unit + torch.arange(self.unit)).reshape(-1)
+
+    def blocks(self, rank: int, block: int) -> torch.Tensor:
+        """Global ids of the ``block``-token blocks of ``rank``'s shard, in its local order (int64)."""
+        per_unit = self.unit // block
+        return (self.units[rank].unsqueeze(1) * per_unit + torch.arange(per_unit)).reshape(-1)
+
+    def owners(self, block: int) -> torch.Tensor:
+        """The rank that holds each global ``block``-token block (int64 ``[padded_length // block]``)."""
+        per_unit = self.unit // block
+        owner = torch.empty(self.units.numel(), dtype=torch.long)
+        owner[self.units.reshape(-1)] = torch.arange(self.world).repeat_interleave(self.per_rank)
+        return owner.repeat_interleave(per_unit)
+
+
+def padded_units(length: int, unit: int, multiple: int) -> int:
+    """How many units hold ``length`` tokens, rounded up to a multiple of ``multiple``."""
+    return cdiv(cdiv(length, unit), multiple) * multiple
+
+
+def contiguous_units(n_units: int, world: int) -> torch.Tensor:
+    return torch.arange(n_units).reshape(world, -1)
+
+
+def zigzag_units(n_units: int, world: int) -> torch.Tensor:
+    """Rank r holds chunks r and 2*world-1-r of 2*world equal chunks (n_units % (2*world) == 0)."""
+    chunks = torch.arange(n_units).reshape(2 * world, -1)
+    return torch.cat([chunks[:world], chunks[world:].flip(0)], dim=1)
+
+
+def _load(units: torch.Tensor, full: torch.Tensor, partial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return full[units].sum(1), partial[units].sum(1)
+
+
+def imbalance(units: torch.Tensor, full: torch.Tensor, partial: torch.Tensor) -> float:
+    """The largest distance of a rank's full or partial tile count from the even share."""
+    F, P = _load(units, full, partial)
+    world = units.shape[0]
+    return max(float((F * world - F.sum()).abs().max()) / world, float((P * world - P.sum()).abs().max()) / world)
+
+
+def _sorted_snake(full: torch.Tensor, partial: torch.Tensor, world: int) -> torch.Tensor:
+    """Units by decreasing work, dealt back and forth (0, 1, .., R-1, R-1, .., 0, ...): each rank gets
+    one unit of every R consecutive in that order, the heavy and the light alike."""
+    order = torch.sort(full + partial, descending=True, stable=True).indices.reshape(-1, world)
+    order[1::2] = order[1::2].flip(1)
+    return order.t().contiguous()
+
+
+def _best_swap(units, full, partial, F, P, a: int, b: int) -> Optional[tuple[int, int, int]]:
+    """The swap of a unit of rank a with one of rank b that lowers sum((F - mean)^2 + (P - mean)^2)
+    most, as (position in a, position in b, change), or None when none lowers it. Integer arithmetic:
+    every rank computes the same answer."""
+    df = full[units[b]].unsqueeze(0) - full[units[a]].unsqueeze(1)
+    dp = partial[units[b]].unsqueeze(0) - partial[units[a]].unsqueeze(1)
+    change = 2 * df * (F[a] - F[b] + df) + 2 * dp * (P[a] - P[b] + dp)
+    best = int(change.argmin())
+    value = int(change.reshape(-1)[best])
+    if value >= 0:
+        return None
+    return best // units.shape[1], best % units.shape[1], value
+
+
+def _refined(units: torch.Tensor, full: torch.Tensor, partial: torch.Tensor, max_swaps: int) -> torch.Tensor:
+    """Local search: swap units between ranks while it evens the counts. Each round tries the most
+    and the least loaded ranks first (cheap), every pair only when they have no useful swap."""
+    units = units.clone()
+    F, P = _load(units, full, partial)
+    world = units.shape[0]
+    for _ in range(max_swaps):
+        load = F + P
+        pairs = [(int(load.argmax()), int(load.argmin()))]
+        swap = None
+        if pairs[0][0] != pairs[0][1]:
+            swap = _best_swap(units, full, partial, F, P, *pairs[0])
+        if swap is None:
+            candidates = []
+            for a in range(world):
+                for b in range(a + 1, world):
+                    found = _best_swap(units, full, partial, F, P, a, b)
+                    if found is not None:
+                        candidates.append((found[2], a, b, found))
+            if not candidates:
+                break
+            _, a, b, swap = min(candidates, key=lambda c: (c[0], c[1], c[2]))
+            pairs = [(a, b)]
+        a, b = pairs[0]
+        i, j, _ = swap
+        ua, ub = int(units[a, i]), int(units[b, j])
+        units[a, i], units[b, j] = ub, ua
+        F[a] += full[ub] - full[ua]
+        F[b] -= full[ub] - full[ua]
+        P[a] += partial[ub] - partial[ua]
+        P[b] -= partial[ub] - partial[ua]
+    return units.sort(dim=1).values
+
+
+def mask_balanced_units(
+    full: torch.Tensor, partial: torch.Tensor, world: int, pairs_needed: Callable[[torch.Tensor], int],
+    max_swaps: Optional[int] = None,
+) -> torch.Tensor:
+    """Units dealt to ranks so that each rank's full and partial tile counts are even.
+
+    ``full``, ``partial``: int64 ``[n_units]``, the tiles of each unit's query rows (padding units
+    count 0). Three starts are refined by swapping units (:func:`_refined`): contiguous, zigzag (when
+    the units split into 2R chunks) and the units sorted by work and dealt back and forth. Of the
+    results within one tile of even in both counts, the one whose ranks need the fewest K/V shards
+    of each other (``pairs_needed``) wins: a sliding window stays near contiguous, and so near
+    its neighbours; when none is that even, the most even one wins.
+    """
+    n_units = full.numel()
+    if n_units % world:
+        raise InvalidInputError(f"mask_balanced_units: {n_units} units do not split over {world} ranks")
+    if max_swaps is None:
+        max_swaps = 4 * n_units
+    starts = [contiguous_units(n_units, world)]
+    if n_units % (2 * world) == 0:
+        starts.append(zigzag_units(n_units, world))
+    starts.append(_sorted_snake(full, partial, world))
+    best = None
+    for rank_order, start in enumerate(starts):
+        units = _refined(start, full, partial, max_swaps)
+        uneven = imbalance(units, full, partial)
+        key = (0.0 if uneven <= 1.0 else uneven, pairs_needed(units), uneven, rank_order)
+        if best is None or key < best[0]:
+            best = (key, units)
+    return best[1]
