@@ -123,37 +123,38 @@ class ContextParallel:
 
     # ------------------------------------------------------------------------------ sharding
 
-    def _layout(self, length: int, role: Optional[str], local: bool) -> Layout:
-        plan = self.plan
-        if role is not None:
-            if role not in _ROLES:
-                raise InvalidInputError(f"ContextParallel: role must be 'query' or 'key', got {role!r}")
-            layout = plan.q_layout if role == "query" else plan.kv_layout
-        else:
-            fits = [lay for lay in (plan.q_layout, plan.kv_layout)
-                    if length == (lay.local_length if local else lay.length)]
-            if len({id(lay) for lay in fits}) > 1:
+    def _layout(self, length: int, role: Optional[str], local: bool) -> tuple[str, Layout]:
+        """The role ("query" or "key") and layout of a tensor whose dim 2 has ``length`` positions
+        (a shard's when ``local``, else the global sequence's)."""
+        layouts = {"query": self.plan.q_layout, "key": self.plan.kv_layout}
+        if role is not None and role not in layouts:
+            raise InvalidInputError(f"ContextParallel: role must be 'query' or 'key', got {role!r}")
+
+        def size(layout: Layout) -> int:
+            return layout.local_length if local else layout.length
+
+        what = "this rank's shard" if local else "the global sequence"
+        if role is None:
+            fits = [name for name, layout in layouts.items() if size(layout) == length]
+            if len(fits) == 2 and layouts["query"] is not layouts["key"]:
                 raise InvalidInputError(
-                    "ContextParallel: queries and keys have different layouts of the same length here; pass "
-                    "role='query' or role='key'"
+                    f"ContextParallel: dim 2 has {length} positions, the length of {what} of both the queries and "
+                    "the keys, which the plan lays out differently; pass role='query' or role='key'"
                 )
             if not fits:
-                lengths = sorted({lay.local_length if local else lay.length for lay in (plan.q_layout, plan.kv_layout)})
-                what = "this rank's shard" if local else "the global sequence"
-                raise InvalidInputError(
-                    f"ContextParallel: dim 2 has {length} positions, but {what} has "
-                    + " or ".join(map(str, lengths))
-                    + (" (pass a shard from cp.shard, or cp.flex_attention's output)" if local
-                       else " (the block_mask's Q_LEN or KV_LEN)")
-                )
-            layout = fits[0]
-        expected = layout.local_length if local else layout.length
-        if length != expected:
-            raise InvalidInputError(f"ContextParallel: dim 2 has {length} positions, the {role} layout needs {expected}")
-        return layout
+                sizes = " or ".join(str(n) for n in sorted({size(layout) for layout in layouts.values()}))
+                fix = ("pass a shard from cp.shard, or cp.flex_attention's output" if local
+                       else "the block_mask's Q_LEN or KV_LEN")
+                raise InvalidInputError(f"ContextParallel: dim 2 has {length} positions, but {what} has {sizes} ({fix})")
+            role = fits[0]
+        if size(layouts[role]) != length:
+            raise InvalidInputError(
+                f"ContextParallel: dim 2 has {length} positions, but {what} of the {role}s has {size(layouts[role])}"
+            )
+        return role, layouts[role]
 
-    def _positions_of(self, layout: Layout, rank: Optional[int], device: torch.device) -> torch.Tensor:
-        key = (id(layout), rank, device)
+    def _positions_of(self, role: str, layout: Layout, rank: Optional[int], device: torch.device) -> torch.Tensor:
+        key = (role, rank, device)
         positions = self._positions.get(key)
         if positions is None:
             if rank is None:  # every rank's, in rank order: where the all_gather's parts go
@@ -168,22 +169,23 @@ class ContextParallel:
 
         ``x``: ``[B, H, L, ...]`` with L the mask's Q_LEN or KV_LEN, the same tensor on every rank.
         Padding positions are zeros. Differentiable (the gradient goes to x's positions).
-        ``role``: "query" or "key", only needed when queries and keys have different layouts of the
-        same length (cross-attention).
+        ``role``: "query" or "key", needed only where queries and keys have different lengths but
+        the same shard length (cross-attention), so the length does not tell.
         """
-        layout = self._layout(x.shape[2], role, local=False)
+        role, layout = self._layout(x.shape[2], role, local=False)
         pad = layout.padded_length - layout.length
         if pad:
             x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 3) + (0, pad))
-        return x.index_select(2, self._positions_of(layout, self.rank, x.device))
+        return x.index_select(2, self._positions_of(role, layout, self.rank, x.device))
 
     def unshard(self, x: torch.Tensor, role: Optional[str] = None) -> torch.Tensor:
         """The global sequence from every rank's shard ``x`` (an all_gather): for tests and a model's
         last layer. Padding is dropped. In the backward each rank keeps its own slice of the
-        gradient, which is right when every rank computes the same loss from the whole result."""
-        layout = self._layout(x.shape[2], role, local=True)
-        return _Unshard.apply(x, layout, self._positions_of(layout, None, x.device),
-                              self._positions_of(layout, self.rank, x.device), self.group)
+        gradient, which is right when every rank computes the same loss from the whole result.
+        ``role`` as in :meth:`shard`."""
+        role, layout = self._layout(x.shape[2], role, local=True)
+        return _Unshard.apply(x, layout, self._positions_of(role, layout, None, x.device),
+                              self._positions_of(role, layout, self.rank, x.device), self.group)
 
     # ------------------------------------------------------------------------------ attention
 

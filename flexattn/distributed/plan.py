@@ -195,7 +195,7 @@ class Plan:
 
     Attributes:
         q_layout, kv_layout: the :class:`~flexattn.distributed.sharding.Layout` of queries and of
-            keys/values (the same object for one sequence).
+            keys/values (the same object when Q_LEN == KV_LEN).
         full_tiles, partial_tiles: int64 ``[R, R]``, the tiles rank i computes against rank j's
             K/V shard (summed over the mask's batch and heads).
         needs: bool ``[R, R]``, ``needs[i, j]``: rank i's queries visit rank j's keys.
@@ -230,9 +230,11 @@ class Plan:
         multiple = 2 * world if balance == "zigzag" else world
         unit = math.lcm(q_block, kv_block)
         n_q, n_kv = padded_units(q_len, unit, multiple), padded_units(kv_len, unit, multiple)
-        if n_q == n_kv:  # one layout for queries and keys
+        if n_q == n_kv:  # queries and keys dealt alike
             full, partial = self._unit_tiles(row_full, row_partial, unit // q_block, n_q)
-            self.q_layout = self.kv_layout = Layout(q_len, unit, self._deal(n_q, full, partial, unit, shared=True))
+            units = self._deal(n_q, full, partial, unit, shared=True)
+            self.q_layout = Layout(q_len, unit, units)
+            self.kv_layout = self.q_layout if kv_len == q_len else Layout(kv_len, unit, units)
         else:
             n_q = padded_units(q_len, q_block, multiple)
             n_kv = padded_units(kv_len, kv_block, world)

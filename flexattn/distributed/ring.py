@@ -122,7 +122,7 @@ class RankRun:
     # ------------------------------------------------------------------------------ backward
 
     def backward(self, q, k, v, out, lse, grad_out, grad_lse):
-        """``(dq, dk, dv, [gradient of each learnable tensor or None])``."""
+        """``(dq, dk, dv, [gradient of each learnable tensor])``."""
         k, v, grad_out = k.contiguous(), v.contiguous(), grad_out.contiguous()
         dtype = working_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
@@ -144,7 +144,8 @@ class RankRun:
             self._gather_backward(run, k, v, dk, dv)
         else:
             self._ring_backward(run, k, v, dk, dv)
-        grads = [None if g is None else g.to(t.dtype) for g, t in zip(d_learnable, self.learnable)]
+        # A rank whose queries never reach a learnable tensor still owes it a (zero) gradient.
+        grads = [torch.zeros_like(t) if g is None else g.to(t.dtype) for g, t in zip(d_learnable, self.learnable)]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grads
 
     def _ring_backward(self, run, k, v, dk, dv) -> None:

@@ -109,21 +109,29 @@ def _sorted_snake(full: torch.Tensor, partial: torch.Tensor, world: int) -> torc
     return order.t().contiguous()
 
 
-def _best_swap(units, full, partial, F, P, a: int, b: int) -> Optional[tuple[int, int, int]]:
-    """The swap of a unit of rank a with one of rank b that lowers sum((F - mean)^2 + (P - mean)^2)
-    most, as (position in a, position in b, change), or None when none lowers it. Integer arithmetic:
-    every rank computes the same answer."""
+def _best_swap(units, full, partial, F, P, a: int, b: int, time_weight: int) -> Optional[tuple[int, int, int]]:
+    """The swap of a unit of rank a with one of rank b that lowers the spread most, as (position in
+    a, position in b, change), or None when none lowers it.
+
+    The spread is ``sum((F - mean)^2 + (P - mean)^2 + time_weight (F + P - mean)^2)`` over ranks.
+    Of equal changes, the swap of the nearest units wins: neighbours stay together, and so do the
+    shards they need. Integer arithmetic: every rank computes the same answer."""
     df = full[units[b]].unsqueeze(0) - full[units[a]].unsqueeze(1)
     dp = partial[units[b]].unsqueeze(0) - partial[units[a]].unsqueeze(1)
     change = 2 * df * (F[a] - F[b] + df) + 2 * dp * (P[a] - P[b] + dp)
-    best = int(change.argmin())
+    if time_weight:
+        dt = df + dp
+        change += 2 * time_weight * dt * (F[a] + P[a] - F[b] - P[b] + dt)
+    distance = (units[b].unsqueeze(0) - units[a].unsqueeze(1)).abs()
+    best = int((change * (full.numel() + 1) + distance).argmin())
     value = int(change.reshape(-1)[best])
     if value >= 0:
         return None
     return best // units.shape[1], best % units.shape[1], value
 
 
-def _refined(units: torch.Tensor, full: torch.Tensor, partial: torch.Tensor, max_swaps: int) -> torch.Tensor:
+def _refined(units: torch.Tensor, full: torch.Tensor, partial: torch.Tensor, max_swaps: int,
+             time_weight: int = 0) -> torch.Tensor:
     """Local search: swap units between ranks while it evens the counts. Each round tries the most
     and the least loaded ranks first (cheap), every pair only when they have no useful swap."""
     units = units.clone()
@@ -131,22 +139,18 @@ def _refined(units: torch.Tensor, full: torch.Tensor, partial: torch.Tensor, max
     world = units.shape[0]
     for _ in range(max_swaps):
         load = F + P
-        pairs = [(int(load.argmax()), int(load.argmin()))]
-        swap = None
-        if pairs[0][0] != pairs[0][1]:
-            swap = _best_swap(units, full, partial, F, P, *pairs[0])
+        a, b = int(load.argmax()), int(load.argmin())
+        swap = _best_swap(units, full, partial, F, P, a, b, time_weight) if a != b else None
         if swap is None:
             candidates = []
-            for a in range(world):
-                for b in range(a + 1, world):
-                    found = _best_swap(units, full, partial, F, P, a, b)
+            for i in range(world):
+                for j in range(i + 1, world):
+                    found = _best_swap(units, full, partial, F, P, i, j, time_weight)
                     if found is not None:
-                        candidates.append((found[2], a, b, found))
+                        candidates.append((found[2], i, j, found))
             if not candidates:
                 break
             _, a, b, swap = min(candidates, key=lambda c: (c[0], c[1], c[2]))
-            pairs = [(a, b)]
-        a, b = pairs[0]
         i, j, _ = swap
         ua, ub = int(units[a, i]), int(units[b, j])
         units[a, i], units[b, j] = ub, ua
@@ -155,6 +159,12 @@ def _refined(units: torch.Tensor, full: torch.Tensor, partial: torch.Tensor, max
         P[a] += partial[ub] - partial[ua]
         P[b] -= partial[ub] - partial[ua]
     return units.sort(dim=1).values
+
+
+def _time_spread(units: torch.Tensor, full: torch.Tensor, partial: torch.Tensor) -> float:
+    F, P = _load(units, full, partial)
+    T = (F + P).double()
+    return float((T - T.mean()).abs().max())
 
 
 def mask_balanced_units(
@@ -167,23 +177,35 @@ def mask_balanced_units(
     count 0). Three starts are refined by swapping units (:func:`_refined`): contiguous, zigzag (when
     the units split into 2R chunks) and the units sorted by work and dealt back and forth. Of the
     results within one tile of even in both counts, the one whose ranks need the fewest K/V shards
-    of each other (``pairs_needed``) wins: a sliding window stays near contiguous, and so near
-    its neighbours; when none is that even, the most even one wins.
+    of each other (``pairs_needed``) wins: a sliding window stays near contiguous, and so near its
+    neighbours. Equal shards cannot always be that even: a row that crosses a document boundary
+    carries a lump of partial tiles (the earlier document's keys), which units of one or two tiles
+    cannot offset, and a window's first rows are light. Then each start is refined further for
+    even total work (full + partial), and of those within one tile of the most even total, the
+    one that needs the fewest shards wins.
     """
     n_units = full.numel()
     if n_units % world:
         raise InvalidInputError(f"mask_balanced_units: {n_units} units do not split over {world} ranks")
     if max_swaps is None:
-        max_swaps = 4 * n_units
+        max_swaps = min(4 * n_units, 256)
     starts = [contiguous_units(n_units, world)]
     if n_units % (2 * world) == 0:
         starts.append(zigzag_units(n_units, world))
     starts.append(_sorted_snake(full, partial, world))
-    best = None
-    for rank_order, start in enumerate(starts):
-        units = _refined(start, full, partial, max_swaps)
-        uneven = imbalance(units, full, partial)
-        key = (0.0 if uneven <= 1.0 else uneven, pairs_needed(units), uneven, rank_order)
-        if best is None or key < best[0]:
-            best = (key, units)
-    return best[1]
+    even, uneven = [], []
+    for units in starts:
+        units = _refined(units, full, partial, max_swaps)
+        if imbalance(units, full, partial) <= 1.0:
+            even.append(units)
+        else:
+            uneven.append(_refined(units, full, partial, max_swaps, time_weight=2))
+    if even:
+        candidates = even
+    else:  # within one tile of the most even total
+        spreads = [_time_spread(units, full, partial) for units in uneven]
+        candidates = [units for units, spread in zip(uneven, spreads) if spread <= min(spreads) + 1.0]
+    if len(candidates) == 1:
+        return candidates[0]
+    needed = [pairs_needed(units) for units in candidates]
+    return candidates[needed.index(min(needed))]
