@@ -248,3 +248,19 @@ def test_merge_is_exact_and_keeps_empty_rows_at_zero():
     assert not torch.isnan(out).any() and torch.equal(out[0, 0, 0], torch.zeros(4))
     assert torch.isneginf(lse[0, 0, 0]) and torch.allclose(lse[0, 0, 1:], want_lse[0, 0, 1:])
     assert torch.allclose(out, want)
+
+
+def test_one_gpu_script_runs_small_on_the_cpu(tmp_path):
+    # The GPU run's own code (ranks as streams, the check, the timings) and the model, at tiny sizes.
+    import json
+
+    from flexattn.bench import context_parallel
+
+    out = tmp_path / "cp.json"
+    assert context_parallel.main(["--smoke", "--masks", "causal,alibi", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert {row["mask"] for row in report["runs"]} == {"causal", "alibi"}
+    for row in report["runs"]:
+        assert row["out_ok"] and row["dq_ok"] and row["dk_ok"] and row["dv_ok"], row
+        assert all(step["kernel_ms"] > 0 for steps in row["steps"] for step in steps)
+    assert {row["mask"] for row in report["model"]["rows"]} == {"causal", "document", "sliding_window"}

@@ -40,8 +40,8 @@ class CostModel:
         step_latency_s: fixed time of one step: a kernel launch, one p2p round, the merge's launches.
         memory_bytes_per_s: device memory bandwidth (the merge and the gather's concatenation).
         partial_tile_cost: time of a partial tile (mask_mod evaluated) over a full one.
-        gather_limit_bytes: the most K/V bytes the gather schedule may hold on one rank; beyond it
-            the ring runs, whose memory stays at two shards in flight.
+        gather_limit_bytes: the most K/V bytes the gather schedule may hold on one rank (short
+            sequences); beyond it the ring runs, whose memory stays at two shards in flight.
     """
 
     flops_per_s: float
@@ -49,7 +49,7 @@ class CostModel:
     step_latency_s: float
     memory_bytes_per_s: float
     partial_tile_cost: float = 1.3
-    gather_limit_bytes: int = 1 << 30
+    gather_limit_bytes: int = 256 << 20
 
     @classmethod
     def for_device(cls, device: torch.device) -> "CostModel":

@@ -253,43 +253,45 @@ class Plan:
     # ------------------------------------------------------------------------------ tiles
 
     def _visited(self):
-        """Per slice of query-block rows: (rows, cols, partial) of every visited tile (flat int64,
-        one entry per batch and head of the tables). Tiles that stick out past the lengths count as
-        partial; listed blocks past the lengths are ignored (they hold no token)."""
+        """Per slice of query-block rows: ``(rows, idx, as_full, as_partial)`` for each table, where
+        ``rows`` are the slice's row ids, ``idx`` its entries ``[B, H, rows, W]``, and the two masks
+        say which entries count as full and which as partial tiles. A tile that sticks out past the
+        lengths counts as partial; listed blocks past the lengths are ignored (they hold no token).
+        Dense masks rather than selected entries: a million tokens are tens of millions of tiles."""
         bm = self.block_mask
         q_len, kv_len = bm.seq_lengths
         q_cut, kv_cut = q_len % bm.BLOCK_SIZE[0] != 0, kv_len % bm.BLOCK_SIZE[1] != 0
-        tables = [(bm.kv_num_blocks, bm.kv_indices, True)]
+        tables = [(bm.kv_num_blocks, bm.kv_indices, False)]
         if bm.full_kv_num_blocks is not None:
-            tables.append((bm.full_kv_num_blocks, bm.full_kv_indices, False))
+            tables.append((bm.full_kv_num_blocks, bm.full_kv_indices, True))
         B, H, table_rows, width = bm.kv_indices.shape
         rows = min(self.rows, table_rows)
         step = max(1, _SCAN_ENTRIES // max(1, B * H * width))
         for start in range(0, rows, step):
             stop = min(rows, start + step)
-            for num, idx, partial in tables:
+            row_ids = torch.arange(start, stop, device=self.device)
+            for num, idx, full in tables:
                 idx = idx[:, :, start:stop]
                 used = (torch.arange(idx.shape[-1], device=idx.device) < num[:, :, start:stop].unsqueeze(-1))
                 used &= idx < self.cols
-                row = torch.arange(start, stop, device=idx.device).view(1, 1, -1, 1).expand_as(idx)[used]
-                col = idx[used].long()
-                if partial:
-                    is_partial = torch.ones_like(col, dtype=torch.bool)
-                else:
-                    is_partial = torch.zeros_like(col, dtype=torch.bool)
-                    if kv_cut:
-                        is_partial |= col == self.cols - 1
-                    if q_cut:
-                        is_partial |= row == self.rows - 1
-                yield row, col, is_partial
+                if not full:
+                    yield row_ids, idx, None, used
+                    continue
+                cut = torch.zeros_like(used)
+                if kv_cut:
+                    cut |= idx == self.cols - 1
+                if q_cut and stop == self.rows:
+                    cut[:, :, -1] = True
+                yield row_ids, idx, used & ~cut, used & cut
 
     def _row_tiles(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Full and partial tiles of each query-block row (int64 ``[rows]``, CPU)."""
         full = torch.zeros(self.rows, dtype=torch.long, device=self.device)
         partial = torch.zeros_like(full)
-        for row, _, is_partial in self._visited():
-            full += torch.bincount(row[~is_partial], minlength=self.rows)
-            partial += torch.bincount(row[is_partial], minlength=self.rows)
+        for row_ids, _, as_full, as_partial in self._visited():
+            partial[row_ids] += as_partial.sum((0, 1, 3))
+            if as_full is not None:
+                full[row_ids] += as_full.sum((0, 1, 3))
         return full.cpu(), partial.cpu()
 
     def _unit_tiles(self, row_full, row_partial, rows_per_unit: int, n_units: int):
@@ -301,14 +303,19 @@ class Plan:
     def _pair_tiles(self, q_layout: Layout, kv_layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
         world = self.world_size
         q_owner = q_layout.owners(self.block_mask.BLOCK_SIZE[0]).to(self.device)
-        kv_owner = kv_layout.owners(self.block_mask.BLOCK_SIZE[1]).to(self.device)
-        full = torch.zeros(world * world, dtype=torch.long, device=self.device)
+        kv_owner = kv_layout.owners(self.block_mask.BLOCK_SIZE[1])
+        # Entries past the keys weigh nothing; the lookup only has to cover them.
+        width = self.block_mask.kv_indices.shape[-1]
+        kv_owner = torch.nn.functional.pad(kv_owner, (0, max(0, width - kv_owner.numel()))).to(self.device)
+        bins = world * world + 1  # the last bin takes the entries that are not tiles of that kind
+        full = torch.zeros(bins, dtype=torch.long, device=self.device)
         partial = torch.zeros_like(full)
-        for row, col, is_partial in self._visited():
-            pair = q_owner[row] * world + kv_owner[col]
-            full += torch.bincount(pair[~is_partial], minlength=world * world)
-            partial += torch.bincount(pair[is_partial], minlength=world * world)
-        return full.view(world, world).cpu(), partial.view(world, world).cpu()
+        for row_ids, idx, as_full, as_partial in self._visited():
+            pair = (q_owner[row_ids] * world).view(1, 1, -1, 1) + kv_owner[idx]
+            if as_full is not None:
+                full += torch.bincount(torch.where(as_full, pair, bins - 1).reshape(-1), minlength=bins)
+            partial += torch.bincount(torch.where(as_partial, pair, bins - 1).reshape(-1), minlength=bins)
+        return full[:-1].view(world, world).cpu(), partial[:-1].view(world, world).cpu()
 
     def _deal(self, n_units: int, full, partial, unit: int, shared: bool) -> torch.Tensor:
         world = self.world_size
@@ -365,9 +372,11 @@ class Plan:
             costs.append(StepCost(full, partial, round_index is not None))
         return costs
 
-    def predicted_seconds(self, problem: Problem, schedule: str, backward: bool = False) -> list:
-        """The cost model's time of each rank for ``schedule`` ("ring" or "allgather")."""
-        model, block = self.cost_model, self.block_mask.BLOCK_SIZE
+    def predicted_seconds(self, problem: Problem, schedule: str, backward: bool = False,
+                          model: Optional[CostModel] = None) -> list:
+        """The cost model's time of each rank for ``schedule`` ("ring" or "allgather"), by the
+        plan's model or ``model``."""
+        model, block = model or self.cost_model, self.block_mask.BLOCK_SIZE
         q_length, kv_length = self.q_layout.local_length, self.kv_layout.local_length
         seconds = []
         for rank in range(self.world_size):
@@ -380,19 +389,20 @@ class Plan:
                 seconds.append(gather_seconds(model, problem, block, kv_length, full, partial, received, backward))
         return seconds
 
-    def choose_schedule(self, problem: Problem) -> str:
+    def choose_schedule(self, problem: Problem, model: Optional[CostModel] = None) -> str:
         """The schedule for a call of these sizes: the requested one, or the cost model's choice
         (the gather only where its K/V fit ``gather_limit_bytes``). The same on every rank."""
         if self.requested_schedule != "auto":
             return self.requested_schedule
-        choice = self._choices.get(problem)
+        model = model or self.cost_model
+        choice = self._choices.get((problem, model))
         if choice is None:
             most_received = max(len(self._gather_rounds(r)[0].recv_from) for r in range(self.world_size))
             gather_bytes = (most_received + 1) * problem.shard_bytes(self.kv_layout.local_length)
-            ring = max(self.predicted_seconds(problem, "ring"))
-            gather = max(self.predicted_seconds(problem, "allgather"))
-            fits = gather_bytes <= self.cost_model.gather_limit_bytes
-            choice = self._choices[problem] = "allgather" if fits and gather < ring else "ring"
+            ring = max(self.predicted_seconds(problem, "ring", model=model))
+            gather = max(self.predicted_seconds(problem, "allgather", model=model))
+            fits = gather_bytes <= model.gather_limit_bytes
+            choice = self._choices[(problem, model)] = "allgather" if fits and gather < ring else "ring"
         return choice
 
     # ------------------------------------------------------------------------------ one rank's steps

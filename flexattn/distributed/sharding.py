@@ -113,35 +113,74 @@ def _best_swap(units, full, partial, F, P, a: int, b: int, time_weight: int) -> 
     """The swap of a unit of rank a with one of rank b that lowers the spread most, as (position in
     a, position in b, change), or None when none lowers it.
 
-    The spread is ``sum((F - mean)^2 + (P - mean)^2 + time_weight (F + P - mean)^2)`` over ranks.
-    Of equal changes, the swap of the nearest units wins: neighbours stay together, and so do the
-    shards they need. Integer arithmetic: every rank computes the same answer."""
-    df = full[units[b]].unsqueeze(0) - full[units[a]].unsqueeze(1)
-    dp = partial[units[b]].unsqueeze(0) - partial[units[a]].unsqueeze(1)
-    change = 2 * df * (F[a] - F[b] + df) + 2 * dp * (P[a] - P[b] + dp)
-    if time_weight:
-        dt = df + dp
-        change += 2 * time_weight * dt * (F[a] + P[a] - F[b] - P[b] + dt)
-    distance = (units[b].unsqueeze(0) - units[a].unsqueeze(1)).abs()
-    best = int((change * (full.numel() + 1) + distance).argmin())
-    value = int(change.reshape(-1)[best])
-    if value >= 0:
+    The spread is ``sum((F - mean)^2 + (P - mean)^2 + w (F + P - mean)^2)`` over ranks, w the
+    ``time_weight``. Swapping u (of a) for v (of b) changes it by ``(q(x, y) - q(x0, y0)) / 2``
+    with ``x = 2 (f_v - f_u) + F_a - F_b``, ``y = 2 (p_v - p_u) + P_a - P_b``, ``(x0, y0)`` their
+    values without a swap, and ``q(x, y) = x^2 + y^2 + w (x + y)^2``. For a fixed ``p_v`` (units
+    of b grouped by partial count: few groups), q is a convex parabola in ``f_v``, so the best v
+    of each u is one of the two whose ``f_v`` enclose the parabola's vertex: a sorted search, not
+    all n^2 pairs. Integer arithmetic: every rank computes the same answer. Of equal changes, the
+    swap of the nearest units wins: neighbours stay together, and so do the shards they need."""
+    da, ea, w = int(F[a] - F[b]), int(P[a] - P[b]), time_weight
+    fa, pa = full[units[a]], partial[units[a]]
+    fb, pb = full[units[b]], partial[units[b]]
+    order = torch.sort(pb * (int(fb.max()) + 1) + fb, stable=True).indices
+    fb_sorted, pb_sorted = fb[order], pb[order]
+    values, counts = torch.unique_consecutive(pb_sorted, return_counts=True)
+    best_q, best_j = [], []
+    start = 0
+    for p_value, count in zip(values.tolist(), counts.tolist()):
+        f_group = fb_sorted[start:start + count]
+        y = 2 * (p_value - pa) + ea
+        # The vertex in x, then the f_v it asks for.
+        target = fa.double() + (-w * y.double() / (1 + w) - da) / 2
+        at = torch.searchsorted(f_group.double(), target)
+        for k in (at - 1, at):
+            k = k.clamp(0, count - 1)
+            x = 2 * (f_group[k] - fa) + da
+            best_q.append((1 + w) * (x * x + y * y) + 2 * w * x * y)
+            best_j.append(order[start + k])
+        start += count
+    q, j = torch.stack(best_q, dim=1), torch.stack(best_j, dim=1)
+    q_none = (1 + w) * (da * da + ea * ea) + 2 * w * da * ea
+    q_min = int(q.min())
+    if q_min >= q_none:
         return None
-    return best // units.shape[1], best % units.shape[1], value
+    ties = (q == q_min).nonzero()
+    i_ties, j_ties = ties[:, 0], j[ties[:, 0], ties[:, 1]]
+    pick = int((units[b][j_ties] - units[a][i_ties]).abs().argmin())
+    return int(i_ties[pick]), int(j_ties[pick]), (q_min - q_none) // 2
+
+
+_EVERY_PAIR_ROUNDS = 16
 
 
 def _refined(units: torch.Tensor, full: torch.Tensor, partial: torch.Tensor, max_swaps: int,
              time_weight: int = 0) -> torch.Tensor:
-    """Local search: swap units between ranks while it evens the counts. Each round tries the most
-    and the least loaded ranks first (cheap), every pair only when they have no useful swap."""
+    """Local search: swap units between ranks while it evens the counts, until every rank is
+    within one tile of even (of even total work with ``time_weight``). Each round tries the most
+    and the least loaded ranks first (cheap); every pair of ranks, which costs R^2 / 2 searches,
+    only when they have no useful swap, and at most ``_EVERY_PAIR_ROUNDS`` times."""
     units = units.clone()
     F, P = _load(units, full, partial)
     world = units.shape[0]
+
+    def even() -> bool:
+        if time_weight:
+            return float(((F + P) * world - (F + P).sum()).abs().max()) <= world
+        return max(float((F * world - F.sum()).abs().max()), float((P * world - P.sum()).abs().max())) <= world
+
+    every_pair_rounds = 0
     for _ in range(max_swaps):
+        if even():
+            break
         load = F + P
         a, b = int(load.argmax()), int(load.argmin())
         swap = _best_swap(units, full, partial, F, P, a, b, time_weight) if a != b else None
         if swap is None:
+            if every_pair_rounds == _EVERY_PAIR_ROUNDS:
+                break
+            every_pair_rounds += 1
             candidates = []
             for i in range(world):
                 for j in range(i + 1, world):
@@ -193,18 +232,12 @@ def mask_balanced_units(
     if n_units % (2 * world) == 0:
         starts.append(zigzag_units(n_units, world))
     starts.append(_sorted_snake(full, partial, world))
-    even, uneven = [], []
-    for units in starts:
-        units = _refined(units, full, partial, max_swaps)
-        if imbalance(units, full, partial) <= 1.0:
-            even.append(units)
-        else:
-            uneven.append(_refined(units, full, partial, max_swaps, time_weight=2))
-    if even:
-        candidates = even
-    else:  # within one tile of the most even total
-        spreads = [_time_spread(units, full, partial) for units in uneven]
-        candidates = [units for units, spread in zip(uneven, spreads) if spread <= min(spreads) + 1.0]
+    refined = [_refined(units, full, partial, max_swaps) for units in starts]
+    candidates = [units for units in refined if imbalance(units, full, partial) <= 1.0]
+    if not candidates:  # within one tile of the most even total
+        refined = [_refined(units, full, partial, max_swaps, time_weight=2) for units in refined]
+        spreads = [_time_spread(units, full, partial) for units in refined]
+        candidates = [units for units, spread in zip(refined, spreads) if spread <= min(spreads) + 1.0]
     if len(candidates) == 1:
         return candidates[0]
     needed = [pairs_needed(units) for units in candidates]
