@@ -15,7 +15,7 @@ import socket
 import time
 import traceback
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
@@ -30,7 +30,8 @@ ODD = 250  # entries that take any length: a partial last block, and padding
 @dataclass(frozen=True)
 class Case:
     """One run. ``kind``: "variant" (forward and backward against flexattn and the reference),
-    "bytes" (what each rank sent and received), or "errors" (disagreeing ranks)."""
+    "bytes" (what each rank sent and received), "errors" (disagreeing ranks), or "mesh" (a
+    DeviceMesh for the group)."""
 
     kind: str
     world: int
@@ -79,7 +80,7 @@ def cases(world: int) -> list:
             Case("variant", world, "document_mask", "contiguous", "allgather", q_len=SQUARE, kv_len=SQUARE,
                  backend="TRITON"),
         ]
-    found += [Case("bytes", world), Case("errors", world)]
+    found += [Case("bytes", world), Case("errors", world), Case("mesh", world)]
     return found
 
 
@@ -350,4 +351,23 @@ def _errors(case: Case, rank: int) -> dict:
     return {"messages": messages} if rank == 0 else {}
 
 
-RUNNERS = {"variant": _variant, "bytes": _bytes, "errors": _errors}
+def _mesh(case: Case, rank: int) -> dict:
+    """A 1-D DeviceMesh serves as the group, with the default group's result."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from flexattn import create_block_mask
+    from flexattn.distributed import ContextParallel
+    from flexattn.variants import causal_mask
+
+    _seed(case)
+    bm = create_block_mask(causal_mask, None, None, 128, 128, device="cpu", BLOCK_SIZE=BLOCK)
+    q, k, v = (torch.randn(B, 2, 128, E) for _ in range(3))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+    outs = []
+    for group in (None, mesh["cp"]):
+        cp = ContextParallel(bm, group=group)
+        outs.append(cp.unshard(cp.flex_attention(cp.shard(q), cp.shard(k), cp.shard(v))))
+    return {"same": bool(torch.equal(*outs))} if rank == 0 else {}
+
+
+RUNNERS = {"variant": _variant, "bytes": _bytes, "errors": _errors, "mesh": _mesh}

@@ -112,6 +112,12 @@ def test_disagreeing_ranks_get_clear_errors(ranks, world):
     assert "Q_LEN or KV_LEN" in messages["bad length for shard"]
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_device_mesh_is_a_group(ranks, world):
+    (case,) = [c for c in CASES if c.kind == "mesh" and c.world == world]
+    assert _result(ranks, case)["same"]
+
+
 # ---------------------------------------------------------------------------------------------
 # The plan, in one process
 # ---------------------------------------------------------------------------------------------

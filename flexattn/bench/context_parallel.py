@@ -24,6 +24,7 @@ assumptions), for flexattn's ring and for torch's all-gather of K/V.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import platform
@@ -46,7 +47,8 @@ from flexattn.variants import (
 
 MASKS = ("causal", "document", "sliding_window", "alibi")
 WINDOW = 4096  # the sliding window (tokens), in the GPU run and in the model
-DOCUMENT_TOKENS = 32768  # mean document length of the document masks
+# Mean document length of the document masks: in the GPU run (32k tokens, 16 documents), in the model.
+RUN_DOCUMENT_TOKENS, MODEL_DOCUMENT_TOKENS = 2048, 32768
 
 # Measured forward and backward TFLOP/s of single-GPU flexattn on an H100, bf16, d=128, 16k tokens
 # (docs/benchmarks.md: "Forward, after the fixes" and "Backward: the Triton kernels").
@@ -56,14 +58,14 @@ LINKS = {"NVLink 4": 450e9, "InfiniBand": 50e9}
 
 
 def mods_of(name: str, length: int, heads: int, device) -> tuple:
-    """(score_mod, mask_mod) of one case."""
+    """(score_mod, mask_mod) of one case of the one-GPU run."""
     if name == "causal":
         return None, causal_mask
     if name == "alibi":
         return generate_alibi_bias(heads, device), causal_mask
     if name == "sliding_window":
         return None, generate_sliding_window(min(WINDOW, length // 4))
-    doc = document_ids(split_lengths(length, max(2, length // DOCUMENT_TOKENS)), device)
+    doc = document_ids(split_lengths(length, max(2, length // RUN_DOCUMENT_TOKENS)), device)
     return None, generate_document_mask(doc)
 
 
@@ -83,7 +85,7 @@ class _Streams:
         return torch.cuda.Stream() if self.cuda else None
 
     def on(self, stream):
-        return torch.cuda.stream(stream) if self.cuda else _NoStream()
+        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
 
     def record(self, stream):
         if not self.cuda:
@@ -95,14 +97,6 @@ class _Streams:
     def wait(self, stream, event) -> None:
         if self.cuda and event is not None:
             stream.wait_event(event)
-
-
-class _NoStream:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def shard(x: torch.Tensor, layout, rank: int) -> torch.Tensor:
@@ -346,7 +340,7 @@ def model_block_mask(name: str, length: int, block: int = 128) -> BlockMask:
         full, visited = (low >= 0) & (high <= window), (high >= 0) & (low <= window)
         mask_mod = generate_sliding_window(window)
     else:
-        doc = document_ids(split_lengths(length, max(2, length // DOCUMENT_TOKENS)), "cpu")
+        doc = document_ids(split_lengths(length, max(2, length // MODEL_DOCUMENT_TOKENS)), "cpu")
         doc_first, doc_last = doc[first].long(), doc[last].long()
         one_doc = doc_first == doc_last
         same = one_doc.view(-1, 1) & one_doc.view(1, -1) & (doc_first.view(-1, 1) == doc_first.view(1, -1))
@@ -362,8 +356,9 @@ def model_block_mask(name: str, length: int, block: int = 128) -> BlockMask:
     full_num, full_idx = dense_to_ordered(full.view(1, 1, *full.shape))
     width = max(1, int(num.max()))
     full_width = max(1, int(full_num.max()))
-    return BlockMask((length, length), num, idx[..., :width].contiguous(), full_num, full_idx[..., :full_width].contiguous(),
-                     None, None, None, None, BLOCK_SIZE=block, mask_mod=mask_mod)
+    return BlockMask((length, length), num, idx[..., :width].contiguous(), full_num,
+                     full_idx[..., :full_width].contiguous(), None, None, None, None,
+                     BLOCK_SIZE=block, mask_mod=mask_mod)
 
 
 def model_rows(lengths, worlds, masks, links, problem: Problem, forward_tflops: dict, backward_tflops: dict,

@@ -145,7 +145,8 @@ class ContextParallel:
                 sizes = " or ".join(str(n) for n in sorted({size(layout) for layout in layouts.values()}))
                 fix = ("pass a shard from cp.shard, or cp.flex_attention's output" if local
                        else "the block_mask's Q_LEN or KV_LEN")
-                raise InvalidInputError(f"ContextParallel: dim 2 has {length} positions, but {what} has {sizes} ({fix})")
+                raise InvalidInputError(
+                    f"ContextParallel: dim 2 has {length} positions, but {what} has {sizes} ({fix})")
             role = fits[0]
         if size(layouts[role]) != length:
             raise InvalidInputError(
@@ -192,7 +193,8 @@ class ContextParallel:
     def _check_inputs(self, query, key, value, enable_gqa: bool) -> None:
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                raise InvalidInputError(f"cp.flex_attention: {name} must be a 4-D tensor [batch, heads, shard, head_dim]")
+                raise InvalidInputError(
+                    f"cp.flex_attention: {name} must be a 4-D tensor [batch, heads, shard, head_dim]")
             if t.dtype not in _FLOAT_DTYPES:
                 raise InvalidInputError(f"cp.flex_attention: {name} must be float16, bfloat16, float32 or float64, "
                                         f"got {t.dtype}")
@@ -260,7 +262,8 @@ class ContextParallel:
         options = self._options(kernel_options)
         request = self._aux_request(return_aux)
         if scale is not None and not isinstance(scale, (int, float)):
-            raise InvalidInputError(f"cp.flex_attention: scale must be a Python float or None, got {type(scale).__name__}")
+            raise InvalidInputError(
+                f"cp.flex_attention: scale must be a Python float or None, got {type(scale).__name__}")
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
         need_max = bool(request is not None and request.max_scores)
         learnable, score_graph = [], 0
@@ -316,8 +319,8 @@ class ContextParallel:
         if unknown:
             raise InvalidInputError(f"unknown kernel_options {sorted(unknown)} (see flexattn.FlexKernelOptions)")
         if ignored:
-            warnings.warn("kernel_options ignored by flexattn: " + ", ".join(f"{k} ({why_ignored(k)})" for k in ignored),
-                          UserWarning, stacklevel=3)
+            reasons = ", ".join(f"{key} ({why_ignored(key)})" for key in ignored)
+            warnings.warn(f"kernel_options ignored by flexattn: {reasons}", UserWarning, stacklevel=3)
         return options
 
     @staticmethod

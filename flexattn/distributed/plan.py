@@ -7,10 +7,10 @@ the ranks' masks agree), with no communication: tile counts are integers, ties a
 index, so equal inputs give equal plans.
 
 1. Units and layouts (sharding.py). The sequence is cut into units of ``lcm(Q_BLOCK, KV_BLOCK)``
-   tokens (one sequence: queries and keys share one layout, so a layer's output shard is the next
-   layer's input shard), padded to a whole number of units per rank (2 units per rank for zigzag),
-   and dealt to ranks by the balance mode. When the query and key lengths differ (cross-attention)
-   and do not pad to the same length, queries (units of Q_BLOCK) follow the balance mode and keys
+   tokens, padded to a whole number of units per rank (2 units per rank for zigzag), and dealt to
+   ranks by the balance mode; queries and keys are dealt alike (one sequence: a layer's output
+   shard is the next layer's input shard). When the query and key lengths do not pad to the same
+   number of units (cross-attention), queries (units of Q_BLOCK) follow the balance mode and keys
    (units of KV_BLOCK) are contiguous.
 2. Tiles per pair. Every visited tile (b, h, row, col) of the global tables belongs to the pair
    (owner of row's query unit, owner of col's key unit). ``full_tiles[i, j]`` and
@@ -199,6 +199,8 @@ class Plan:
         full_tiles, partial_tiles: int64 ``[R, R]``, the tiles rank i computes against rank j's
             K/V shard (summed over the mask's batch and heads).
         needs: bool ``[R, R]``, ``needs[i, j]``: rank i's queries visit rank j's keys.
+        unit_imbalance: the largest distance of a rank's full or partial tile count from the even
+            share (0.5 is as even as odd totals allow).
         schedule: the schedule that ran last ("ring" or "allgather"); the requested one when it
             is not "auto"; None before the first call of an "auto" plan.
     """
