@@ -5,8 +5,9 @@ holds what they measured, with the device and versions of each run).
 paper benchmarks, side by side in one process with torch's compiled flex_attention and SDPA:
 ``forward``, ``backward`` (training) and ``decode``. Beside them: ``learnable`` (the backward of
 variants with learnable tables), the launch-config sweeps ``sweep`` and ``sweep_backward``,
-``tile_census`` (what the compiler made of every default kernel), and ``startup`` (the first call
-and the host overhead). ``common`` holds what they share.
+``tile_census`` (what the compiler made of every default kernel), ``startup`` (the first call
+and the host overhead), and ``context_parallel`` (the ring's schedule on one GPU with streams for
+ranks, and the ring's model at scale). ``common`` holds what they share.
 """
 
 import importlib

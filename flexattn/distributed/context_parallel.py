@@ -1,0 +1,333 @@
+"""``ContextParallel``: flex_attention over a sequence split across the ranks of a process group."""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+import sys
+import warnings
+import zlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..codegen import debug_enabled
+from ..errors import InvalidInputError
+from ..lowering import mod_index_dtype
+from ..masks import as_block_mask, torch_counterpart
+from ..options import AuxOutput, AuxRequest, normalize_kernel_options, why_ignored
+from ..trace import trace_mod
+from .comm import Exchange, agree, as_process_group
+from .cost import CostModel, Problem
+from .plan import SCHEDULES, Plan, mask_digest
+from .ring import ContextParallelFunction, RankRun
+from .sharding import BALANCE_MODES, Layout
+from .step import step_call
+
+__all__ = ["ContextParallel"]
+
+logger = logging.getLogger("flexattn.distributed")
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_ROLES = ("query", "key")
+
+
+class _Unshard(torch.autograd.Function):
+    """All-gather a rank's shard into the global sequence. Backward: every rank computes the same
+    loss from the whole output, so the gradient of this rank's shard is its own slice of the
+    output's gradient (no communication)."""
+
+    @staticmethod
+    def forward(ctx, shard, layout: Layout, order: torch.Tensor, mine: torch.Tensor, group):
+        parts = [torch.empty_like(shard) for _ in range(layout.world)]
+        dist.all_gather(parts, shard.contiguous(), group=group)
+        whole = shard.new_empty(*shard.shape[:2], layout.padded_length, *shard.shape[3:])
+        whole.index_copy_(2, order, torch.cat(parts, dim=2))
+        ctx.layout, ctx.mine = layout, mine
+        return whole.narrow(2, 0, layout.length).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        pad = ctx.layout.padded_length - ctx.layout.length
+        if pad:
+            grad = torch.nn.functional.pad(grad, (0, 0) * (grad.dim() - 3) + (0, pad))
+        return grad.index_select(2, ctx.mine), None, None, None, None
+
+
+class ContextParallel:
+    """flex_attention over a sequence too long for one device, split across a process group.
+
+    Build it once per mask (every layer that shares the mask shares it), from the *global*
+    BlockMask, the same on every rank; mods keep using global positions::
+
+        cp = ContextParallel(block_mask, group=None, balance="mask")
+        q_l, k_l, v_l = cp.shard(q), cp.shard(k), cp.shard(v)
+        out_l = cp.flex_attention(q_l, k_l, v_l, score_mod=alibi)
+        out = cp.unshard(out_l)          # the whole sequence again (tests, the last layer)
+
+    Each rank holds ``1 / world_size`` of the tokens (its *shard*). K/V shards travel between
+    ranks only where the mask needs them ([Note] The plan in flexattn/distributed/plan.py;
+    docs/context_parallel.md).
+
+    Args:
+        block_mask: the BlockMask of the whole sequence (flexattn's or torch's), on this rank's
+            device, identical on every rank (checked: a difference raises on every rank, naming it).
+        group: a ProcessGroup, a 1-D DeviceMesh, or None for the default group (NCCL for CUDA
+            tensors, gloo for CPU tensors).
+        balance: how tokens are dealt to ranks. ``"mask"``: from the mask's tile counts, so every
+            rank computes about as many full and partial tiles as the others (the permutation is in
+            ``plan.q_layout``); ``"zigzag"``: rank r holds chunks r and 2R-1-r of 2R (causal masks);
+            ``"contiguous"``: rank r holds the r-th R-th of the sequence.
+        schedule: ``"ring"`` (one shard per step, the next arriving during the current step's
+            kernel; at most two received shards held), ``"allgather"`` (every needed shard at once,
+            one kernel), or ``"auto"``: the faster by the cost model, per call size.
+        cost_model: the :class:`~flexattn.distributed.CostModel` ``"auto"`` asks (default: by device).
+
+    Padding: the sequence is cut into units of ``lcm(Q_BLOCK, KV_BLOCK)`` tokens and padded at its
+    end to a whole number of units per rank (two per rank for zigzag). :meth:`shard` pads with
+    zeros; padded keys are masked, padded queries give 0 (LSE -inf) and :meth:`unshard` drops them.
+
+    Attributes:
+        plan: the :class:`~flexattn.distributed.Plan` (layouts, tiles per rank pair, which shards
+            each rank needs, ``plan.schedule``: the schedule the last call ran).
+        rank, world_size, group.
+    """
+
+    def __init__(self, block_mask, group=None, balance: str = "mask", *, schedule: str = "auto",
+                 cost_model: Optional[CostModel] = None) -> None:
+        if balance not in BALANCE_MODES:
+            raise InvalidInputError(f"ContextParallel: balance must be one of {BALANCE_MODES}, got {balance!r}")
+        if schedule not in SCHEDULES:
+            raise InvalidInputError(f"ContextParallel: schedule must be one of {SCHEDULES}, got {schedule!r}")
+        self.group = as_process_group(group)
+        self.exchange = Exchange(self.group)
+        self.rank, self.world_size = self.exchange.rank, self.exchange.world_size
+        bm = as_block_mask(block_mask)
+        device = bm.kv_num_blocks.device
+        if dist.get_backend(self.group) == "nccl" and device.type != "cuda":
+            raise InvalidInputError(
+                f"ContextParallel: the group's backend is NCCL but the block_mask is on {device}; build it on this "
+                "rank's GPU (create_block_mask(..., device='cuda')), where the tensors will be"
+            )
+        agree(self.group, {**mask_digest(bm), "balance": BALANCE_MODES.index(balance),
+                           "schedule": SCHEDULES.index(schedule)}, device, "the block_mask",
+              "Every rank must build the same global mask (same mask_mod, lengths, block size and captured "
+              "tensors, e.g. document ids broadcast from rank 0) and pass the same balance and schedule")
+        self.plan = Plan(bm, self.world_size, balance, schedule, cost_model)
+        self.device = device
+        self._positions: dict = {}
+        self._agreed: set = set()
+        logger.debug("rank %d: %s", self.rank, self.plan.describe())
+
+    # ------------------------------------------------------------------------------ sharding
+
+    def _layout(self, length: int, role: Optional[str], local: bool) -> tuple[str, Layout]:
+        """The role ("query" or "key") and layout of a tensor whose dim 2 has ``length`` positions
+        (a shard's when ``local``, else the global sequence's)."""
+        layouts = {"query": self.plan.q_layout, "key": self.plan.kv_layout}
+        if role is not None and role not in layouts:
+            raise InvalidInputError(f"ContextParallel: role must be 'query' or 'key', got {role!r}")
+
+        def size(layout: Layout) -> int:
+            return layout.local_length if local else layout.length
+
+        what = "this rank's shard" if local else "the global sequence"
+        if role is None:
+            fits = [name for name, layout in layouts.items() if size(layout) == length]
+            if len(fits) == 2 and layouts["query"] is not layouts["key"]:
+                raise InvalidInputError(
+                    f"ContextParallel: dim 2 has {length} positions, the length of {what} of both the queries and "
+                    "the keys, which the plan lays out differently; pass role='query' or role='key'"
+                )
+            if not fits:
+                sizes = " or ".join(str(n) for n in sorted({size(layout) for layout in layouts.values()}))
+                fix = ("pass a shard from cp.shard, or cp.flex_attention's output" if local
+                       else "the block_mask's Q_LEN or KV_LEN")
+                raise InvalidInputError(
+                    f"ContextParallel: dim 2 has {length} positions, but {what} has {sizes} ({fix})")
+            role = fits[0]
+        if size(layouts[role]) != length:
+            raise InvalidInputError(
+                f"ContextParallel: dim 2 has {length} positions, but {what} of the {role}s has {size(layouts[role])}"
+            )
+        return role, layouts[role]
+
+    def _positions_of(self, role: str, layout: Layout, rank: Optional[int], device: torch.device) -> torch.Tensor:
+        key = (role, rank, device)
+        positions = self._positions.get(key)
+        if positions is None:
+            if rank is None:  # every rank's, in rank order: where the all_gather's parts go
+                positions = torch.cat([layout.positions(r) for r in range(layout.world)])
+            else:
+                positions = layout.positions(rank)
+            positions = self._positions[key] = positions.to(device)
+        return positions
+
+    def shard(self, x: torch.Tensor, role: Optional[str] = None) -> torch.Tensor:
+        """This rank's part of ``x``'s dim 2 (the sequence), in the plan's order.
+
+        ``x``: ``[B, H, L, ...]`` with L the mask's Q_LEN or KV_LEN, the same tensor on every rank.
+        Padding positions are zeros. Differentiable (the gradient goes to x's positions).
+        ``role``: "query" or "key", needed only where queries and keys have different lengths but
+        the same shard length (cross-attention), so the length does not tell.
+        """
+        role, layout = self._layout(x.shape[2], role, local=False)
+        pad = layout.padded_length - layout.length
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 3) + (0, pad))
+        return x.index_select(2, self._positions_of(role, layout, self.rank, x.device))
+
+    def unshard(self, x: torch.Tensor, role: Optional[str] = None) -> torch.Tensor:
+        """The global sequence from every rank's shard ``x`` (an all_gather): for tests and a model's
+        last layer. Padding is dropped. In the backward each rank keeps its own slice of the
+        gradient, which is right when every rank computes the same loss from the whole result.
+        ``role`` as in :meth:`shard`."""
+        role, layout = self._layout(x.shape[2], role, local=True)
+        return _Unshard.apply(x, layout, self._positions_of(role, layout, None, x.device),
+                              self._positions_of(role, layout, self.rank, x.device), self.group)
+
+    # ------------------------------------------------------------------------------ attention
+
+    def _check_inputs(self, query, key, value, enable_gqa: bool) -> None:
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise InvalidInputError(
+                    f"cp.flex_attention: {name} must be a 4-D tensor [batch, heads, shard, head_dim]")
+            if t.dtype not in _FLOAT_DTYPES:
+                raise InvalidInputError(f"cp.flex_attention: {name} must be float16, bfloat16, float32 or float64, "
+                                        f"got {t.dtype}")
+        if not query.dtype == key.dtype == value.dtype or not query.device == key.device == value.device:
+            raise InvalidInputError("cp.flex_attention: query, key and value must have one dtype and one device")
+        if query.device != self.device:
+            raise InvalidInputError(
+                f"cp.flex_attention: the tensors are on {query.device} but the block_mask on {self.device}"
+            )
+        B, Hq, L, E = query.shape
+        Bk, Hk, S, Ek = key.shape
+        if value.shape[:3] != key.shape[:3] or Ek != E or Bk not in (1, B):
+            raise InvalidInputError(
+                f"cp.flex_attention: query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                f"{tuple(value.shape)} do not fit: key and value share batch, heads and length, key the query's "
+                "head_dim, and their batch is the query's or 1"
+            )
+        if Hk != Hq and (Hq % Hk or not enable_gqa):
+            raise InvalidInputError(
+                f"cp.flex_attention: query has {Hq} heads and key/value {Hk}: grouped-query attention needs "
+                "enable_gqa=True and a key/value head count that divides the query's"
+            )
+        for name, length, layout in (("query", L, self.plan.q_layout), ("key", S, self.plan.kv_layout)):
+            if length != layout.local_length:
+                raise InvalidInputError(
+                    f"cp.flex_attention: {name} has {length} positions on dim 2, but this rank's shard holds "
+                    f"{layout.local_length} ({layout.length} positions padded to {layout.padded_length}, over "
+                    f"{layout.world} ranks); pass cp.shard({name[0]}), not the whole sequence"
+                )
+        mb, mh = self.plan.block_mask.kv_num_blocks.shape[:2]
+        if mb not in (1, B) or mh not in (1, Hq):
+            raise InvalidInputError(
+                f"cp.flex_attention: the block_mask has batch {mb} and heads {mh}; they must be 1 or the query's "
+                f"({B}, {Hq})"
+            )
+
+    def _agree_on_call(self, fields: dict, key) -> None:
+        """The first call of each kind is checked across ranks (one all_gather); later calls of the
+        same kind are not, so a training loop pays nothing. Ranks must make their calls in the same
+        order, as for every collective."""
+        if key in self._agreed:
+            return
+        agree(self.group, fields, self.device, "the call",
+              "Every rank must call cp.flex_attention with its own shards of the same tensors (same batch, "
+              "heads, head_dim, dtype, score_mod, scale and options)")
+        self._agreed.add(key)
+
+    def flex_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod=None,
+                       scale: Optional[float] = None, enable_gqa: bool = False, kernel_options: Optional[dict] = None,
+                       *, return_aux: Optional[AuxRequest] = None):
+        """flex_attention of this rank's query shard against the whole sequence's keys.
+
+        Same arguments and results as :func:`flexattn.flex_attention` (without ``block_mask``, which
+        the plan holds): ``query`` [B, Hq, shard, E], ``key``/``value`` [B or 1, Hkv, shard, E/Ev],
+        each from :meth:`shard`; ``score_mod`` in global positions; ``return_aux=AuxRequest(lse=...,
+        max_scores=...)`` returns ``(out, AuxOutput)`` for this rank's queries, the LSE
+        differentiable. Every rank must make the same calls, and run the backward of each.
+
+        Gradients reach q, k and v of every rank (dK/dV return to the shard's owner) and the
+        score_mod's learnable tensors: each rank's gradient there is its own queries' share, like
+        that of every other parameter under context parallelism, so the data-parallel reduction
+        over the context-parallel ranks (or ``dist.all_reduce(t.grad)``) sums them.
+        """
+        self._check_inputs(query, key, value, enable_gqa)
+        options = self._options(kernel_options)
+        request = self._aux_request(return_aux)
+        if scale is not None and not isinstance(scale, (int, float)):
+            raise InvalidInputError(
+                f"cp.flex_attention: scale must be a Python float or None, got {type(scale).__name__}")
+        scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+        need_max = bool(request is not None and request.max_scores)
+        learnable, score_graph = [], 0
+        if score_mod is not None:
+            traced, captured = trace_mod(score_mod, "score_mod")
+            learnable = [t for t in captured if t.requires_grad]
+            score_graph = zlib.crc32(traced.graph_module.code.encode())
+        needs_grad = torch.is_grad_enabled() and (
+            query.requires_grad or key.requires_grad or value.requires_grad or bool(learnable))
+        B, Hq, _, E = query.shape
+        Bk, Hkv, _, Ev = value.shape
+        problem = Problem(B, Hq, Bk, Hkv, E, Ev, query.element_size())
+        fields = {
+            "batch": B, "query heads": Hq, "key/value batch": Bk, "key/value heads": Hkv, "head_dim": E,
+            "value head_dim": Ev, "dtype": _FLOAT_DTYPES.index(query.dtype), "enable_gqa": enable_gqa,
+            "gradient needed": needs_grad, "max_scores requested": need_max,
+            "scale": struct.unpack("<q", struct.pack("<d", scale))[0], "score_mod's traced graph": score_graph,
+            "kernel_options": zlib.crc32(repr(sorted(options.items())).encode()),
+        }
+        self._agree_on_call(fields, tuple(fields.values()))
+
+        plan = self.plan
+        schedule = plan.schedule = plan.choose_schedule(problem)
+        rank_plan = plan.rank_plan(self.rank, schedule)
+        q_len, kv_len = plan.block_mask.seq_lengths
+        position_dtype = (mod_index_dtype(score_mod, "score_mod", B, Hq, q_len, kv_len) if score_mod is not None
+                          else torch.int32)
+        calls = [step_call(step, score_mod, position_dtype, query, options, scale, needs_grad, need_max)
+                 for step in rank_plan.steps]
+        if debug_enabled():
+            print(f"[flexattn] context parallel rank {self.rank}/{self.world_size}: schedule={schedule}, "
+                  f"{len(calls)} steps, receives {rank_plan.received_shards()} and sends {rank_plan.sent_shards()} "
+                  f"K/V shards; {plan.describe()}", file=sys.stderr)
+        logger.debug("rank %d: schedule %s, %d steps", self.rank, schedule, len(calls))
+        run = RankRun(rank_plan, calls, self.exchange, need_max, learnable)
+        if needs_grad:
+            out, lse, max_scores = ContextParallelFunction.apply(
+                query, key, value, run, bool(request is not None and request.lse), *learnable)
+        else:
+            with torch.no_grad():
+                out, lse, max_scores = run.forward(query, key, value)
+        if request is None:
+            return out
+        return out, AuxOutput(lse=lse if request.lse else None, max_scores=max_scores if need_max else None)
+
+    @staticmethod
+    def _options(kernel_options: Optional[dict]) -> dict:
+        if kernel_options is None:
+            return {}
+        if not isinstance(kernel_options, dict):
+            raise InvalidInputError(f"kernel_options must be a dict, got {type(kernel_options).__name__}")
+        options, ignored, unknown = normalize_kernel_options(kernel_options)
+        if unknown:
+            raise InvalidInputError(f"unknown kernel_options {sorted(unknown)} (see flexattn.FlexKernelOptions)")
+        if ignored:
+            reasons = ", ".join(f"{key} ({why_ignored(key)})" for key in ignored)
+            warnings.warn(f"kernel_options ignored by flexattn: {reasons}", UserWarning, stacklevel=3)
+        return options
+
+    @staticmethod
+    def _aux_request(return_aux) -> Optional[AuxRequest]:
+        if return_aux is None or isinstance(return_aux, AuxRequest):
+            return return_aux
+        theirs = torch_counterpart("AuxRequest")
+        if theirs is not None and isinstance(return_aux, theirs):
+            return AuxRequest(lse=bool(return_aux.lse), max_scores=bool(return_aux.max_scores))
+        raise InvalidInputError(f"return_aux must be a flexattn.AuxRequest, got {type(return_aux).__name__}")

@@ -1,0 +1,111 @@
+"""One step of a rank, run the way ``flex_attention`` runs a call, and the exact merge of steps.
+
+A step's forward and backward go straight to dispatch.py with a ``Call`` built here as api.py
+builds one (trace the mods, pick the backend, the PyTorch backend's index dtype, the mods' own
+constants on the device). The backward then runs each step's backward kernels once, with the
+*merged* output and LSE of the whole row ([Note] Backward from the merged statistics), instead of
+recomputing each step's forward to differentiate its partial result.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+from ..dispatch import Call, choose_decode, pick_backend, prepare_backward, run_backward, run_forward
+from ..errors import InvalidInputError
+from ..lowering import index_bounds, index_dtype
+from ..reference import working_dtype
+from ..trace import TracedMod, trace_mod
+from .plan import Step
+
+__all__ = ["StepCall", "step_call", "merge_into", "empty_result", "working_dtype"]
+
+
+class StepCall(NamedTuple):
+    """A step with the Call that runs it and the score_mod's captured tensors for this call."""
+
+    step: Step
+    call: Call
+    score_captured: list
+
+    def forward(self, q, k, v, need_max: bool):
+        """``(out, lse, max_scores or None)`` of the rank's queries against this step's keys."""
+        return run_forward(self.call, q, k, v, self.score_captured, True, need_max)
+
+    def backward(self, q, k, v, out, lse, grad_out, grad_lse):
+        """``(dq, dk, dv, [gradient of each captured tensor or None])`` of this step's share.
+
+        [Note] Backward from the merged statistics
+        The row's softmax over all steps is ``P = exp(S - lse)`` with the merged ``lse``, and
+        ``dS = P * (dP - rowsum(dO * O) + dlse)`` with the merged output ``O``: both are the row's,
+        not the step's. So each step's backward kernels, given the merged ``out`` and ``lse`` (what
+        a single-GPU backward is given), produce exactly that step's part of dQ, and the whole of
+        dK, dV for its keys from these queries. No step's partial output is kept or recomputed.
+        """
+        return run_backward(self.call, q, k, v, out, lse, grad_out, grad_lse, self.score_captured)
+
+
+def _on_device(traced: Optional[TracedMod], values: list, device: torch.device) -> list:
+    """The constants a mod builds itself (frozen on the CPU by the trace) on ``device``, as
+    flex_attention passes them; the user's tensors are checked, never moved."""
+    if traced is None:
+        return values
+    for captured, value in zip(traced.captured, values):
+        if captured.walk_index is not None and value.device != device:
+            raise InvalidInputError(
+                f"{traced.kind} '{traced.name}' reads the tensor '{captured.name}' on {value.device}, but the "
+                f"query is on {device}; create it on the query's device (e.g. {captured.name}.to('{device}'))"
+            )
+    if device.type == "cpu" or all(c.walk_index is not None for c in traced.captured):
+        return values
+    fixed = traced.fixed_values_on(device)
+    return [v if f is None else f for f, v in zip(fixed, values)]
+
+
+def step_call(step: Step, score_mod, position_dtype: torch.dtype, q: torch.Tensor, options: dict, scale: float,
+              needs_grad: bool, need_max: bool) -> StepCall:
+    """The StepCall of ``step`` for a call of ``score_mod`` (None: none) on the query shard ``q``."""
+    B, Hq, L, _ = q.shape
+    S = step.kv_positions.numel()
+    if score_mod is None:
+        score, score_captured = None, []
+    else:
+        score, score_captured = trace_mod(step.score_mod_at(score_mod, position_dtype), "score_mod")
+    mask, mask_captured = trace_mod(step.block_mask.mask_mod, "mask_mod")
+    mask_captured = [t.detach() for t in mask_captured]
+    backend = pick_backend(q, options)
+    if backend in ("TRITON", "TRITON_DECODE"):
+        backend = choose_decode(backend, options, q, step.block_mask, needs_grad, need_max)
+    wide = index_dtype(score, mask, bounds=index_bounds(B, Hq, L, S)) if backend == "PYTORCH" else torch.int32
+    call = Call(backend, step.block_mask, scale, score, mask, _on_device(mask, mask_captured, q.device), options, wide)
+    step_call_ = StepCall(step, call, _on_device(score, score_captured, q.device))
+    if needs_grad:
+        # The gradient is lowered now, at the forward, as flex_attention does; only k's length is read.
+        prepare_backward(call, q, q.new_empty(()).expand(B, 1, S, q.shape[-1]))
+    return step_call_
+
+
+def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Fold the partial result ``(out, lse)`` of more keys into the running one, in place.
+
+    Exact: the softmax over the union of the keys is ``sum_i exp(lse_i - lse) out_i`` with
+    ``lse = logaddexp(lse_i...)``, computed in the accumulator's precision (float32, or float64).
+    Rows that neither side keeps a key of have ``lse = -inf``: subtracting 0 there instead gives
+    weights ``exp(-inf) = 0``, so they stay 0 and their LSE -inf, with no NaN.
+    """
+    merged = torch.logaddexp(acc_lse, lse)
+    finite = torch.where(torch.isneginf(merged), torch.zeros_like(merged), merged)
+    acc_out.mul_(torch.exp(acc_lse - finite).unsqueeze(-1))
+    acc_out.addcmul_(out.to(acc_out.dtype), torch.exp(lse - finite).unsqueeze(-1))
+    acc_lse.copy_(merged)
+
+
+def empty_result(q: torch.Tensor, value_dim: int, need_max: bool):
+    """The result of a rank whose queries keep no key at all: zeros and an LSE of -inf."""
+    B, Hq, L, _ = q.shape
+    lse = torch.full((B, Hq, L), -math.inf, dtype=working_dtype(q.dtype), device=q.device)
+    out = torch.zeros(B, Hq, L, value_dim, dtype=q.dtype, device=q.device)
+    return out, lse, lse.clone() if need_max else None
