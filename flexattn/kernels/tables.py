@@ -19,7 +19,7 @@ from ..masks.layout import ascending, dense_to_ordered, ordered_to_dense
 
 __all__ = [
     "RowStats", "LaunchTables", "LAUNCH_TABLES", "launch_tables", "block_mask_row_stats", "BackwardTables",
-    "BACKWARD_TABLES", "backward_tables", "groups_share_tables",
+    "BACKWARD_TABLES", "backward_tables", "groups_share_tables", "assume_groups_differ",
 ]
 
 
@@ -194,6 +194,18 @@ def backward_tables(block_mask: BlockMask) -> BackwardTables:
 # ------------------------------------------------------------------------------------ decode
 
 
+def _groups_key(group: int) -> DerivedKey:
+    return DerivedKey("GQA groups share their tables", group)
+
+
+def assume_groups_differ(block_mask: BlockMask, group: int) -> None:
+    """Let the decode kernels treat the GQA groups of ``block_mask`` as listing different blocks (always
+    correct, if slower for groups that share them) without the check's host sync, for masks whose
+    content is not known on the host (compiled calls). A mask with one head needs no check."""
+    if group > 1 and block_mask.kv_num_blocks.shape[1] > 1:
+        block_mask.preset_derived(_groups_key(group), False)
+
+
 def groups_share_tables(block_mask: BlockMask, group: int) -> bool:
     """Whether the query heads of every GQA group list the same key blocks (per batch and row), so
     one program can walk them for the whole group. One host sync per mask content."""
@@ -214,4 +226,4 @@ def groups_share_tables(block_mask: BlockMask, group: int) -> bool:
             checks += [(num == num[:, :, :1]).all(), (listed == listed[:, :, :1]).all()]
         return bool(torch.stack(checks).all())
 
-    return block_mask.derived(DerivedKey("GQA groups share their tables", group), compute)
+    return block_mask.derived(_groups_key(group), compute)

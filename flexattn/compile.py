@@ -1,0 +1,339 @@
+"""flex_attention inside ``torch.compile``: the custom ops Dynamo, AOTAutograd and Inductor see, and
+the part of a call that Dynamo traces in place of the eager path.
+
+[Note] flex_attention under torch.compile
+The eager path traces a mod by walking the callable (trace.py), which Dynamo cannot follow: it broke a
+compiled layer into 19 graphs. Under Dynamo a call takes another route, in three parts:
+
+1. **The mods, traced outside the graph.** ``register_call`` (called by api.py through
+   ``torch.compiler.assume_constant_result``, so Dynamo runs it as plain Python on the real callables
+   and keeps only its result) traces both mods with flexattn's own tracer, registers the TracedMods
+   under a key made from their content, and returns that key: a string constant in the graph. The
+   same graph text in another process gives the same key, so Inductor's caches stay valid.
+2. **What the mods read, found by Dynamo.** ``collected_tensors`` runs the mod once on empty probe
+   tensors under a TorchFunctionMode that notes every tensor reaching a torch function that the mod
+   did not make itself. Dynamo inlines that run like any user code: it guards everything the mod
+   reads (a float in a closure, a global it calls, the code of a closure) and turns each tensor the
+   mod reads into a graph value, an input or an intermediate, whose gradient flows. So a new closure
+   of the same code over new tensors, or new contents, reuses the graph; a changed constant or
+   another mod recompiles. ``register_call`` runs the same probe eagerly on the real callable and
+   matches what it notes, by identity, with the TracedMod's captured inputs: Python runs the mod the
+   same way in both, so the i-th tensor noted under Dynamo is the i-th noted eagerly. The probes are
+   empty, so the probe's ops read nothing at run time (and are dead code the compiler drops).
+3. **One custom op per pass.** ``flexattn::flex_attention`` and ``flexattn::flex_attention_backward``
+   (``torch.library.custom_op``) take the query, key, value, the BlockMask's tables, the captured
+   tensors and the key. Their fake implementations give the real outputs' shapes, dtypes and
+   strides; the forward's autograd formula calls the backward op. Inductor calls them as extern
+   kernels, and CUDA graphs capture their launches.
+
+Inside the op the tables are trusted (``BlockMask.from_launch_tables``): a BlockMask's own tables are
+ascending and in range by construction (create_block_mask, from_kv_blocks, decode_block_mask,
+PagedAttention), and checking them would read them back to the host on every call, which neither a
+compiled step nor a CUDA graph can afford. The row statistics are then fixed (no consecutive-block
+fast path), as for decoding masks ([Note] Tables in range by construction in masks/block_mask.py).
+
+Mods that the key's tracer cannot see whole (a closure created inside the compiled function over a
+tensor computed there) fail at compile time with an error that says to define them outside.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, NamedTuple, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from contextlib import ExitStack
+
+from .dispatch import Call, choose_decode, pick_backend, prepare_backward, run_backward, run_forward
+from .errors import InvalidInputError
+from .kernels.tables import assume_groups_differ
+from .lowering import index_bounds, index_dtype
+from .masks import BlockMask, dense_block_mask
+from .trace import TracedMod, trace_mod
+
+__all__ = ["register_call", "collected_tensors", "flex_attention_op", "registered_call"]
+
+
+# ------------------------------------------------------------------------------------ probing a mod
+
+# The probe's bookkeeping: Dynamo traces a TorchFunctionMode's __torch_function__ but not attributes
+# set on the mode, so the state of the probe running now lives here, one entry per probe.
+_PROBES: list = []
+
+
+class _NoteReads(TorchFunctionMode):
+    """Notes, in order of first use, each tensor that reaches a torch function and that the probe did
+    not make (an argument or the result of an earlier call)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        made, read = _PROBES[-1]
+        for item in tree_flatten((args, kwargs))[0]:
+            if isinstance(item, torch.Tensor) and not any(item is t for t in made) \
+                    and not any(item is t for t in read):
+                read.append(item)
+        result = func(*args, **kwargs)
+        for item in tree_flatten(result)[0]:
+            if isinstance(item, torch.Tensor):
+                made.append(item)
+        return result
+
+
+def collected_tensors(fn: Callable, kind: str, device: torch.device) -> list:
+    """The tensors ``fn`` reads, in the order it first uses them, from one run on empty probes.
+
+    Runs under Dynamo (which then guards what the mod reads and gives its tensors as graph values)
+    and eagerly in register_call (whose order matches: see [Note] flex_attention under torch.compile)."""
+    index = torch.empty(0, dtype=torch.int32, device=device)
+    args = [index, index.clone(), index.clone(), index.clone()]
+    if kind == "score_mod":
+        args = [torch.empty(0, dtype=torch.float32, device=device)] + args
+    made, read = list(args), []
+    _PROBES.append((made, read))
+    try:
+        with torch.no_grad(), _NoteReads():
+            fn(*args)
+    finally:
+        _PROBES.pop()
+    return read
+
+
+# ------------------------------------------------------------------------------------ the registry
+
+
+class RegisteredCall(NamedTuple):
+    """What a graph's call runs besides its tensors, under the key the graph holds."""
+
+    score: Optional[TracedMod]
+    mask: Optional[TracedMod]
+    options: dict
+
+
+# Key -> RegisteredCall. Never evicted: a compiled graph holds its key for as long as it lives, and
+# the keys come from content, so there is one entry per distinct pair of traced mods and options.
+_CALLS: dict[str, RegisteredCall] = {}
+
+
+def _content_key(traced: Optional[TracedMod]) -> str:
+    if traced is None:
+        return "none"
+    fixed = [None if c.fixed_value is None else (c.fixed_value.dtype, c.fixed_value.cpu().flatten().tolist())
+             for c in traced.captured]
+    spec = [(c.name, c.shape, c.dtype, c.requires_grad, c.walk_index) for c in traced.captured]
+    text = repr((traced.kind, traced.name, traced.signature_text(), spec, fixed))
+    return f"{traced.name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def _captured_order(fn: Callable, kind: str, traced: TracedMod, values: list, device: torch.device) -> tuple:
+    """For each captured input of ``traced`` that the user's code holds (not a constant the mod
+    builds), its position among the tensors the probe notes."""
+    noted = collected_tensors(fn, kind, device)
+    order = []
+    for captured, value in zip(traced.captured, values):
+        if captured.walk_index is None:
+            continue
+        position = next((i for i, t in enumerate(noted) if t is value), None)
+        if position is None:
+            raise InvalidInputError(
+                f"{kind} '{traced.name}' reads the tensor '{captured.name}' in a way flexattn cannot follow under "
+                "torch.compile (it reaches no torch function when the mod runs); read captured tensors by indexing "
+                "them in the mod, e.g. bias[h]"
+            )
+        order.append(position)
+    return tuple(order)
+
+
+def register_call(score_mod: Optional[Callable], mask_mod: Optional[Callable], options: dict,
+                  device: torch.device) -> tuple:
+    """Trace the mods with flexattn's tracer and register them: ``(key, score order, mask order)``.
+
+    Called once per compile of a call site, on the real callables (see [Note] flex_attention under
+    torch.compile), never per call. The orders say which of the tensors the probe notes under Dynamo
+    go to the op, and in which order."""
+    parts, orders, traced_pair = [], [], []
+    for fn, kind in ((score_mod, "score_mod"), (mask_mod, "mask_mod")):
+        if fn is None:
+            traced_pair.append(None)
+            orders.append(())
+            parts.append("none")
+            continue
+        traced, values = trace_mod(fn, kind)
+        traced_pair.append(traced)
+        orders.append(_captured_order(fn, kind, traced, values, device))
+        parts.append(_content_key(traced))
+    key = "|".join(parts + [repr(sorted(options.items()))])
+    _CALLS.setdefault(key, RegisteredCall(traced_pair[0], traced_pair[1], dict(options)))
+    return (key, orders[0], orders[1])
+
+
+def registered_call(key: str) -> RegisteredCall:
+    call = _CALLS.get(key)
+    if call is None:
+        raise RuntimeError(
+            f"flexattn: no mods registered under {key!r}. A compiled graph's flex_attention key is registered "
+            "when Dynamo traces the call in this process; run the compiled function itself, not a graph "
+            "loaded on its own"
+        )
+    return call
+
+
+# ------------------------------------------------------------------------------------ the ops
+
+# The dispatch state of plain eager code, taken when flexattn is imported.
+_DISPATCH_STATE = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+
+
+def _as_kernel():
+    """The ops' bodies run as eager code, as in an eager call: no dispatch mode around them sees the
+    ops inside, and the dispatch state is plain eager's. An op's body is called below autograd (the
+    PyTorch backend's backward takes torch.autograd.grad of the score_mod, which needs autograd), and
+    a dispatch mode calls ops with the functorch keys off (its torch.vmap fails; AOTAutograd wraps a
+    graph's first run in such a mode, its check that a custom op's outputs do not alias its inputs).
+    Grad mode stays the caller's: the forward's body runs without grad."""
+    stack = ExitStack()
+    stack.enter_context(torch.utils._python_dispatch._disable_current_modes())
+    stack.enter_context(torch._C._ForceDispatchKeyGuard(*_DISPATCH_STATE))
+    return stack
+
+
+def _all_captured(traced: Optional[TracedMod], given: list, device: torch.device) -> list:
+    """The traced mod's captured inputs in graph order: the user's tensors given to the op, and the
+    constants the mod builds itself (kept on the TracedMod, on ``device``)."""
+    if traced is None:
+        return []
+    fixed = traced.fixed_values_on(device) if device.type != "cpu" else [c.fixed_value for c in traced.captured]
+    given = iter(given)
+    return [next(given) if c.walk_index is not None else f for c, f in zip(traced.captured, fixed)]
+
+
+def _block_mask(query, key, tables, block_size, seq_lengths, group: int) -> BlockMask:
+    L, S = query.shape[2], key.shape[2]
+    if tables[0] is None:
+        return dense_block_mask(L, S, query.device)
+    tables = [None if t is None else t.contiguous() for t in tables]
+    mask = BlockMask.from_launch_tables(tuple(seq_lengths), *tables, BLOCK_SIZE=tuple(block_size))
+    assume_groups_differ(mask, group)
+    return mask
+
+
+def _call(key: str, query, key_t, tables, block_size, seq_lengths, mask_captured, scale, needs_grad, need_max):
+    registered = registered_call(key)
+    options = registered.options
+    block_mask = _block_mask(query, key_t, tables, block_size, seq_lengths, query.shape[1] // key_t.shape[1])
+    backend = pick_backend(query, options)
+    B, Hq, L, _ = query.shape
+    S = key_t.shape[2]
+    wide = index_dtype(registered.score, registered.mask, bounds=index_bounds(B, Hq, L, S)) \
+        if backend == "PYTORCH" else torch.int32
+    if backend in ("TRITON", "TRITON_DECODE"):
+        backend = choose_decode(backend, options, query, block_mask, needs_grad, need_max)
+    mask_captured = _all_captured(registered.mask, list(mask_captured), query.device)
+    return Call(backend, block_mask, scale, registered.score, registered.mask, mask_captured, options, wide)
+
+
+@torch.library.custom_op("flexattn::flex_attention", mutates_args=())
+def flex_attention_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    kv_num_blocks: Optional[torch.Tensor], kv_indices: Optional[torch.Tensor],
+    full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
+    score_captured: list[torch.Tensor], mask_captured: list[torch.Tensor],
+    call_key: str, block_size: list[int], seq_lengths: list[int], scale: float, needs_grad: bool, need_max: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, lse, max_scores)``; max_scores is empty unless asked for."""
+    with _as_kernel():
+        return _forward(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                        score_captured, mask_captured, call_key, block_size, seq_lengths, scale, needs_grad, need_max)
+
+
+def _forward(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, score_captured,
+             mask_captured, call_key, block_size, seq_lengths, scale, needs_grad, need_max):
+    tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    call = _call(call_key, query, key, tables, block_size, seq_lengths, mask_captured, scale, needs_grad, need_max)
+    if needs_grad:
+        prepare_backward(call, query, key)
+    score = _all_captured(call.score, list(score_captured), query.device)
+    out, lse, mx = run_forward(call, query, key, value, score, True, need_max)
+    mx = mx.contiguous() if need_max else query.new_empty(0, dtype=torch.float32)
+    return out.contiguous(), lse.contiguous(), mx
+
+
+@flex_attention_op.register_fake
+def _(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, score_captured,
+      mask_captured, call_key, block_size, seq_lengths, scale, needs_grad, need_max):
+    B, Hq, L, _ = query.shape
+    out = query.new_empty((B, Hq, L, value.shape[3]))
+    lse = query.new_empty((B, Hq, L), dtype=torch.float32)
+    mx = query.new_empty((B, Hq, L) if need_max else (0,), dtype=torch.float32)
+    return out, lse, mx
+
+
+@torch.library.custom_op("flexattn::flex_attention_backward", mutates_args=())
+def flex_attention_backward_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
+    kv_num_blocks: Optional[torch.Tensor], kv_indices: Optional[torch.Tensor],
+    full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
+    score_captured: list[torch.Tensor], mask_captured: list[torch.Tensor],
+    call_key: str, block_size: list[int], seq_lengths: list[int], scale: float, captured_grads: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """``(dq, dk, dv, [gradient of each score_mod tensor marked in captured_grads])``."""
+    with _as_kernel():
+        return _backward_impl(query, key, value, out, lse, grad_out, grad_lse, kv_num_blocks, kv_indices,
+                              full_kv_num_blocks, full_kv_indices, score_captured, mask_captured, call_key,
+                              block_size, seq_lengths, scale, captured_grads)
+
+
+def _backward_impl(query, key, value, out, lse, grad_out, grad_lse, kv_num_blocks, kv_indices, full_kv_num_blocks,
+                   full_kv_indices, score_captured, mask_captured, call_key, block_size, seq_lengths, scale,
+                   captured_grads):
+    tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    call = _call(call_key, query, key, tables, block_size, seq_lengths, mask_captured, scale, True, False)
+    score = _all_captured(call.score, list(score_captured), query.device)
+    dq, dk, dv, d_all = run_backward(call, query, key, value, out, lse, grad_out, grad_lse, score)
+    # The gradients of the user's tensors only (a mod's own constants take none), in the op's order.
+    d_given = [g for c, g in zip(call.score.captured if call.score else (), d_all) if c.walk_index is not None]
+    d_captured = [_gradient_like(g, t) for g, t, wanted in zip(d_given, score_captured, captured_grads) if wanted]
+    return dq.to(query.dtype).contiguous(), dk.to(key.dtype).contiguous(), dv.to(value.dtype).contiguous(), d_captured
+
+
+def _gradient_like(grad: Optional[torch.Tensor], tensor: torch.Tensor) -> torch.Tensor:
+    if grad is None:  # the mod's value does not depend on it
+        return torch.zeros(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    return grad.to(tensor.dtype).reshape(tensor.shape).contiguous()
+
+
+@flex_attention_backward_op.register_fake
+def _(query, key, value, out, lse, grad_out, grad_lse, kv_num_blocks, kv_indices, full_kv_num_blocks,
+      full_kv_indices, score_captured, mask_captured, call_key, block_size, seq_lengths, scale, captured_grads):
+    d_captured = [t.new_empty(t.shape) for t, wanted in zip(score_captured, captured_grads) if wanted]
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), d_captured
+
+
+def _setup_context(ctx, inputs, output):
+    (query, key, value, nb, idx, fnb, fidx, score_captured, mask_captured, call_key, block_size, seq_lengths,
+     scale, needs_grad, need_max) = inputs
+    out, lse, _ = output
+    ctx.save_for_backward(query, key, value, out, lse, nb, idx, fnb, fidx, *score_captured, *mask_captured)
+    ctx.counts = (len(score_captured), len(mask_captured))
+    ctx.static = (call_key, block_size, seq_lengths, scale)
+    ctx.captured_grads = [t.requires_grad for t in score_captured]
+    ctx.mark_non_differentiable(output[2])
+
+
+def _backward(ctx, grad_out, grad_lse, grad_max):
+    query, key, value, out, lse, nb, idx, fnb, fidx, *captured = ctx.saved_tensors
+    n_score, n_mask = ctx.counts
+    score_captured, mask_captured = captured[:n_score], captured[n_score:]
+    call_key, block_size, seq_lengths, scale = ctx.static
+    dq, dk, dv, d_given = flex_attention_backward_op(
+        query, key, value, out, lse, grad_out, grad_lse, nb, idx, fnb, fidx, score_captured, mask_captured,
+        call_key, block_size, seq_lengths, scale, ctx.captured_grads)
+    d_given = iter(d_given)
+    d_captured = [next(d_given) if wanted else None for wanted in ctx.captured_grads]
+    return (dq, dk, dv, None, None, None, None, d_captured, [None] * n_mask, None, None, None, None, None, None)
+
+
+torch.library.register_autograd("flexattn::flex_attention", _backward, setup_context=_setup_context)
