@@ -14,7 +14,7 @@ from typing import Optional, Union
 import torch
 
 from .autograd import FlexAttentionFunction
-from .compile import collected_tensors, flex_attention_op, register_call
+from .compile import described, flex_attention_op, read_by, register_call
 from .dispatch import Call, choose_decode, pick_backend, prepare_backward, run_forward
 from .errors import InvalidInputError
 from .lowering import check_indices, index_bounds, index_dtype
@@ -334,13 +334,6 @@ def _registered_call(score_mod, mask_mod, kernel_options, device) -> tuple:
 _registered_call._dynamo_marked_constant = True
 
 
-def _read_by(fn, kind: str, order: tuple, device) -> list:
-    if fn is None:
-        return []
-    noted = collected_tensors(fn, kind, device)
-    return [noted[i] for i in order]
-
-
 def _compiled_call(query, key, value, score_mod, block_mask, scale, return_lse, kernel_options, return_aux):
     B, Hq, L, E = query.shape
     S = key.shape[2]
@@ -367,9 +360,10 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, return_lse, 
         block_size = [block_mask.BLOCK_SIZE[0], block_mask.BLOCK_SIZE[1]]
     if mask_mod is sliced_rows_mask_mod:
         mask_mod()  # raises its explanation: the rows were selected without an offset
-    call_key, score_order, mask_order = _registered_call(score_mod, mask_mod, kernel_options, query.device)
-    score_captured = _read_by(score_mod, "score_mod", score_order, query.device)
-    mask_captured = [t.detach() for t in _read_by(mask_mod, "mask_mod", mask_order, query.device)]
+    call_key, score_reads, mask_reads = _registered_call(described(score_mod), described(mask_mod), kernel_options,
+                                                         query.device)
+    score_captured = read_by(score_mod, "score_mod", score_reads, query.device)
+    mask_captured = [t.detach() for t in read_by(mask_mod, "mask_mod", mask_reads, query.device)]
     for t in score_captured + mask_captured:
         if t.device != query.device:
             raise InvalidInputError(

@@ -51,10 +51,10 @@ from .dispatch import Call, choose_decode, pick_backend, prepare_backward, run_b
 from .errors import InvalidInputError
 from .kernels.tables import assume_groups_differ
 from .lowering import index_bounds, index_dtype
-from .masks import BlockMask, dense_block_mask
+from .masks import FACTORY_ATTRIBUTE, BlockMask, dense_block_mask
 from .trace import TracedMod, trace_mod
 
-__all__ = ["register_call", "collected_tensors", "flex_attention_op", "registered_call"]
+__all__ = ["register_call", "collected_tensors", "read_by", "described", "flex_attention_op", "registered_call"]
 
 
 # ------------------------------------------------------------------------------------ probing a mod
@@ -65,20 +65,22 @@ _PROBES: list = []
 
 
 class _NoteReads(TorchFunctionMode):
-    """Notes, in order of first use, each tensor that reaches a torch function and that the probe did
-    not make (an argument or the result of an earlier call)."""
+    """Notes, in order of first use, each tensor that reaches a torch function making a tensor and
+    that the probe did not make (an argument, or the result of an earlier call)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         made, read = _PROBES[-1]
-        for item in tree_flatten((args, kwargs))[0]:
-            if isinstance(item, torch.Tensor) and not any(item is t for t in made) \
-                    and not any(item is t for t in read):
-                read.append(item)
         result = func(*args, **kwargs)
-        for item in tree_flatten(result)[0]:
-            if isinstance(item, torch.Tensor):
-                made.append(item)
+        outputs = [item for item in tree_flatten(result)[0] if isinstance(item, torch.Tensor)]
+        # Only calls that make tensors: Dynamo answers metadata (t.shape, t.dim()) itself, without
+        # the mode, so noting those would order the reads differently in the two runs.
+        if outputs:
+            for item in tree_flatten((args, kwargs))[0]:
+                if isinstance(item, torch.Tensor) and not any(item is t for t in made) \
+                        and not any(item is t for t in read):
+                    read.append(item)
+        made.extend(outputs)
         return result
 
 
@@ -99,6 +101,83 @@ def collected_tensors(fn: Callable, kind: str, device: torch.device) -> list:
     finally:
         _PROBES.pop()
     return read
+
+
+def read_by(fn: Optional[Callable], kind: str, reads: tuple, device: torch.device) -> list:
+    """The tensors to pass to the op for ``fn``, from the probe (traced by Dynamo); ``reads`` is what
+    register_call returned for it. The dtype and rank of each are checked against the tensor the
+    traced mod took there, so a probe that noted tensors in another order than the eager one fails
+    at compile time instead of passing the wrong tensor."""
+    if fn is None:
+        return []
+    noted = collected_tensors(fn, kind, device)
+    tensors = []
+    for position, dtype, dims in reads:
+        tensor = noted[position] if position < len(noted) else None
+        if tensor is None or tensor.dtype != dtype or tensor.dim() != dims:
+            raise RuntimeError(
+                f"flexattn: under torch.compile, {kind} '{getattr(fn, '__name__', kind)}' read its tensors in "
+                "another order than when it ran eagerly; please report this with the mod's code"
+            )
+        tensors.append(tensor)
+    return tensors
+
+
+# ------------------------------------------------------------------------------------ mods made in the graph
+
+
+# Tags of the tuples described() makes (plain tuples: Dynamo passes them to a constant function as
+# they are, which it does not do for NamedTuples): a tensor by what tracing needs of it (and its
+# number, so that one tensor passed twice stays one), the same tensor again, and a mod made by a
+# mod_factory (masks/mods.py) as the call that made it.
+_STAND_IN = "flexattn: tensor (number, shape, dtype, device, requires_grad)"
+_SAME = "flexattn: the tensor numbered"
+_REBUILD = "flexattn: a mod_factory call (factory, args, kwargs)"
+
+
+def described(x, seen: Optional[list] = None):
+    """A mod as register_call can take it under Dynamo: the mod itself, or, for a mod made by a
+    mod_factory (which may close over tensors of the graph, with no object outside it), the call
+    that made it with its tensors by shape, dtype and device. Traced by Dynamo."""
+    seen = [] if seen is None else seen
+    if isinstance(x, torch.Tensor):
+        for number, tensor in enumerate(seen):
+            if tensor is x:
+                return (_SAME, number)
+        seen.append(x)
+        return (_STAND_IN, len(seen) - 1, tuple(x.shape), x.dtype, x.device, x.requires_grad)
+    if isinstance(x, (tuple, list)):
+        items = [described(item, seen) for item in x]
+        return tuple(items) if isinstance(x, tuple) else items
+    if isinstance(x, dict):
+        return {key: described(value, seen) for key, value in x.items()}
+    if callable(x):
+        made = getattr(x, FACTORY_ATTRIBUTE, None)
+        if made is not None:
+            factory, args, kwargs = made
+            return (_REBUILD, factory, described(args, seen), described(kwargs, seen))
+    return x
+
+
+def _rebuilt(x, made: Optional[dict] = None):
+    """The inverse of described, outside the graph: the same mod_factory calls, on zero tensors of
+    the same shapes (tracing reads only their shapes and dtypes; they cost no memory)."""
+    made = {} if made is None else made
+    if isinstance(x, tuple) and len(x) == 6 and x[0] == _STAND_IN:
+        _, number, shape, dtype, device, requires_grad = x
+        # requires_grad too: it decides which captured tensors the traced mod takes gradients for.
+        made[number] = torch.zeros((), dtype=dtype, device=device).expand(shape).detach().requires_grad_(requires_grad)
+        return made[number]
+    if isinstance(x, tuple) and len(x) == 2 and x[0] == _SAME:
+        return made[x[1]]
+    if isinstance(x, tuple) and len(x) == 4 and x[0] == _REBUILD:
+        return x[1](*_rebuilt(x[2], made), **_rebuilt(x[3], made))
+    if isinstance(x, (tuple, list)):
+        items = [_rebuilt(item, made) for item in x]
+        return tuple(items) if isinstance(x, tuple) else items
+    if isinstance(x, dict):
+        return {key: _rebuilt(value, made) for key, value in x.items()}
+    return x
 
 
 # ------------------------------------------------------------------------------------ the registry
@@ -129,7 +208,8 @@ def _content_key(traced: Optional[TracedMod]) -> str:
 
 def _captured_order(fn: Callable, kind: str, traced: TracedMod, values: list, device: torch.device) -> tuple:
     """For each captured input of ``traced`` that the user's code holds (not a constant the mod
-    builds), its position among the tensors the probe notes."""
+    builds): its position among the tensors the probe notes, and its dtype and number of dims, which
+    the graph checks (see read_by)."""
     noted = collected_tensors(fn, kind, device)
     order = []
     for captured, value in zip(traced.captured, values):
@@ -142,19 +222,20 @@ def _captured_order(fn: Callable, kind: str, traced: TracedMod, values: list, de
                 "torch.compile (it reaches no torch function when the mod runs); read captured tensors by indexing "
                 "them in the mod, e.g. bias[h]"
             )
-        order.append(position)
+        order.append((position, value.dtype, value.dim()))
     return tuple(order)
 
 
 def register_call(score_mod: Optional[Callable], mask_mod: Optional[Callable], options: dict,
                   device: torch.device) -> tuple:
     """Trace the mods with flexattn's tracer and register them: ``(key, score order, mask order)``.
+    The mods come as ``described`` gives them.
 
     Called once per compile of a call site, on the real callables (see [Note] flex_attention under
     torch.compile), never per call. The orders say which of the tensors the probe notes under Dynamo
     go to the op, and in which order."""
     parts, orders, traced_pair = [], [], []
-    for fn, kind in ((score_mod, "score_mod"), (mask_mod, "mask_mod")):
+    for fn, kind in ((_rebuilt(score_mod), "score_mod"), (_rebuilt(mask_mod), "mask_mod")):
         if fn is None:
             traced_pair.append(None)
             orders.append(())
@@ -291,10 +372,18 @@ def _backward_impl(query, key, value, out, lse, grad_out, grad_lse, kv_num_block
                    captured_grads):
     tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     call = _call(call_key, query, key, tables, block_size, seq_lengths, mask_captured, scale, True, False)
-    score = _all_captured(call.score, list(score_captured), query.device)
+    # Saved tensors come back without requires_grad; the PyTorch backend reads it to know which
+    # gradients to compute.
+    score_captured = [t.detach().requires_grad_(wanted) for t, wanted in zip(score_captured, captured_grads)]
+    score = _all_captured(call.score, score_captured, query.device)
     dq, dk, dv, d_all = run_backward(call, query, key, value, out, lse, grad_out, grad_lse, score)
     # The gradients of the user's tensors only (a mod's own constants take none), in the op's order.
-    d_given = [g for c, g in zip(call.score.captured if call.score else (), d_all) if c.walk_index is not None]
+    given = [(c, g) for c, g in zip(call.score.captured if call.score else (), d_all) if c.walk_index is not None]
+    for (captured, _), wanted in zip(given, captured_grads):
+        if wanted and not captured.requires_grad:  # the traced mod would drop this gradient
+            raise RuntimeError(f"flexattn: score_mod '{call.score.name}' was traced with '{captured.name}' not "
+                               "requiring grad, but the compiled graph passes it requiring grad")
+    d_given = [g for _, g in given]
     d_captured = [_gradient_like(g, t) for g, t, wanted in zip(d_given, score_captured, captured_grads) if wanted]
     return dq.to(query.dtype).contiguous(), dk.to(key.dtype).contiguous(), dv.to(value.dtype).contiguous(), d_captured
 

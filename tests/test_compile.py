@@ -237,11 +237,18 @@ def test_tensors_of_one_shape_keep_their_roles():
         scale = torch.exp(second[h] * 0.1)
         return torch.where(q_idx >= kv_idx, score * scale + first[h], score - first[h] * second[h])
 
-    def attend(q, k, v):
-        return flex_attention(q, k, v, score_mod=two)
+    table = torch.randn(L)
 
-    compiled, _ = counted(attend)
-    assert rel_err(compiled(q, k, v), attend(q, k, v)) < 1e-5
+    def shapes_first(score, b, h, q_idx, kv_idx):  # reads table's shape before any tensor's values
+        last = table.shape[0] - 1
+        return score * second[h] + first[h] + table[torch.clamp(kv_idx - q_idx, 0, last)]
+
+    for mod in (two, shapes_first):
+        def attend(q, k, v):
+            return flex_attention(q, k, v, score_mod=mod)
+
+        compiled, _ = counted(attend)
+        assert rel_err(compiled(q, k, v), attend(q, k, v)) < 1e-5, mod.__name__
 
 
 def test_a_mod_defined_inside_the_compiled_function():
@@ -262,6 +269,77 @@ def test_a_mod_defined_inside_the_compiled_function():
     compiled = torch.compile(attend, backend="aot_eager")  # the mask is built eagerly (a graph break)
     for got, want in zip(compiled(q, k, v, 0.5), attend(q, k, v, 0.5)):
         assert rel_err(got, want) < 1e-5
+
+
+def test_mods_made_inside_by_a_mod_factory_may_close_over_tensors_of_the_graph():
+    q, k, v = qkv(requires_grad=True)
+    weight = torch.randn(H, requires_grad=True)
+
+    @flexattn.mod_factory
+    def biased_by(bias):
+        def biased(score, b, h, q_idx, kv_idx):
+            return score + bias[h] * (kv_idx - q_idx)
+        return biased
+
+    def attend(q, k, v, weight):
+        return flex_attention(q, k, v, score_mod=biased_by(weight.tanh() * 2))  # a tensor computed in the graph
+
+    eager = attend(q, k, v, weight)
+    eager.sum().backward()
+    expected = grads(q, k, v, weight)
+    compiled, counter = counted(attend)
+    out = compiled(q, k, v, weight)
+    out.sum().backward()
+    assert rel_err(out, eager) < 1e-5
+    for got, want in zip(grads(q, k, v, weight), expected):
+        assert rel_err(got, want) < 1e-5
+    assert counter.frame_count == 1
+
+
+def test_a_decoding_step_gpt_fast_style_compiles_fullgraph():
+    # The step slices the mask's rows with a tensor position and sets the shifted mask_mod and lengths.
+    S = 256
+    q, k, v = qkv(L=1, S=S)
+    full = create_block_mask(causal, 1, 1, S, S, device="cpu", BLOCK_SIZE=64)
+    kv_blocks = BlockMask.from_kv_blocks(full.kv_num_blocks, full.kv_indices, full.full_kv_num_blocks,
+                                         full.full_kv_indices, BLOCK_SIZE=64, mask_mod=causal, compute_q_blocks=False)
+
+    def step(q, k, v, input_pos):
+        mask = kv_blocks[:, :, input_pos // kv_blocks.BLOCK_SIZE[0]]
+        mask.mask_mod = flexattn.offset_mask_mod(kv_blocks.mask_mod, input_pos)
+        mask.seq_lengths = (1, S)
+        return flex_attention(q, k, v, block_mask=mask)
+
+    compiled, counter = counted(step)
+    for pos in (3, 130, 255):
+        position = torch.tensor(pos)
+        assert rel_err(compiled(q, k, v, position), step(q, k, v, position)) < 1e-5, pos
+    assert counter.frame_count == 1
+
+
+def test_decode_block_mask_and_a_paged_cache_compile_fullgraph():
+    # A packed batch of two sequences in one paged cache, viewed as one flat sequence of pages.
+    page, pages, S = 32, 8, 128
+    paged = flexattn.PagedAttention(pages, page, 2, device="cpu")
+    for row in range(2):
+        paged.reserve(row, S)
+    k_cache, v_cache = torch.zeros(1, H, pages * page, E), torch.zeros(1, H, pages * page, E)
+    k, v = torch.randn(2, H, S, E), torch.randn(2, H, S, E)
+    paged.assign(torch.arange(2), torch.arange(S).expand(2, S), k, v, k_cache, v_cache)
+    full = create_block_mask(causal, 2, 1, S, S, device="cpu", BLOCK_SIZE=page)
+    lengths = torch.tensor([96, 128])
+
+    def step(q, offset):
+        logical = flexattn.decode_block_mask(full, offset, q_len=1, kv_lengths=lengths)
+        physical = paged.convert_logical_block_mask(logical, kv_len=lengths)
+        return flex_attention(q, k_cache, v_cache, block_mask=physical)
+
+    compiled, counter = counted(step)
+    for offset in ((95, 127), (40, 60)):
+        q = torch.randn(2, H, 1, E)
+        offset = torch.tensor(offset)
+        assert rel_err(compiled(q, offset), step(q, offset)) < 1e-5
+    assert counter.frame_count == 1
 
 
 def test_a_mod_defined_inside_over_a_tensor_is_refused_at_compile_time():

@@ -734,9 +734,10 @@ def _selection(index, size: int, device: torch.device, name: str) -> Optional[to
                 f"got {index.dtype} {tuple(index.shape)}"
             )
         chosen = index.to(device=device, dtype=torch.long).reshape(-1)
-        if chosen.device.type != "cpu":
-            # Checking the range here would wait for the device. Wrap negatives only, so an index
-            # out of range stays out of range and index_select's own device-side check rejects it.
+        if chosen.device.type != "cpu" or torch.compiler.is_compiling():
+            # Checking the range here would wait for the device (or, compiled, read a value in the
+            # graph). Wrap negatives only, so an index out of range stays out of range and
+            # index_select's own check rejects it.
             return torch.where(chosen < 0, chosen + size, chosen)
         if chosen.numel() and bool(((chosen < -size) | (chosen >= size)).any()):
             raise IndexError(f"index {index.tolist()!r} is out of range for the {name} dim of size {size}")
