@@ -460,3 +460,19 @@ def test_the_triton_kernels_run_inside_the_compiled_graph():
     assert torch.equal(out, eager)
     for got, want in zip(grads(q, k, v), expected):
         assert torch.equal(got, want)
+
+
+def test_the_model_benchmark_runs_its_smoke_sizes(tmp_path):
+    # python -m flexattn.bench --mode model --smoke: the code paths of the GPU benchmark, tiny, on a CPU.
+    import json
+
+    from flexattn.bench import run_mode
+
+    out = tmp_path / "model.json"
+    assert run_mode("model", ["--smoke", "--impls", "flexattn,sdpa", "--modes", "eager,compile", "--masks", "causal",
+                              "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert {"device", "torch", "triton"} <= report["env"].keys()
+    assert {(r["impl"], r["mode"]) for r in report["results"]} == {
+        ("flexattn", "eager"), ("flexattn", "compile"), ("sdpa", "eager"), ("sdpa", "compile")}
+    assert all(r["tokens_per_s"] > 0 and r["host_ms"] > 0 for r in report["results"])
