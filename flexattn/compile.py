@@ -5,11 +5,15 @@ the part of a call that Dynamo traces in place of the eager path.
 The eager path traces a mod by walking the callable (trace.py), which Dynamo cannot follow: it broke a
 compiled layer into 19 graphs. Under Dynamo a call takes another route, in three parts:
 
-1. **The mods, traced outside the graph.** ``register_call`` (called by api.py through
-   ``torch.compiler.assume_constant_result``, so Dynamo runs it as plain Python on the real callables
-   and keeps only its result) traces both mods with flexattn's own tracer, registers the TracedMods
-   under a key made from their content, and returns that key: a string constant in the graph. The
-   same graph text in another process gives the same key, so Inductor's caches stay valid.
+1. **The mods, traced outside the graph.** ``register_call`` (called by api.py from a function marked
+   as ``torch.compiler.assume_constant_result`` marks, so Dynamo runs it as plain Python on the real
+   callables and keeps only its result) traces both mods with flexattn's own tracer, registers the
+   TracedMods under a key made from their content, and returns that key: a string constant in the
+   graph. The same mods in another process give the same key, so Inductor's caches stay valid (the
+   key is registered when Dynamo traces the call, so a graph needs Dynamo to have run in the process:
+   torch.export's programs, loaded on their own, do not carry the mods). A mod made inside the
+   compiled function by a ``mod_factory`` reaches it as the factory call (``described``), made again
+   on zero tensors of the same shapes (``_rebuilt``).
 2. **What the mods read, found by Dynamo.** ``collected_tensors`` runs the mod once on empty probe
    tensors under a TorchFunctionMode that notes every tensor reaching a torch function that the mod
    did not make itself. Dynamo inlines that run like any user code: it guards everything the mod
@@ -32,20 +36,22 @@ PagedAttention), and checking them would read them back to the host on every cal
 compiled step nor a CUDA graph can afford. The row statistics are then fixed (no consecutive-block
 fast path), as for decoding masks ([Note] Tables in range by construction in masks/block_mask.py).
 
-Mods that the key's tracer cannot see whole (a closure created inside the compiled function over a
-tensor computed there) fail at compile time with an error that says to define them outside.
+A closure created inside the compiled function over a tensor, not by a mod_factory, has no Python
+object outside the graph to trace: Dynamo refuses it at compile time ("failed to convert closure
+cell"); docs/compile.md says to define it outside or make it with a factory. Inside activation
+checkpointing that Dynamo traces, entering the probe's mode counts as a side effect to replay;
+docs/compile.md gives the setting that lets it pass.
 """
 
 from __future__ import annotations
 
 import hashlib
+from contextlib import ExitStack
 from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
-
-from contextlib import ExitStack
 
 from .dispatch import Call, choose_decode, pick_backend, prepare_backward, run_backward, run_forward
 from .errors import InvalidInputError
