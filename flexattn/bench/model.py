@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32768)
-    parser.add_argument("--quick", action="store_true", help="fewer warm-up and timed steps (2 and 5)")
+    parser.add_argument("--quick", action="store_true", help="fewer warm-up and timed steps (2 and 4)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on any device: the code paths only")
     parser.add_argument("--out", default="bench_model.json")
     args = parser.parse_args(argv)
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
         return 2
     cfg = dict(layers=args.layers, dim=args.dim, heads=args.heads, vocab=args.vocab, warmup=3, steps=10)
     if args.quick:
-        cfg.update(warmup=2, steps=5)
+        cfg.update(warmup=2, steps=4)
     shapes = {name: SHAPES[name] for name in args.seq.split(",")} if not args.smoke else SMOKE["shapes"]
     impls, modes, masks = args.impls.split(","), args.modes.split(","), args.masks.split(",")
     if args.smoke:
