@@ -73,6 +73,7 @@ def test_reduce_overhead_training_steps_replay_like_eager():
     compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
     torch._dynamo.utils.counters.clear()
     for step in range(4):  # warm-up, recording, then replays
+        torch.compiler.cudagraph_mark_step_begin()
         x = torch.randn(B, L, dim, device=DEVICE, dtype=torch.bfloat16)
         target = torch.randn_like(x)
         loss = _loss(compiled, x, target, block_mask)
@@ -119,6 +120,7 @@ def test_a_decoding_step_compiled_with_reduce_overhead():
     compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
     position = torch.zeros((), dtype=torch.int32, device=DEVICE)
     for pos in (5, 300, 2048, 4095, 17):
+        torch.compiler.cudagraph_mark_step_begin()
         q = torch.randn(B, H, 1, D, device=DEVICE, dtype=torch.bfloat16)
         position.fill_(pos)
         got = compiled(q, position).clone()
