@@ -33,7 +33,8 @@ compiled layer into 19 graphs. Under Dynamo a call takes another route, in three
 Inside the op the tables are trusted (``BlockMask.from_launch_tables``): a BlockMask's own tables are
 ascending and in range by construction (create_block_mask, from_kv_blocks, decode_block_mask,
 PagedAttention), and checking them would read them back to the host on every call, which neither a
-compiled step nor a CUDA graph can afford. The row statistics are then fixed (no consecutive-block
+compiled step nor a CUDA graph can afford. Their row statistics are those checked once for the first
+mask of each shape ([Note] Row statistics of a compiled call's mask), else fixed (no consecutive-block
 fast path), as for decoding masks ([Note] Tables in range by construction in masks/block_mask.py).
 
 A closure created inside the compiled function over a tensor, not by a mod_factory, has no Python
@@ -46,16 +47,18 @@ docs/compile.md gives the setting that lets it pass.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from contextlib import ExitStack
 from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from .dispatch import Call, choose_decode, pick_backend, prepare_backward, run_backward, run_forward
 from .errors import InvalidInputError
-from .kernels.tables import assume_groups_differ
+from .kernels.tables import RowStats, assume_groups_differ, checked_launch_tables, preset_row_stats
 from .lowering import index_bounds, index_dtype
 from .masks import FACTORY_ATTRIBUTE, BlockMask, dense_block_mask
 from .trace import TracedMod, trace_mod
@@ -302,8 +305,51 @@ def _block_mask(query, key, tables, block_size, seq_lengths, group: int) -> Bloc
         return dense_block_mask(L, S, query.device)
     tables = [None if t is None else t.contiguous() for t in tables]
     mask = BlockMask.from_launch_tables(tuple(seq_lengths), *tables, BLOCK_SIZE=tuple(block_size))
+    stats = _known_row_stats(mask)
+    if stats is not None:
+        preset_row_stats(mask, stats)
     assume_groups_differ(mask, group)
     return mask
+
+
+# [Note] Row statistics of a compiled call's mask. The op takes the tables on trust, which costs the
+# consecutive-block fast path of the forward ([Note] Consecutive blocks in the forward template): its
+# flags come from reading the tables back. The first mask of each table shape that a compiled call
+# meets (outside a CUDA-graph capture) is checked once, at that call, and its row statistics kept,
+# stamped like BlockMask.derived's data (the table objects, held weakly, their version counters,
+# BLOCK_SIZE and the lengths): later calls with those very tables (a static causal mask, every layer
+# of a step) launch the checked plan with no sync. A new mask of a shape already met (one rebuilt per
+# step) takes the trusted plan, so a step never waits for the GPU for its mask.
+_ROW_STATS = WeakTensorKeyDictionary()  # kv_num_blocks -> (the other tables, weakly; stamp; RowStats)
+_SHAPES_CHECKED: set = set()
+
+
+def _stamp(mask: BlockMask) -> tuple:
+    tables = (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices)
+    return tuple(-1 if t is None else t._version for t in tables), mask.BLOCK_SIZE, mask.seq_lengths
+
+
+def _known_row_stats(mask: BlockMask) -> Optional[RowStats]:
+    nb = mask.kv_num_blocks
+    others = (mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices)
+    entry = _ROW_STATS.get(nb)
+    if entry is not None:
+        refs, stamp, stats = entry
+        if stamp == _stamp(mask) and all((r is None) == (t is None) and (r is None or r() is t)
+                                         for r, t in zip(refs, others)):
+            return stats
+    shape = (tuple(nb.shape), tuple(mask.kv_indices.shape), others[1] is not None, nb.device, mask.BLOCK_SIZE,
+             mask.seq_lengths)
+    if shape in _SHAPES_CHECKED or (nb.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    _SHAPES_CHECKED.add(shape)
+    checked = checked_launch_tables(mask)  # one host sync; raises on tables out of range
+    if checked.kv_num_blocks is not nb or checked.kv_indices is not others[0] or (
+            others[1] is not None and (checked.full_kv_num_blocks is not others[1]
+                                       or checked.full_kv_indices is not others[2])):
+        return None  # reordered: the statistics are not those of the tables the op launches
+    _ROW_STATS[nb] = (tuple(None if t is None else weakref.ref(t) for t in others), _stamp(mask), checked.stats)
+    return checked.stats
 
 
 def _call(key: str, query, key_t, tables, block_size, seq_lengths, mask_captured, scale, needs_grad, need_max):

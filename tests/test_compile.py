@@ -473,3 +473,35 @@ def test_the_model_benchmark_runs_its_smoke_sizes(tmp_path):
     assert {(r["impl"], r["mode"]) for r in report["results"]} == {
         ("flexattn", "eager"), ("flexattn", "compile"), ("sdpa", "eager"), ("sdpa", "compile")}
     assert all(r["tokens_per_s"] > 0 and r["host_ms"] > 0 for r in report["results"])
+
+
+def test_a_masks_checked_row_statistics_follow_its_tables(monkeypatch):
+    # The first mask of a shape is checked once and its row statistics kept (the forward's
+    # consecutive-block path); a new mask of that shape, or a table changed in place, is not read back
+    # and takes the trusted plan. Triton kernels (the interpreter): the path the statistics steer.
+    if not flexattn.kernels.interpreter_enabled():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
+    import flexattn.compile as compiled_module
+
+    checks = []
+    real_check = compiled_module.checked_launch_tables
+    monkeypatch.setattr(compiled_module, "checked_launch_tables", lambda mask: checks.append(1) or real_check(mask))
+    monkeypatch.setattr(compiled_module, "_SHAPES_CHECKED", set())
+    q, k, v = qkv(L=256, S=256)
+    options = {"BACKEND": "TRITON"}
+
+    def attend(q, k, v, bm):
+        return flex_attention(q, k, v, block_mask=bm, kernel_options=options)
+
+    compiled, _ = counted(attend)
+    bm = create_block_mask(causal, 1, 1, 256, 256, device="cpu", BLOCK_SIZE=64)
+    for _ in range(2):
+        assert torch.equal(compiled(q, k, v, bm), attend(q, k, v, bm))
+    assert len(checks) == 1
+    # Row 3's full blocks 0, 1, 2 become 0, 2 in place: no longer consecutive; the stamp sees it.
+    bm.full_kv_indices[0, 0, 3, :2] = torch.tensor([0, 2], dtype=torch.int32)
+    bm.full_kv_num_blocks[0, 0, 3] = 2
+    assert torch.equal(compiled(q, k, v, bm), attend(q, k, v, bm))
+    other = create_block_mask(causal, 1, 1, 256, 256, device="cpu", BLOCK_SIZE=64)
+    assert torch.equal(compiled(q, k, v, other), attend(q, k, v, other))
+    assert len(checks) == 1

@@ -18,7 +18,8 @@ from ..masks import TABLES_IN_RANGE, BlockMask, DerivedKey
 from ..masks.layout import ascending, dense_to_ordered, ordered_to_dense
 
 __all__ = [
-    "RowStats", "LaunchTables", "LAUNCH_TABLES", "launch_tables", "block_mask_row_stats", "BackwardTables",
+    "RowStats", "LaunchTables", "LAUNCH_TABLES", "launch_tables", "checked_launch_tables", "preset_row_stats",
+    "block_mask_row_stats", "BackwardTables",
     "BACKWARD_TABLES", "backward_tables", "groups_share_tables", "assume_groups_differ",
 ]
 
@@ -131,6 +132,23 @@ def _tables_for_launch(block_mask: BlockMask) -> LaunchTables:
     if block_mask.peek_derived(TABLES_IN_RANGE):
         return _trusted_launch_tables(block_mask)
     return _compute_launch_tables(block_mask)
+
+
+def checked_launch_tables(block_mask: BlockMask) -> LaunchTables:
+    """launch_tables' checks and row statistics (one host sync), whatever the mask says of itself and
+    without keeping them on it: for a caller that keeps the statistics itself (compile.py)."""
+    return _compute_launch_tables(block_mask)
+
+
+def preset_row_stats(block_mask: BlockMask, stats: RowStats) -> None:
+    """Launch tables of ``block_mask`` as they are, with the row statistics checked earlier on these
+    very tables (the caller stamps them by identity and version): no sync, and the launch plan of
+    checked tables (compile.py, for the masks of compiled calls)."""
+    nb, idx = block_mask.kv_num_blocks, block_mask.kv_indices
+    fnb, fidx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
+    has_full = fnb is not None
+    block_mask.preset_derived(LAUNCH_TABLES, LaunchTables(
+        nb, idx, fnb if has_full else nb, fidx if has_full else idx, has_full, stats, (tuple(nb.shape), has_full, stats)))
 
 
 def _trusted_launch_tables(block_mask: BlockMask) -> LaunchTables:
