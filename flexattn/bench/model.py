@@ -17,7 +17,8 @@ Execution modes (``--modes``):
 * ``eager``: the model in eager mode. torch's flex_attention has no fused eager path, so its
   attention function alone is compiled (how transformers calls it).
 * ``compile``: every block compiled on its own with ``torch.compile(fullgraph=True)`` (torchtitan's
-  way: one compile serves the 12 blocks); embedding, head and loss eager.
+  way: one compile serves the 12 blocks); embedding, head and loss eager. ``--scope model`` compiles
+  the model's forward whole instead.
 * ``reduce-overhead``: the same with ``mode="reduce-overhead"``: each block's forward and backward
   replay from CUDA graphs.
 
@@ -129,7 +130,7 @@ class GPT(nn.Module):
         return self.head(self.norm(x))
 
 
-def run_case(impl, mode, mask, batch, seq, cfg, device, backend) -> dict:
+def run_case(impl, mode, mask, batch, seq, cfg, device, backend, scope="blocks") -> dict:
     torch._dynamo.reset()
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -139,8 +140,11 @@ def run_case(impl, mode, mask, batch, seq, cfg, device, backend) -> dict:
         options = dict(fullgraph=True, backend=backend)
         if mode == "reduce-overhead":
             options["mode"] = "reduce-overhead"
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = torch.compile(block, **options)
+        if scope == "model":
+            model.forward = torch.compile(model.forward, **options)
+        else:
+            for i, block in enumerate(model.blocks):
+                model.blocks[i] = torch.compile(block, **options)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     tokens = torch.randint(0, cfg["vocab"], (batch, seq), device=device)
 
@@ -229,6 +233,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--scope", choices=("blocks", "model"), default="blocks",
+                        help="what the compiled modes compile: each block (default) or the model's forward whole")
     parser.add_argument("--quick", action="store_true", help="fewer warm-up and timed steps (2 and 4)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on any device: the code paths only")
     parser.add_argument("--out", default="bench_model.json")
@@ -260,7 +266,7 @@ def main(argv=None) -> int:
                     continue  # SDPA has no document mask (a dense one would time another kernel)
                 for mode in modes:
                     try:
-                        r = run_case(impl, mode, mask, batch, seq, cfg, device, backend)
+                        r = run_case(impl, mode, mask, batch, seq, cfg, device, backend, args.scope)
                     except Exception as err:  # one failing case must not lose the others' numbers
                         r = {"impl": impl, "mode": mode, "mask": mask, "batch": batch, "seq": seq,
                              "error": f"{type(err).__name__}: {err}".splitlines()[0]}
@@ -268,6 +274,7 @@ def main(argv=None) -> int:
                     print(table([r]).splitlines()[-1], flush=True)
     print()
     print(table(results))
+    cfg["scope"] = args.scope
     Path(args.out).write_text(json.dumps({"env": environment(device), "config": cfg, "results": results}, indent=1))
     print(f"\nwritten: {args.out}")
     return 1 if any("error" in r for r in results) else 0
