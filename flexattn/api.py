@@ -359,7 +359,7 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, return_lse, 
         mask_mod = block_mask.mask_mod if block_mask.mask_mod is not None else noop_mask
         block_size = [block_mask.BLOCK_SIZE[0], block_mask.BLOCK_SIZE[1]]
     if mask_mod is sliced_rows_mask_mod:
-        mask_mod()  # raises its explanation: the rows were selected without an offset
+        mask_mod(None, None, None, None)  # raises its explanation: rows were selected without an offset
     call_key, score_reads, mask_reads = _registered_call(described(score_mod), described(mask_mod), kernel_options,
                                                          query.device)
     score_captured = read_by(score_mod, "score_mod", score_reads, query.device)

@@ -403,6 +403,10 @@ def test_errors_name_the_fix_under_compile():
         torch.compile(flex_attention, backend="eager", fullgraph=True)(q, k, v, block_mask=bm)
     with pytest.raises(Exception, match="unknown kernel_options"):
         torch.compile(flex_attention, backend="eager", fullgraph=True)(q, k, v, kernel_options={"BLOK_M": 1})
+    rows = create_block_mask(causal, 1, 1, L, L, device="cpu", BLOCK_SIZE=64)[:, :, torch.tensor([1])]
+    rows.seq_lengths = (64, L)  # rows selected, the mask_mod not shifted: the eager error's explanation
+    with pytest.raises(Exception, match="decode_block_mask"):
+        torch.compile(flex_attention, backend="eager", fullgraph=True)(q[:, :, :64], k, v, block_mask=rows)
 
 
 def test_the_fake_outputs_are_the_real_ones():
