@@ -34,7 +34,7 @@ Inside the op the tables are trusted (``BlockMask.from_launch_tables``): a Block
 ascending and in range by construction (create_block_mask, from_kv_blocks, decode_block_mask,
 PagedAttention), and checking them would read them back to the host on every call, which neither a
 compiled step nor a CUDA graph can afford. Their row statistics are those checked once for the first
-mask of each shape ([Note] Row statistics of a compiled call's mask), else fixed (no consecutive-block
+mask of each shape ([Note] What a compiled call's mask derives, kept), else fixed (no consecutive-block
 fast path), as for decoding masks ([Note] Tables in range by construction in masks/block_mask.py).
 
 A closure created inside the compiled function over a tensor, not by a mod_factory, has no Python
@@ -58,7 +58,9 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from .dispatch import Call, choose_decode, pick_backend, prepare_backward, run_backward, run_forward
 from .errors import InvalidInputError
-from .kernels.tables import RowStats, assume_groups_differ, checked_launch_tables, preset_row_stats
+from .kernels.tables import (
+    BACKWARD_TABLES, RowStats, assume_groups_differ, checked_launch_tables, preset_row_stats,
+)
 from .lowering import index_bounds, index_dtype
 from .masks import FACTORY_ATTRIBUTE, BlockMask, dense_block_mask
 from .trace import TracedMod, trace_mod
@@ -305,23 +307,40 @@ def _block_mask(query, key, tables, block_size, seq_lengths, group: int) -> Bloc
         return dense_block_mask(L, S, query.device)
     tables = [None if t is None else t.contiguous() for t in tables]
     mask = BlockMask.from_launch_tables(tuple(seq_lengths), *tables, BLOCK_SIZE=tuple(block_size))
-    stats = _known_row_stats(mask)
-    if stats is not None:
-        preset_row_stats(mask, stats)
+    kept = _kept(mask) or _checked(mask)
+    if kept is not None:
+        if kept.stats is not None:
+            preset_row_stats(mask, kept.stats)
+        if kept.backward is not None:
+            mask.preset_derived(BACKWARD_TABLES, kept.backward)
     assume_groups_differ(mask, group)
     return mask
 
 
-# [Note] Row statistics of a compiled call's mask. The op takes the tables on trust, which costs the
-# consecutive-block fast path of the forward ([Note] Consecutive blocks in the forward template): its
-# flags come from reading the tables back. The first mask of each table shape that a compiled call
-# meets (outside a CUDA-graph capture) is checked once, at that call, and its row statistics kept,
-# stamped like BlockMask.derived's data (the table objects, held weakly, their version counters,
-# BLOCK_SIZE and the lengths): later calls with those very tables (a static causal mask, every layer
-# of a step) launch the checked plan with no sync. A new mask of a shape already met (one rebuilt per
-# step) takes the trusted plan, so a step never waits for the GPU for its mask.
-_ROW_STATS = WeakTensorKeyDictionary()  # kv_num_blocks -> (the other tables, weakly; stamp; RowStats)
+# [Note] What a compiled call's mask derives, kept. Each call of the op makes a new BlockMask on the
+# tables it is given, so what launches derive from a mask (BlockMask.derived) would be derived again
+# at every call, for every layer. It is kept here instead, per table object, stamped like
+# BlockMask.derived's data (the table objects, held weakly, their version counters, BLOCK_SIZE and
+# the lengths), for the next calls on those very tables (every layer of a step, every step of a
+# static mask):
+# * the row statistics, which take reading the tables back: the first mask of each table shape that
+#   a compiled call meets (outside a CUDA-graph capture) is checked once, at that call; a new mask of
+#   a shape already met (one rebuilt every step) takes the trusted plan, without the forward's
+#   consecutive-block path, so a step never waits for the GPU for its mask;
+# * the backward's transposed tables (computed on the device), kept after a backward outside a
+#   capture (inside one, they are written only when the graph replays).
+_KEPT = WeakTensorKeyDictionary()  # kv_num_blocks -> _Kept
 _SHAPES_CHECKED: set = set()
+
+
+class _Kept:
+    __slots__ = ("tables", "stamp", "stats", "backward")
+
+    def __init__(self, mask: BlockMask, stats: Optional[RowStats]):
+        others = (mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices)
+        self.tables = tuple(None if t is None else weakref.ref(t) for t in others)
+        self.stamp = _stamp(mask)
+        self.stats, self.backward = stats, None
 
 
 def _stamp(mask: BlockMask) -> tuple:
@@ -329,27 +348,46 @@ def _stamp(mask: BlockMask) -> tuple:
     return tuple(-1 if t is None else t._version for t in tables), mask.BLOCK_SIZE, mask.seq_lengths
 
 
-def _known_row_stats(mask: BlockMask) -> Optional[RowStats]:
-    nb = mask.kv_num_blocks
+def _kept(mask: BlockMask) -> Optional[_Kept]:
+    """What was kept for these very tables, while its stamp holds."""
+    kept = _KEPT.get(mask.kv_num_blocks)
     others = (mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices)
-    entry = _ROW_STATS.get(nb)
-    if entry is not None:
-        refs, stamp, stats = entry
-        if stamp == _stamp(mask) and all((r is None) == (t is None) and (r is None or r() is t)
-                                         for r, t in zip(refs, others)):
-            return stats
-    shape = (tuple(nb.shape), tuple(mask.kv_indices.shape), others[1] is not None, nb.device, mask.BLOCK_SIZE,
-             mask.seq_lengths)
-    if shape in _SHAPES_CHECKED or (nb.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if kept is not None and kept.stamp == _stamp(mask) and all(
+            (ref is None) == (t is None) and (ref is None or ref() is t) for ref, t in zip(kept.tables, others)):
+        return kept
+    return None
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _checked(mask: BlockMask) -> Optional[_Kept]:
+    """The first mask of its table shape: checked now (one host sync) and kept, row statistics and all."""
+    nb = mask.kv_num_blocks
+    shape = (tuple(nb.shape), tuple(mask.kv_indices.shape), mask.full_kv_num_blocks is not None, nb.device,
+             mask.BLOCK_SIZE, mask.seq_lengths)
+    if shape in _SHAPES_CHECKED or _capturing(nb):
         return None
     _SHAPES_CHECKED.add(shape)
-    checked = checked_launch_tables(mask)  # one host sync; raises on tables out of range
-    if checked.kv_num_blocks is not nb or checked.kv_indices is not others[0] or (
-            others[1] is not None and (checked.full_kv_num_blocks is not others[1]
-                                       or checked.full_kv_indices is not others[2])):
-        return None  # reordered: the statistics are not those of the tables the op launches
-    _ROW_STATS[nb] = (tuple(None if t is None else weakref.ref(t) for t in others), _stamp(mask), checked.stats)
-    return checked.stats
+    checked = checked_launch_tables(mask)  # raises on tables out of range
+    same = (checked.kv_num_blocks is nb and checked.kv_indices is mask.kv_indices
+            and (mask.full_kv_num_blocks is None or (checked.full_kv_num_blocks is mask.full_kv_num_blocks
+                                                     and checked.full_kv_indices is mask.full_kv_indices)))
+    # Reordered tables: the statistics are not those of the tables the op launches.
+    kept = _KEPT[nb] = _Kept(mask, checked.stats if same else None)
+    return kept
+
+
+def _keep_backward_tables(mask: BlockMask) -> None:
+    """After a backward on ``mask``: keep its transposed tables for the next calls on the same tables."""
+    tables = mask.peek_derived(BACKWARD_TABLES)
+    if tables is None or _capturing(mask.kv_num_blocks):
+        return
+    kept = _kept(mask)
+    if kept is None:
+        kept = _KEPT[mask.kv_num_blocks] = _Kept(mask, None)
+    kept.backward = tables
 
 
 def _call(key: str, query, key_t, tables, block_size, seq_lengths, mask_captured, scale, needs_grad, need_max):
@@ -429,6 +467,8 @@ def _backward_impl(query, key, value, out, lse, grad_out, grad_lse, kv_num_block
     score_captured = [t.detach().requires_grad_(wanted) for t, wanted in zip(score_captured, captured_grads)]
     score = _all_captured(call.score, score_captured, query.device)
     dq, dk, dv, d_all = run_backward(call, query, key, value, out, lse, grad_out, grad_lse, score)
+    if kv_num_blocks is not None:
+        _keep_backward_tables(call.block_mask)
     # The gradients of the user's tensors only (a mod's own constants take none), in the op's order.
     given = [(c, g) for c, g in zip(call.score.captured if call.score else (), d_all) if c.walk_index is not None]
     for (captured, _), wanted in zip(given, captured_grads):

@@ -509,3 +509,34 @@ def test_a_masks_checked_row_statistics_follow_its_tables(monkeypatch):
     other = create_block_mask(causal, 1, 1, 256, 256, device="cpu", BLOCK_SIZE=64)
     assert torch.equal(compiled(q, k, v, other), attend(q, k, v, other))
     assert len(checks) == 1
+
+
+def test_the_backward_tables_of_a_mask_are_derived_once_for_its_layers(monkeypatch):
+    # Every layer's call makes a new BlockMask on the same tables: the transposed tables the Triton
+    # backward walks are kept per table object (stamped), not derived again per layer.
+    if not flexattn.kernels.interpreter_enabled():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
+    import flexattn.kernels.tables as tables_module
+
+    derived = []
+    real = tables_module._compute_backward_tables
+    monkeypatch.setattr(tables_module, "_compute_backward_tables", lambda mask: derived.append(1) or real(mask))
+    q, k, v = qkv(requires_grad=True)
+    options = {"BACKEND": "TRITON"}
+
+    def two_layers(q, k, v, bm):
+        y = flex_attention(q, k, v, block_mask=bm, kernel_options=options)
+        return flex_attention(y, k, v, block_mask=bm, kernel_options=options)
+
+    bm = create_block_mask(causal, 1, 1, L, L, device="cpu", BLOCK_SIZE=64)
+    two_layers(q, k, v, bm).sum().backward()
+    expected = grads(q, k, v)
+    compiled, _ = counted(two_layers)
+    derived.clear()
+    compiled(q, k, v, bm).sum().backward()
+    assert derived == [1]
+    for got, want in zip(grads(q, k, v), expected):
+        assert torch.equal(got, want)
+    bm.kv_num_blocks.add_(0)  # a new version: derived again
+    compiled(q, k, v, bm).sum().backward()
+    assert derived == [1, 1]
