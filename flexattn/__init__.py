@@ -9,8 +9,8 @@ __version__ = "0.1.0"  # the same as pyproject.toml's (tests/test_api.py checks)
 
 from .api import flex_attention
 from .masks import (
-    BlockMask, OutOfPagesError, PagedAttention, and_masks, create_block_mask, create_mask, decode_block_mask, noop_mask,
-    offset_mask_mod, offset_score_mod, or_masks,
+    BlockMask, OutOfPagesError, PagedAttention, and_masks, create_block_mask, create_mask, decode_block_mask, mod_factory,
+    noop_mask, offset_mask_mod, offset_score_mod, or_masks,
 )
 from .options import AuxOutput, AuxRequest, FlexKernelOptions
 
@@ -31,6 +31,7 @@ __all__ = [
     "create_mask",
     "decode_block_mask",
     "flex_attention",
+    "mod_factory",
     "noop_mask",
     "offset_mask_mod",
     "offset_score_mod",

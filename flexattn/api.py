@@ -14,10 +14,13 @@ from typing import Optional, Union
 import torch
 
 from .autograd import FlexAttentionFunction
+from .compile import described, flex_attention_op, read_by, register_call
 from .dispatch import Call, choose_decode, pick_backend, prepare_backward, run_forward
 from .errors import InvalidInputError
 from .lowering import check_indices, index_bounds, index_dtype
-from .masks import BlockMask, arity_mistake, as_block_mask, dense_block_mask, sliced_rows_mask_mod, torch_counterpart
+from .masks import (
+    BlockMask, arity_mistake, as_block_mask, dense_block_mask, noop_mask, sliced_rows_mask_mod, torch_counterpart,
+)
 from .options import KNOWN_OPTIONS, AuxOutput, AuxRequest, FlexKernelOptions, normalize_kernel_options, why_ignored
 from .trace import TracedMod, trace_mod
 
@@ -249,6 +252,8 @@ def flex_attention(
             out = flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask)
     """
     _validate_tensors(query, key, value, enable_gqa)
+    if torch.compiler.is_compiling():
+        return _compiled_call(query, key, value, score_mod, block_mask, scale, return_lse, kernel_options, return_aux)
     options = _validate_options(kernel_options)
     if return_lse and return_aux is not None:
         raise InvalidInputError("pass either return_lse or return_aux, not both (return_lse is deprecated)")
@@ -310,4 +315,74 @@ def flex_attention(
         return out, lse
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=mx if need_max else None)
+    return out
+
+
+# ------------------------------------------------------------------------------------ under torch.compile
+# Dynamo traces what follows in place of the eager path; see [Note] flex_attention under torch.compile
+# in compile.py.
+
+
+def _registered_call(score_mod, mask_mod, kernel_options, device) -> tuple:
+    """Run by Dynamo as plain Python on the real callables, once per compile of the call; its result
+    (the registry key and which probed tensors go to the op) is a constant of the graph."""
+    return register_call(score_mod, mask_mod, _validate_options(kernel_options), device)
+
+
+# What torch.compiler.assume_constant_result does (torch 2.11 to 2.13), without the 1.7 s import of
+# Dynamo it costs at import time; tests/test_compile.py checks that the decorator still sets it.
+_registered_call._dynamo_marked_constant = True
+
+
+def _compiled_call(query, key, value, score_mod, block_mask, scale, return_lse, kernel_options, return_aux):
+    B, Hq, L, E = query.shape
+    S = key.shape[2]
+    if return_lse and return_aux is not None:
+        raise InvalidInputError("pass either return_lse or return_aux, not both (return_lse is deprecated)")
+    if block_mask is None:
+        tables, mask_mod, block_size, seq_lengths = (None, None, None, None), None, [1, 1], [L, S]
+    else:
+        # flexattn's BlockMask or torch's: the same fields, read without converting.
+        seq_lengths = [block_mask.seq_lengths[0], block_mask.seq_lengths[1]]
+        if seq_lengths != [L, S]:
+            raise InvalidInputError(
+                f"block_mask was built for Q_LEN={seq_lengths[0]}, KV_LEN={seq_lengths[1]} but query has seq_len {L} "
+                f"and key has seq_len {S}; create a new block mask for these lengths"
+            )
+        if block_mask.kv_num_blocks.device != query.device:
+            raise InvalidInputError(
+                f"block_mask is on {block_mask.kv_num_blocks.device} but query is on {query.device}; "
+                "use block_mask.to(query.device)"
+            )
+        tables = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+                  block_mask.full_kv_indices)
+        mask_mod = block_mask.mask_mod if block_mask.mask_mod is not None else noop_mask
+        block_size = [block_mask.BLOCK_SIZE[0], block_mask.BLOCK_SIZE[1]]
+    if mask_mod is sliced_rows_mask_mod:
+        mask_mod(None, None, None, None)  # raises its explanation: rows were selected without an offset
+    call_key, score_reads, mask_reads = _registered_call(described(score_mod), described(mask_mod), kernel_options,
+                                                         query.device)
+    score_captured = read_by(score_mod, "score_mod", score_reads, query.device)
+    mask_captured = [t.detach() for t in read_by(mask_mod, "mask_mod", mask_reads, query.device)]
+    for t in score_captured + mask_captured:
+        if t.device != query.device:
+            raise InvalidInputError(
+                f"a mod reads a tensor on {t.device}, but the query is on {query.device}; create it on the "
+                "query's device"
+            )
+    scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
+    need_lse = bool(return_lse or (return_aux is not None and return_aux.lse))
+    need_max = bool(return_aux is not None and return_aux.max_scores)
+    needs_grad = torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad
+        or any(t.requires_grad for t in score_captured)
+    )
+    out, lse, mx = flex_attention_op(
+        query, key, value, *tables, score_captured, mask_captured, call_key, block_size, seq_lengths, scale,
+        needs_grad, need_max,
+    )
+    if return_lse:
+        return out, lse
+    if return_aux is not None:
+        return out, AuxOutput(lse=lse if need_lse else None, max_scores=mx if need_max else None)
     return out

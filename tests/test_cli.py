@@ -263,7 +263,7 @@ def test_help_everywhere(command, capsys):
 
 
 @pytest.mark.parametrize("module", ["forward", "backward", "decode", "learnable", "sweep", "sweep_backward", "startup",
-                                    "tile_census"])
+                                    "tile_census", "model"])
 def test_the_bench_modules_keep_their_help(module, capsys):
     import importlib
 

@@ -3,7 +3,8 @@ holds what they measured, with the device and versions of each run).
 
 ``python -m flexattn.bench --mode fwd|bwd|decode [ARGS]`` (also ``flexattn bench``) runs one of the
 paper benchmarks, side by side in one process with torch's compiled flex_attention and SDPA:
-``forward``, ``backward`` (training) and ``decode``. Beside them: ``learnable`` (the backward of
+``forward``, ``backward`` (training) and ``decode``; ``model`` times a whole GPT-style training step
+(eager, compiled and in CUDA graphs). Beside them: ``learnable`` (the backward of
 variants with learnable tables), the launch-config sweeps ``sweep`` and ``sweep_backward``,
 ``tile_census`` (what the compiler made of every default kernel), ``startup`` (the first call
 and the host overhead), and ``context_parallel`` (the ring's schedule on one GPU with streams for
@@ -19,6 +20,7 @@ MODES = {
     "fwd": "flexattn.bench.forward",
     "bwd": "flexattn.bench.backward",
     "decode": "flexattn.bench.decode",
+    "model": "flexattn.bench.model",
 }
 
 

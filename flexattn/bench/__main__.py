@@ -1,4 +1,4 @@
-"""``python -m flexattn.bench [--mode fwd|bwd|decode] [ARGS]``: one of the paper benchmarks; ARGS go
+"""``python -m flexattn.bench [--mode fwd|bwd|decode|model] [ARGS]``: one of the paper benchmarks; ARGS go
 to it (``--help`` after the mode lists them)."""
 
 import argparse
@@ -11,7 +11,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flexattn.bench", add_help=False,
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=tuple(MODES), default="fwd",
-                        help="fwd: forward (default); bwd: forward and backward; decode: one query token")
+                        help="fwd: forward (default); bwd: forward and backward; decode: one query token; "
+                             "model: a GPT-style training step")
     args, rest = parser.parse_known_args(argv)
     return run_mode(args.mode, rest)
 

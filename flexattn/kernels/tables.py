@@ -18,8 +18,9 @@ from ..masks import TABLES_IN_RANGE, BlockMask, DerivedKey
 from ..masks.layout import ascending, dense_to_ordered, ordered_to_dense
 
 __all__ = [
-    "RowStats", "LaunchTables", "LAUNCH_TABLES", "launch_tables", "block_mask_row_stats", "BackwardTables",
-    "BACKWARD_TABLES", "backward_tables", "groups_share_tables",
+    "RowStats", "LaunchTables", "LAUNCH_TABLES", "launch_tables", "checked_launch_tables", "preset_row_stats",
+    "block_mask_row_stats", "BackwardTables",
+    "BACKWARD_TABLES", "backward_tables", "groups_share_tables", "assume_groups_differ",
 ]
 
 
@@ -133,6 +134,23 @@ def _tables_for_launch(block_mask: BlockMask) -> LaunchTables:
     return _compute_launch_tables(block_mask)
 
 
+def checked_launch_tables(block_mask: BlockMask) -> LaunchTables:
+    """launch_tables' checks and row statistics (one host sync), whatever the mask says of itself and
+    without keeping them on it: for a caller that keeps the statistics itself (compile.py)."""
+    return _compute_launch_tables(block_mask)
+
+
+def preset_row_stats(block_mask: BlockMask, stats: RowStats) -> None:
+    """Launch tables of ``block_mask`` as they are, with the row statistics checked earlier on these
+    very tables (the caller stamps them by identity and version): no sync, and the launch plan of
+    checked tables (compile.py, for the masks of compiled calls)."""
+    nb, idx = block_mask.kv_num_blocks, block_mask.kv_indices
+    fnb, fidx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
+    has_full = fnb is not None
+    block_mask.preset_derived(LAUNCH_TABLES, LaunchTables(
+        nb, idx, fnb if has_full else nb, fidx if has_full else idx, has_full, stats, (tuple(nb.shape), has_full, stats)))
+
+
 def _trusted_launch_tables(block_mask: BlockMask) -> LaunchTables:
     """Launch tables for a mask flexattn built from dense tile maps (see [Note] Tables in range by
     construction), set without the checks' host sync, so a decoding step that builds its mask each
@@ -194,6 +212,18 @@ def backward_tables(block_mask: BlockMask) -> BackwardTables:
 # ------------------------------------------------------------------------------------ decode
 
 
+def _groups_key(group: int) -> DerivedKey:
+    return DerivedKey("GQA groups share their tables", group)
+
+
+def assume_groups_differ(block_mask: BlockMask, group: int) -> None:
+    """Let the decode kernels treat the GQA groups of ``block_mask`` as listing different blocks (always
+    correct, if slower for groups that share them) without the check's host sync, for masks whose
+    content is not known on the host (compiled calls). A mask with one head needs no check."""
+    if group > 1 and block_mask.kv_num_blocks.shape[1] > 1:
+        block_mask.preset_derived(_groups_key(group), False)
+
+
 def groups_share_tables(block_mask: BlockMask, group: int) -> bool:
     """Whether the query heads of every GQA group list the same key blocks (per batch and row), so
     one program can walk them for the whole group. One host sync per mask content."""
@@ -214,4 +244,4 @@ def groups_share_tables(block_mask: BlockMask, group: int) -> bool:
             checks += [(num == num[:, :, :1]).all(), (listed == listed[:, :, :1]).all()]
         return bool(torch.stack(checks).all())
 
-    return block_mask.derived(DerivedKey("GQA groups share their tables", group), compute)
+    return block_mask.derived(_groups_key(group), compute)

@@ -9,13 +9,16 @@ checks) -> ``block_mask`` (the BlockMask, its derived data and torch interop) ->
 from .block_mask import TABLES_IN_RANGE, BlockMask, DerivedKey, as_block_mask, sliced_rows_mask_mod, torch_counterpart
 from .create import create_block_mask, create_mask, dense_block_mask
 from .decoding import decode_block_mask, offset_mask_mod, offset_score_mod
-from .mods import MaskMod, ScoreMod, and_masks, arity_mistake, identity_score_mod, mod_name, noop_mask, or_masks
+from .mods import (
+    FACTORY_ATTRIBUTE, MaskMod, ScoreMod, and_masks, arity_mistake, identity_score_mod, mod_factory, mod_name, noop_mask,
+    or_masks,
+)
 from .paged import OutOfPagesError, PagedAttention
 
 __all__ = [
     "BlockMask", "DerivedKey", "TABLES_IN_RANGE", "as_block_mask", "sliced_rows_mask_mod", "torch_counterpart",
     "create_block_mask", "create_mask", "dense_block_mask",
     "decode_block_mask", "offset_mask_mod", "offset_score_mod",
-    "MaskMod", "ScoreMod", "and_masks", "or_masks", "noop_mask", "identity_score_mod", "arity_mistake", "mod_name",
+    "MaskMod", "ScoreMod", "mod_factory", "FACTORY_ATTRIBUTE", "and_masks", "or_masks", "noop_mask", "identity_score_mod", "arity_mistake", "mod_name",
     "OutOfPagesError", "PagedAttention",
 ]

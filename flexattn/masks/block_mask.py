@@ -351,6 +351,31 @@ class BlockMask:
         )
 
     @classmethod
+    def from_launch_tables(
+        cls,
+        seq_lengths: tuple[int, int],
+        kv_num_blocks: torch.Tensor,
+        kv_indices: torch.Tensor,
+        full_kv_num_blocks: Optional[torch.Tensor] = None,
+        full_kv_indices: Optional[torch.Tensor] = None,
+        BLOCK_SIZE: BlockSize = DEFAULT_BLOCK_SIZE,
+    ) -> "BlockMask":
+        """A forward-only BlockMask on tables taken as they are: int32, ``[B, H, ROWS(, W)]``, contiguous,
+        each row's used entries ascending and in range, as a BlockMask's own tables are. Nothing is
+        checked, sorted or copied, and the mask is marked in range ([Note] Tables in range by
+        construction), so no call reads the tables back to the host: for the tables of a mask that was
+        built and checked already, passed on where its content cannot be read (a compiled graph)."""
+        mask = cls.__new__(cls)
+        mask.seq_lengths = tuple(seq_lengths)
+        mask.kv_num_blocks, mask.kv_indices = kv_num_blocks, kv_indices
+        mask.full_kv_num_blocks, mask.full_kv_indices = full_kv_num_blocks, full_kv_indices
+        mask.q_num_blocks = mask.q_indices = mask.full_q_num_blocks = mask.full_q_indices = None
+        mask.BLOCK_SIZE = as_block_size(BLOCK_SIZE)
+        mask.mask_mod = noop_mask
+        mask.preset_derived(TABLES_IN_RANGE, True)
+        return mask
+
+    @classmethod
     def _from_block_maps(
         cls,
         partial_map: torch.Tensor,
@@ -709,9 +734,10 @@ def _selection(index, size: int, device: torch.device, name: str) -> Optional[to
                 f"got {index.dtype} {tuple(index.shape)}"
             )
         chosen = index.to(device=device, dtype=torch.long).reshape(-1)
-        if chosen.device.type != "cpu":
-            # Checking the range here would wait for the device. Wrap negatives only, so an index
-            # out of range stays out of range and index_select's own device-side check rejects it.
+        if chosen.device.type != "cpu" or torch.compiler.is_compiling():
+            # Checking the range here would wait for the device (or, compiled, read a value in the
+            # graph). Wrap negatives only, so an index out of range stays out of range and
+            # index_select's own check rejects it.
             return torch.where(chosen < 0, chosen + size, chosen)
         if chosen.numel() and bool(((chosen < -size) | (chosen >= size)).any()):
             raise IndexError(f"index {index.tolist()!r} is out of range for the {name} dim of size {size}")

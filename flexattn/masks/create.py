@@ -207,6 +207,13 @@ def create_block_mask(
             x = layer(x, block_mask=block_mask)
     """
     del _compile  # nothing to compile: see the docstring
+    if torch.compiler.is_compiling():
+        # The builder evaluates the mask_mod tile by tile in a Python loop: not something to trace.
+        raise InvalidInputError(
+            f"create_block_mask({mod_name(mask_mod)}, ...) was called inside a torch.compile'd function; build the "
+            "BlockMask outside the compiled function (once per step, or once for every step with these lengths) "
+            "and pass it in: the compiled graph takes a new mask of the same shapes without recompiling"
+        )
     check_mask_mod(mask_mod)
     B = 1 if B is None else positive_int("B", B)
     H = 1 if H is None else positive_int("H", H)

@@ -36,7 +36,7 @@ import torch
 from ..errors import InvalidInputError
 from .block_mask import TABLES_IN_RANGE, BlockMask, as_block_mask, sliced_rows_mask_mod
 from .layout import cdiv, default_device, dense_to_ordered, device_argument, ordered_to_dense, positive_int
-from .mods import MaskMod, ScoreMod, arity_mistake, check_mask_mod, identity_score_mod, mod_name, noop_mask
+from .mods import MaskMod, ScoreMod, arity_mistake, check_mask_mod, identity_score_mod, mod_factory, mod_name, noop_mask
 
 __all__ = ["offset_mask_mod", "offset_score_mod", "decode_block_mask"]
 
@@ -76,7 +76,7 @@ def check_on_device(condition: torch.Tensor, message: str) -> None:
     """Raise InvalidInputError unless ``condition`` (a bool tensor) is all true, without a host sync
     on an accelerator: there a device-side assert reports it at a later launch."""
     condition = condition.all()
-    if condition.device.type == "cpu":
+    if condition.device.type == "cpu" and not torch.compiler.is_compiling():
         if not bool(condition):
             raise InvalidInputError(message)
     else:
@@ -112,6 +112,7 @@ def _device_of(*values) -> Optional[torch.device]:
     return None
 
 
+@mod_factory
 def offset_mask_mod(
     mask_mod: Optional[MaskMod],
     offset: IntOrTensor,
@@ -152,6 +153,7 @@ def offset_mask_mod(
     return shifted
 
 
+@mod_factory
 def offset_score_mod(
     score_mod: Optional[ScoreMod],
     offset: IntOrTensor,

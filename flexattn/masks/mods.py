@@ -8,6 +8,7 @@ for one (query, key) pair and flexattn applies them to whole tiles (by tracing f
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Callable, Optional
 
@@ -20,8 +21,36 @@ MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tor
 
 __all__ = [
     "ScoreMod", "MaskMod", "identity_score_mod", "noop_mask", "and_masks", "or_masks", "mod_name", "check_mask_mod",
-    "arity_mistake",
+    "arity_mistake", "mod_factory", "FACTORY_ATTRIBUTE",
 ]
+
+# Where a mod made by a mod_factory keeps how it was made: (factory, args, kwargs).
+FACTORY_ATTRIBUTE = "__flexattn_factory__"
+
+
+def mod_factory(factory: Callable) -> Callable:
+    """Mark a function that returns a score_mod or mask_mod, so that the mods it makes inside a
+    ``torch.compile``'d function may close over tensors made there (docs/compile.md).
+
+    A closure created inside a compiled function has no Python object outside the graph for flexattn
+    to trace; the mod remembers the call that made it, and flexattn traces the same call made again
+    with tensors of the same shapes and dtypes. Everything the factory does must follow from its
+    arguments (no other state). flexattn's own factories are marked::
+
+        @flexattn.mod_factory
+        def shifted(mask_mod, offset):          # offset: a tensor computed in the compiled step
+            def mod(b, h, q_idx, kv_idx):
+                return mask_mod(b, h, q_idx + offset, kv_idx)
+            return mod
+    """
+
+    @functools.wraps(factory)
+    def make(*args, **kwargs):
+        mod = factory(*args, **kwargs)
+        setattr(mod, FACTORY_ATTRIBUTE, (factory, args, kwargs))
+        return mod
+
+    return make
 
 
 def identity_score_mod(score, b, h, q_idx, kv_idx):
@@ -40,6 +69,7 @@ def _check_callables(name: str, mods) -> None:
             raise TypeError(f"{name}: argument {i} must be a mask_mod callable, got {type(mod).__name__}")
 
 
+@mod_factory
 def and_masks(*mask_mods: MaskMod) -> MaskMod:
     """A mask_mod that keeps a pair only where every one of ``mask_mods`` keeps it."""
     _check_callables("and_masks", mask_mods)
@@ -54,6 +84,7 @@ def and_masks(*mask_mods: MaskMod) -> MaskMod:
     return and_mask
 
 
+@mod_factory
 def or_masks(*mask_mods: MaskMod) -> MaskMod:
     """A mask_mod that keeps a pair where any one of ``mask_mods`` keeps it."""
     _check_callables("or_masks", mask_mods)

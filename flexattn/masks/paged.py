@@ -42,7 +42,7 @@ from ..errors import FlexAttentionError, InvalidInputError
 from .block_mask import TABLES_IN_RANGE, BlockMask, as_block_mask
 from .decoding import check_on_device, index_tensor
 from .layout import cdiv, dense_to_ordered, device_argument, ordered_to_dense, positive_int
-from .mods import MaskMod, ScoreMod, identity_score_mod, mod_name, noop_mask
+from .mods import MaskMod, ScoreMod, identity_score_mod, mod_factory, mod_name, noop_mask
 
 __all__ = ["PagedAttention", "OutOfPagesError"]
 
@@ -250,28 +250,6 @@ class PagedAttention:
             raise InvalidInputError(f"batch_idx must be a 1-d integer tensor [B], got {rows.dtype} {tuple(rows.shape)}")
         return rows
 
-    def _logical_position(self, batch_rows: Optional[torch.Tensor], kv_len: Optional[torch.Tensor],
-                          limit: Optional[int]):
-        """``(b, physical_kv_idx) -> (logical_kv_idx, valid)``; invalid positions read as logical 0."""
-        # Only the tensors are captured, never self: the mods read the live tables, and the trace
-        # cache keys them by shape (the free-page list would change the key at every reserve).
-        page_size, physical_to_logical = self.page_size, self.physical_to_logical
-        per_batch_len = kv_len is not None and kv_len.dim() == 1
-
-        def logical(b, physical_kv_idx):
-            row = b if batch_rows is None else batch_rows[b]
-            logical_page = physical_to_logical[row, physical_kv_idx // page_size]
-            position = logical_page * page_size + physical_kv_idx % page_size
-            valid = logical_page >= 0
-            if limit is not None:
-                valid = valid & (position < limit)
-            if kv_len is not None:
-                valid = valid & (position < (kv_len[b] if per_batch_len else kv_len))
-            # The user's mod never sees a position outside its sequence (it may index tensors with it).
-            return torch.where(valid, position, 0), valid
-
-        return logical
-
     def _check_kv_len(self, kv_len) -> Optional[torch.Tensor]:
         return None if kv_len is None else index_tensor("kv_len", kv_len, self.device)
 
@@ -283,15 +261,8 @@ class PagedAttention:
         masked. ``batch_idx`` maps query batch b to page-table row ``batch_idx[b]`` (default: row b),
         as in :meth:`convert_logical_block_mask`. ``b`` itself reaches ``mask_mod`` unchanged.
         """
-        mask_mod = noop_mask if mask_mod is None else mask_mod
-        logical = self._logical_position(self._batch_rows(batch_idx, 1), self._check_kv_len(kv_len), _limit)
-
-        def paged_mask_mod(b, h, q_idx, physical_kv_idx):
-            position, valid = logical(b, physical_kv_idx)
-            return valid & mask_mod(b, h, q_idx, position)
-
-        paged_mask_mod.__name__ = f"{mod_name(mask_mod)}_paged"
-        return paged_mask_mod
+        return _paged_mask_mod(noop_mask if mask_mod is None else mask_mod, self.page_size, self.physical_to_logical,
+                               self._batch_rows(batch_idx, 1), self._check_kv_len(kv_len), _limit)
 
     def get_score_mod(self, score_mod: Optional[ScoreMod], kv_len: Optional[torch.Tensor] = None, *,
                       batch_idx: Optional[torch.Tensor] = None) -> ScoreMod:
@@ -299,15 +270,8 @@ class PagedAttention:
 
         Pass the same ``batch_idx`` as to :meth:`convert_logical_block_mask`.
         """
-        score_mod = identity_score_mod if score_mod is None else score_mod
-        logical = self._logical_position(self._batch_rows(batch_idx, 1), self._check_kv_len(kv_len), None)
-
-        def paged_score_mod(score, b, h, q_idx, physical_kv_idx):
-            position, valid = logical(b, physical_kv_idx)
-            return torch.where(valid, score_mod(score, b, h, q_idx, position), -math.inf)
-
-        paged_score_mod.__name__ = f"{mod_name(score_mod)}_paged"
-        return paged_score_mod
+        return _paged_score_mod(identity_score_mod if score_mod is None else score_mod, self.page_size,
+                                self.physical_to_logical, self._batch_rows(batch_idx, 1), self._check_kv_len(kv_len))
 
     def _split(self, kv_block: int) -> tuple[int, int]:
         """(logical blocks split into, physical blocks per page) for a mask's KV_BLOCK ([Note] Page sizes)."""
@@ -420,3 +384,55 @@ class PagedAttention:
         # paged decoding step never waits for the GPU ([Note] Tables in range by construction).
         physical.preset_derived(TABLES_IN_RANGE, True)
         return physical
+
+
+# ---------------------------------------------------------------------------- the paged mods
+# Module-level mod factories of tensors and numbers only (never the PagedAttention object): the mods
+# read the live tables, and a step compiled with torch.compile can make them in the graph (see
+# flexattn.mod_factory).
+
+
+def _logical_position(page_size: int, physical_to_logical: torch.Tensor, batch_rows: Optional[torch.Tensor],
+                      kv_len: Optional[torch.Tensor], limit: Optional[int]):
+    """``(b, physical_kv_idx) -> (logical_kv_idx, valid)``; invalid positions read as logical 0."""
+    per_batch_len = kv_len is not None and kv_len.dim() == 1
+
+    def logical(b, physical_kv_idx):
+        row = b if batch_rows is None else batch_rows[b]
+        logical_page = physical_to_logical[row, physical_kv_idx // page_size]
+        position = logical_page * page_size + physical_kv_idx % page_size
+        valid = logical_page >= 0
+        if limit is not None:
+            valid = valid & (position < limit)
+        if kv_len is not None:
+            valid = valid & (position < (kv_len[b] if per_batch_len else kv_len))
+        # The user's mod never sees a position outside its sequence (it may index tensors with it).
+        return torch.where(valid, position, 0), valid
+
+    return logical
+
+
+@mod_factory
+def _paged_mask_mod(mask_mod: MaskMod, page_size: int, physical_to_logical: torch.Tensor,
+                    batch_rows: Optional[torch.Tensor], kv_len: Optional[torch.Tensor], limit: Optional[int]) -> MaskMod:
+    logical = _logical_position(page_size, physical_to_logical, batch_rows, kv_len, limit)
+
+    def paged_mask_mod(b, h, q_idx, physical_kv_idx):
+        position, valid = logical(b, physical_kv_idx)
+        return valid & mask_mod(b, h, q_idx, position)
+
+    paged_mask_mod.__name__ = f"{mod_name(mask_mod)}_paged"
+    return paged_mask_mod
+
+
+@mod_factory
+def _paged_score_mod(score_mod: ScoreMod, page_size: int, physical_to_logical: torch.Tensor,
+                     batch_rows: Optional[torch.Tensor], kv_len: Optional[torch.Tensor]) -> ScoreMod:
+    logical = _logical_position(page_size, physical_to_logical, batch_rows, kv_len, None)
+
+    def paged_score_mod(score, b, h, q_idx, physical_kv_idx):
+        position, valid = logical(b, physical_kv_idx)
+        return torch.where(valid, score_mod(score, b, h, q_idx, position), -math.inf)
+
+    paged_score_mod.__name__ = f"{mod_name(score_mod)}_paged"
+    return paged_score_mod

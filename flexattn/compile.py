@@ -1,0 +1,520 @@
+"""flex_attention inside ``torch.compile``: the custom ops Dynamo, AOTAutograd and Inductor see, and
+the part of a call that Dynamo traces in place of the eager path.
+
+[Note] flex_attention under torch.compile
+The eager path traces a mod by walking the callable (trace.py), which Dynamo cannot follow: it broke a
+compiled layer into 19 graphs. Under Dynamo a call takes another route, in three parts:
+
+1. **The mods, traced outside the graph.** ``register_call`` (called by api.py from a function marked
+   as ``torch.compiler.assume_constant_result`` marks, so Dynamo runs it as plain Python on the real
+   callables and keeps only its result) traces both mods with flexattn's own tracer, registers the
+   TracedMods under a key made from their content, and returns that key: a string constant in the
+   graph. The same mods in another process give the same key, so Inductor's caches stay valid (the
+   key is registered when Dynamo traces the call, so a graph needs Dynamo to have run in the process:
+   torch.export's programs, loaded on their own, do not carry the mods). A mod made inside the
+   compiled function by a ``mod_factory`` reaches it as the factory call (``described``), made again
+   on zero tensors of the same shapes (``_rebuilt``).
+2. **What the mods read, found by Dynamo.** ``collected_tensors`` runs the mod once on empty probe
+   tensors under a TorchFunctionMode that notes every tensor reaching a torch function that the mod
+   did not make itself. Dynamo inlines that run like any user code: it guards everything the mod
+   reads (a float in a closure, a global it calls, the code of a closure) and turns each tensor the
+   mod reads into a graph value, an input or an intermediate, whose gradient flows. So a new closure
+   of the same code over new tensors, or new contents, reuses the graph; a changed constant or
+   another mod recompiles. ``register_call`` runs the same probe eagerly on the real callable and
+   matches what it notes, by identity, with the TracedMod's captured inputs: Python runs the mod the
+   same way in both, so the i-th tensor noted under Dynamo is the i-th noted eagerly. The probes are
+   empty, so the probe's ops read nothing at run time (and are dead code the compiler drops).
+3. **One custom op per pass.** ``flexattn::flex_attention`` and ``flexattn::flex_attention_backward``
+   (``torch.library.custom_op``) take the query, key, value, the BlockMask's tables, the captured
+   tensors and the key. Their fake implementations give the real outputs' shapes, dtypes and
+   strides; the forward's autograd formula calls the backward op. Inductor calls them as extern
+   kernels, and CUDA graphs capture their launches.
+
+Inside the op the tables are trusted (``BlockMask.from_launch_tables``): a BlockMask's own tables are
+ascending and in range by construction (create_block_mask, from_kv_blocks, decode_block_mask,
+PagedAttention), and checking them would read them back to the host on every call, which neither a
+compiled step nor a CUDA graph can afford. Their row statistics are those checked once for the first
+mask of each shape ([Note] What a compiled call's mask derives, kept), else fixed (no consecutive-block
+fast path), as for decoding masks ([Note] Tables in range by construction in masks/block_mask.py).
+
+A closure created inside the compiled function over a tensor, not by a mod_factory, has no Python
+object outside the graph to trace: Dynamo refuses it at compile time ("failed to convert closure
+cell"); docs/compile.md says to define it outside or make it with a factory. Inside activation
+checkpointing that Dynamo traces, entering the probe's mode counts as a side effect to replay;
+docs/compile.md gives the setting that lets it pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from contextlib import ExitStack
+from typing import Callable, NamedTuple, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from .dispatch import Call, choose_decode, pick_backend, prepare_backward, run_backward, run_forward
+from .errors import InvalidInputError
+from .kernels.tables import (
+    BACKWARD_TABLES, RowStats, assume_groups_differ, checked_launch_tables, preset_row_stats,
+)
+from .lowering import index_bounds, index_dtype
+from .masks import FACTORY_ATTRIBUTE, BlockMask, dense_block_mask
+from .trace import TracedMod, trace_mod
+
+__all__ = ["register_call", "collected_tensors", "read_by", "described", "flex_attention_op", "registered_call"]
+
+
+# ------------------------------------------------------------------------------------ probing a mod
+
+# The probe's bookkeeping: Dynamo traces a TorchFunctionMode's __torch_function__ but not attributes
+# set on the mode, so the state of the probe running now lives here, one entry per probe.
+_PROBES: list = []
+
+
+class _NoteReads(TorchFunctionMode):
+    """Notes, in order of first use, each tensor that reaches a torch function making a tensor and
+    that the probe did not make (an argument, or the result of an earlier call)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        made, read = _PROBES[-1]
+        result = func(*args, **kwargs)
+        outputs = [item for item in tree_flatten(result)[0] if isinstance(item, torch.Tensor)]
+        # Only calls that make tensors: Dynamo answers metadata (t.shape, t.dim()) itself, without
+        # the mode, so noting those would order the reads differently in the two runs.
+        if outputs:
+            for item in tree_flatten((args, kwargs))[0]:
+                if isinstance(item, torch.Tensor) and not any(item is t for t in made) \
+                        and not any(item is t for t in read):
+                    read.append(item)
+        made.extend(outputs)
+        return result
+
+
+def collected_tensors(fn: Callable, kind: str, device: torch.device) -> list:
+    """The tensors ``fn`` reads, in the order it first uses them, from one run on empty probes.
+
+    Runs under Dynamo (which then guards what the mod reads and gives its tensors as graph values)
+    and eagerly in register_call (whose order matches: see [Note] flex_attention under torch.compile)."""
+    index = torch.empty(0, dtype=torch.int32, device=device)
+    args = [index, index.clone(), index.clone(), index.clone()]
+    if kind == "score_mod":
+        args = [torch.empty(0, dtype=torch.float32, device=device)] + args
+    made, read = list(args), []
+    _PROBES.append((made, read))
+    try:
+        with torch.no_grad(), _NoteReads():
+            fn(*args)
+    finally:
+        _PROBES.pop()
+    return read
+
+
+def read_by(fn: Optional[Callable], kind: str, reads: tuple, device: torch.device) -> list:
+    """The tensors to pass to the op for ``fn``, from the probe (traced by Dynamo); ``reads`` is what
+    register_call returned for it. The dtype and rank of each are checked against the tensor the
+    traced mod took there, so a probe that noted tensors in another order than the eager one fails
+    at compile time instead of passing the wrong tensor."""
+    if fn is None:
+        return []
+    noted = collected_tensors(fn, kind, device)
+    tensors = []
+    for position, dtype, dims in reads:
+        tensor = noted[position] if position < len(noted) else None
+        if tensor is None or tensor.dtype != dtype or tensor.dim() != dims:
+            raise RuntimeError(
+                f"flexattn: under torch.compile, {kind} '{getattr(fn, '__name__', kind)}' read its tensors in "
+                "another order than when it ran eagerly; please report this with the mod's code"
+            )
+        tensors.append(tensor)
+    return tensors
+
+
+# ------------------------------------------------------------------------------------ mods made in the graph
+
+
+# Tags of the tuples described() makes (plain tuples: Dynamo passes them to a constant function as
+# they are, which it does not do for NamedTuples): a tensor by what tracing needs of it (and its
+# number, so that one tensor passed twice stays one), the same tensor again, and a mod made by a
+# mod_factory (masks/mods.py) as the call that made it.
+_STAND_IN = "flexattn: tensor (number, shape, dtype, device, requires_grad)"
+_SAME = "flexattn: the tensor numbered"
+_REBUILD = "flexattn: a mod_factory call (factory, args, kwargs)"
+
+
+def described(x, seen: Optional[list] = None):
+    """A mod as register_call can take it under Dynamo: the mod itself, or, for a mod made by a
+    mod_factory (which may close over tensors of the graph, with no object outside it), the call
+    that made it with its tensors by shape, dtype and device. Traced by Dynamo."""
+    seen = [] if seen is None else seen
+    if isinstance(x, torch.Tensor):
+        for number, tensor in enumerate(seen):
+            if tensor is x:
+                return (_SAME, number)
+        seen.append(x)
+        return (_STAND_IN, len(seen) - 1, tuple(x.shape), x.dtype, x.device, x.requires_grad)
+    if isinstance(x, (tuple, list)):
+        items = [described(item, seen) for item in x]
+        return tuple(items) if isinstance(x, tuple) else items
+    if isinstance(x, dict):
+        return {key: described(value, seen) for key, value in x.items()}
+    if callable(x):
+        made = getattr(x, FACTORY_ATTRIBUTE, None)
+        if made is not None:
+            factory, args, kwargs = made
+            return (_REBUILD, factory, described(args, seen), described(kwargs, seen))
+    return x
+
+
+def _rebuilt(x, made: Optional[dict] = None):
+    """The inverse of described, outside the graph: the same mod_factory calls, on zero tensors of
+    the same shapes (tracing reads only their shapes and dtypes; they cost no memory)."""
+    made = {} if made is None else made
+    if isinstance(x, tuple) and len(x) == 6 and x[0] == _STAND_IN:
+        _, number, shape, dtype, device, requires_grad = x
+        # requires_grad too: it decides which captured tensors the traced mod takes gradients for.
+        made[number] = torch.zeros((), dtype=dtype, device=device).expand(shape).detach().requires_grad_(requires_grad)
+        return made[number]
+    if isinstance(x, tuple) and len(x) == 2 and x[0] == _SAME:
+        return made[x[1]]
+    if isinstance(x, tuple) and len(x) == 4 and x[0] == _REBUILD:
+        return x[1](*_rebuilt(x[2], made), **_rebuilt(x[3], made))
+    if isinstance(x, (tuple, list)):
+        items = [_rebuilt(item, made) for item in x]
+        return tuple(items) if isinstance(x, tuple) else items
+    if isinstance(x, dict):
+        return {key: _rebuilt(value, made) for key, value in x.items()}
+    return x
+
+
+# ------------------------------------------------------------------------------------ the registry
+
+
+class RegisteredCall(NamedTuple):
+    """What a graph's call runs besides its tensors, under the key the graph holds."""
+
+    score: Optional[TracedMod]
+    mask: Optional[TracedMod]
+    options: dict
+
+
+# Key -> RegisteredCall. Never evicted: a compiled graph holds its key for as long as it lives, and
+# the keys come from content, so there is one entry per distinct pair of traced mods and options.
+_CALLS: dict[str, RegisteredCall] = {}
+
+
+def _content_key(traced: Optional[TracedMod]) -> str:
+    if traced is None:
+        return "none"
+    fixed = [None if c.fixed_value is None else (c.fixed_value.dtype, c.fixed_value.cpu().flatten().tolist())
+             for c in traced.captured]
+    spec = [(c.name, c.shape, c.dtype, c.requires_grad, c.walk_index) for c in traced.captured]
+    text = repr((traced.kind, traced.name, traced.signature_text(), spec, fixed))
+    return f"{traced.name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def _captured_order(fn: Callable, kind: str, traced: TracedMod, values: list, device: torch.device) -> tuple:
+    """For each captured input of ``traced`` that the user's code holds (not a constant the mod
+    builds): its position among the tensors the probe notes, and its dtype and number of dims, which
+    the graph checks (see read_by)."""
+    noted = collected_tensors(fn, kind, device)
+    order = []
+    for captured, value in zip(traced.captured, values):
+        if captured.walk_index is None:
+            continue
+        position = next((i for i, t in enumerate(noted) if t is value), None)
+        if position is None:
+            raise InvalidInputError(
+                f"{kind} '{traced.name}' reads the tensor '{captured.name}' in a way flexattn cannot follow under "
+                "torch.compile (it reaches no torch function when the mod runs); read captured tensors by indexing "
+                "them in the mod, e.g. bias[h]"
+            )
+        order.append((position, value.dtype, value.dim()))
+    return tuple(order)
+
+
+def register_call(score_mod: Optional[Callable], mask_mod: Optional[Callable], options: dict,
+                  device: torch.device) -> tuple:
+    """Trace the mods with flexattn's tracer and register them: ``(key, score order, mask order)``.
+    The mods come as ``described`` gives them.
+
+    Called once per compile of a call site, on the real callables (see [Note] flex_attention under
+    torch.compile), never per call. The orders say which of the tensors the probe notes under Dynamo
+    go to the op, and in which order."""
+    parts, orders, traced_pair = [], [], []
+    for fn, kind in ((_rebuilt(score_mod), "score_mod"), (_rebuilt(mask_mod), "mask_mod")):
+        if fn is None:
+            traced_pair.append(None)
+            orders.append(())
+            parts.append("none")
+            continue
+        traced, values = trace_mod(fn, kind)
+        traced_pair.append(traced)
+        orders.append(_captured_order(fn, kind, traced, values, device))
+        parts.append(_content_key(traced))
+    key = "|".join(parts + [repr(sorted(options.items()))])
+    _CALLS.setdefault(key, RegisteredCall(traced_pair[0], traced_pair[1], dict(options)))
+    return (key, orders[0], orders[1])
+
+
+def registered_call(key: str) -> RegisteredCall:
+    call = _CALLS.get(key)
+    if call is None:
+        raise RuntimeError(
+            f"flexattn: no mods registered under {key!r}. A compiled graph's flex_attention key is registered "
+            "when Dynamo traces the call in this process; run the compiled function itself, not a graph "
+            "loaded on its own"
+        )
+    return call
+
+
+# ------------------------------------------------------------------------------------ the ops
+
+# The dispatch state of plain eager code, taken when flexattn is imported.
+_DISPATCH_STATE = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+
+
+def _as_kernel():
+    """The ops' bodies run as eager code, as in an eager call: no dispatch mode around them sees the
+    ops inside, and the dispatch state is plain eager's. An op's body is called below autograd (the
+    PyTorch backend's backward takes torch.autograd.grad of the score_mod, which needs autograd), and
+    a dispatch mode calls ops with the functorch keys off (its torch.vmap fails; AOTAutograd wraps a
+    graph's first run in such a mode, its check that a custom op's outputs do not alias its inputs).
+    Grad mode stays the caller's: the forward's body runs without grad."""
+    stack = ExitStack()
+    stack.enter_context(torch.utils._python_dispatch._disable_current_modes())
+    stack.enter_context(torch._C._ForceDispatchKeyGuard(*_DISPATCH_STATE))
+    return stack
+
+
+def _all_captured(traced: Optional[TracedMod], given: list, device: torch.device) -> list:
+    """The traced mod's captured inputs in graph order: the user's tensors given to the op, and the
+    constants the mod builds itself (kept on the TracedMod, on ``device``)."""
+    if traced is None:
+        return []
+    fixed = traced.fixed_values_on(device) if device.type != "cpu" else [c.fixed_value for c in traced.captured]
+    given = iter(given)
+    return [next(given) if c.walk_index is not None else f for c, f in zip(traced.captured, fixed)]
+
+
+def _block_mask(query, key, tables, block_size, seq_lengths, group: int) -> BlockMask:
+    L, S = query.shape[2], key.shape[2]
+    if tables[0] is None:
+        return dense_block_mask(L, S, query.device)
+    tables = [None if t is None else t.contiguous() for t in tables]
+    mask = BlockMask.from_launch_tables(tuple(seq_lengths), *tables, BLOCK_SIZE=tuple(block_size))
+    kept = _kept(mask) or _checked(mask)
+    if kept is not None:
+        if kept.stats is not None:
+            preset_row_stats(mask, kept.stats)
+        if kept.backward is not None:
+            mask.preset_derived(BACKWARD_TABLES, kept.backward)
+    assume_groups_differ(mask, group)
+    return mask
+
+
+# [Note] What a compiled call's mask derives, kept. Each call of the op makes a new BlockMask on the
+# tables it is given, so what launches derive from a mask (BlockMask.derived) would be derived again
+# at every call, for every layer. It is kept here instead, per table object, stamped like
+# BlockMask.derived's data (the table objects, held weakly, their version counters, BLOCK_SIZE and
+# the lengths), for the next calls on those very tables (every layer of a step, every step of a
+# static mask):
+# * the row statistics, which take reading the tables back: the first mask of each table shape that
+#   a compiled call meets (outside a CUDA-graph capture) is checked once, at that call; a new mask of
+#   a shape already met (one rebuilt every step) takes the trusted plan, without the forward's
+#   consecutive-block path, so a step never waits for the GPU for its mask;
+# * the backward's transposed tables (computed on the device), kept after a backward outside a
+#   capture (inside one, they are written only when the graph replays).
+_KEPT = WeakTensorKeyDictionary()  # kv_num_blocks -> _Kept
+_SHAPES_CHECKED: set = set()
+
+
+class _Kept:
+    __slots__ = ("tables", "stamp", "stats", "backward")
+
+    def __init__(self, mask: BlockMask, stats: Optional[RowStats]):
+        others = (mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices)
+        self.tables = tuple(None if t is None else weakref.ref(t) for t in others)
+        self.stamp = _stamp(mask)
+        self.stats, self.backward = stats, None
+
+
+def _stamp(mask: BlockMask) -> tuple:
+    tables = (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices)
+    return tuple(-1 if t is None else t._version for t in tables), mask.BLOCK_SIZE, mask.seq_lengths
+
+
+def _kept(mask: BlockMask) -> Optional[_Kept]:
+    """What was kept for these very tables, while its stamp holds."""
+    kept = _KEPT.get(mask.kv_num_blocks)
+    others = (mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices)
+    if kept is not None and kept.stamp == _stamp(mask) and all(
+            (ref is None) == (t is None) and (ref is None or ref() is t) for ref, t in zip(kept.tables, others)):
+        return kept
+    return None
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _checked(mask: BlockMask) -> Optional[_Kept]:
+    """The first mask of its table shape: checked now (one host sync) and kept, row statistics and all."""
+    nb = mask.kv_num_blocks
+    shape = (tuple(nb.shape), tuple(mask.kv_indices.shape), mask.full_kv_num_blocks is not None, nb.device,
+             mask.BLOCK_SIZE, mask.seq_lengths)
+    if shape in _SHAPES_CHECKED or _capturing(nb):
+        return None
+    _SHAPES_CHECKED.add(shape)
+    checked = checked_launch_tables(mask)  # raises on tables out of range
+    same = (checked.kv_num_blocks is nb and checked.kv_indices is mask.kv_indices
+            and (mask.full_kv_num_blocks is None or (checked.full_kv_num_blocks is mask.full_kv_num_blocks
+                                                     and checked.full_kv_indices is mask.full_kv_indices)))
+    # Reordered tables: the statistics are not those of the tables the op launches.
+    kept = _KEPT[nb] = _Kept(mask, checked.stats if same else None)
+    return kept
+
+
+def _keep_backward_tables(mask: BlockMask) -> None:
+    """After a backward on ``mask``: keep its transposed tables for the next calls on the same tables."""
+    tables = mask.peek_derived(BACKWARD_TABLES)
+    if tables is None or _capturing(mask.kv_num_blocks):
+        return
+    kept = _kept(mask)
+    if kept is None:
+        kept = _KEPT[mask.kv_num_blocks] = _Kept(mask, None)
+    kept.backward = tables
+
+
+def _call(key: str, query, key_t, tables, block_size, seq_lengths, mask_captured, scale, needs_grad, need_max):
+    registered = registered_call(key)
+    options = registered.options
+    block_mask = _block_mask(query, key_t, tables, block_size, seq_lengths, query.shape[1] // key_t.shape[1])
+    backend = pick_backend(query, options)
+    B, Hq, L, _ = query.shape
+    S = key_t.shape[2]
+    wide = index_dtype(registered.score, registered.mask, bounds=index_bounds(B, Hq, L, S)) \
+        if backend == "PYTORCH" else torch.int32
+    if backend in ("TRITON", "TRITON_DECODE"):
+        backend = choose_decode(backend, options, query, block_mask, needs_grad, need_max)
+    mask_captured = _all_captured(registered.mask, list(mask_captured), query.device)
+    return Call(backend, block_mask, scale, registered.score, registered.mask, mask_captured, options, wide)
+
+
+@torch.library.custom_op("flexattn::flex_attention", mutates_args=())
+def flex_attention_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    kv_num_blocks: Optional[torch.Tensor], kv_indices: Optional[torch.Tensor],
+    full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
+    score_captured: list[torch.Tensor], mask_captured: list[torch.Tensor],
+    call_key: str, block_size: list[int], seq_lengths: list[int], scale: float, needs_grad: bool, need_max: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, lse, max_scores)``; max_scores is empty unless asked for."""
+    with _as_kernel():
+        return _forward(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                        score_captured, mask_captured, call_key, block_size, seq_lengths, scale, needs_grad, need_max)
+
+
+def _forward(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, score_captured,
+             mask_captured, call_key, block_size, seq_lengths, scale, needs_grad, need_max):
+    tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    call = _call(call_key, query, key, tables, block_size, seq_lengths, mask_captured, scale, needs_grad, need_max)
+    if needs_grad:
+        prepare_backward(call, query, key)
+    score = _all_captured(call.score, list(score_captured), query.device)
+    out, lse, mx = run_forward(call, query, key, value, score, True, need_max)
+    mx = mx.contiguous() if need_max else query.new_empty(0, dtype=torch.float32)
+    return out.contiguous(), lse.contiguous(), mx
+
+
+@flex_attention_op.register_fake
+def _(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, score_captured,
+      mask_captured, call_key, block_size, seq_lengths, scale, needs_grad, need_max):
+    B, Hq, L, _ = query.shape
+    out = query.new_empty((B, Hq, L, value.shape[3]))
+    lse = query.new_empty((B, Hq, L), dtype=torch.float32)
+    mx = query.new_empty((B, Hq, L) if need_max else (0,), dtype=torch.float32)
+    return out, lse, mx
+
+
+@torch.library.custom_op("flexattn::flex_attention_backward", mutates_args=())
+def flex_attention_backward_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
+    kv_num_blocks: Optional[torch.Tensor], kv_indices: Optional[torch.Tensor],
+    full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
+    score_captured: list[torch.Tensor], mask_captured: list[torch.Tensor],
+    call_key: str, block_size: list[int], seq_lengths: list[int], scale: float, captured_grads: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """``(dq, dk, dv, [gradient of each score_mod tensor marked in captured_grads])``."""
+    with _as_kernel():
+        return _backward_impl(query, key, value, out, lse, grad_out, grad_lse, kv_num_blocks, kv_indices,
+                              full_kv_num_blocks, full_kv_indices, score_captured, mask_captured, call_key,
+                              block_size, seq_lengths, scale, captured_grads)
+
+
+def _backward_impl(query, key, value, out, lse, grad_out, grad_lse, kv_num_blocks, kv_indices, full_kv_num_blocks,
+                   full_kv_indices, score_captured, mask_captured, call_key, block_size, seq_lengths, scale,
+                   captured_grads):
+    tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    call = _call(call_key, query, key, tables, block_size, seq_lengths, mask_captured, scale, True, False)
+    # Saved tensors come back without requires_grad; the PyTorch backend reads it to know which
+    # gradients to compute.
+    score_captured = [t.detach().requires_grad_(wanted) for t, wanted in zip(score_captured, captured_grads)]
+    score = _all_captured(call.score, score_captured, query.device)
+    dq, dk, dv, d_all = run_backward(call, query, key, value, out, lse, grad_out, grad_lse, score)
+    if kv_num_blocks is not None:
+        _keep_backward_tables(call.block_mask)
+    # The gradients of the user's tensors only (a mod's own constants take none), in the op's order.
+    given = [(c, g) for c, g in zip(call.score.captured if call.score else (), d_all) if c.walk_index is not None]
+    for (captured, _), wanted in zip(given, captured_grads):
+        if wanted and not captured.requires_grad:  # the traced mod would drop this gradient
+            raise RuntimeError(f"flexattn: score_mod '{call.score.name}' was traced with '{captured.name}' not "
+                               "requiring grad, but the compiled graph passes it requiring grad")
+    d_given = [g for _, g in given]
+    d_captured = [_gradient_like(g, t) for g, t, wanted in zip(d_given, score_captured, captured_grads) if wanted]
+    return dq.to(query.dtype).contiguous(), dk.to(key.dtype).contiguous(), dv.to(value.dtype).contiguous(), d_captured
+
+
+def _gradient_like(grad: Optional[torch.Tensor], tensor: torch.Tensor) -> torch.Tensor:
+    if grad is None:  # the mod's value does not depend on it
+        return torch.zeros(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    return grad.to(tensor.dtype).reshape(tensor.shape).contiguous()
+
+
+@flex_attention_backward_op.register_fake
+def _(query, key, value, out, lse, grad_out, grad_lse, kv_num_blocks, kv_indices, full_kv_num_blocks,
+      full_kv_indices, score_captured, mask_captured, call_key, block_size, seq_lengths, scale, captured_grads):
+    d_captured = [t.new_empty(t.shape) for t, wanted in zip(score_captured, captured_grads) if wanted]
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), d_captured
+
+
+def _setup_context(ctx, inputs, output):
+    (query, key, value, nb, idx, fnb, fidx, score_captured, mask_captured, call_key, block_size, seq_lengths,
+     scale, needs_grad, need_max) = inputs
+    out, lse, _ = output
+    ctx.save_for_backward(query, key, value, out, lse, nb, idx, fnb, fidx, *score_captured, *mask_captured)
+    ctx.counts = (len(score_captured), len(mask_captured))
+    ctx.static = (call_key, block_size, seq_lengths, scale)
+    ctx.captured_grads = [t.requires_grad for t in score_captured]
+    ctx.mark_non_differentiable(output[2])
+
+
+def _backward(ctx, grad_out, grad_lse, grad_max):
+    query, key, value, out, lse, nb, idx, fnb, fidx, *captured = ctx.saved_tensors
+    n_score, n_mask = ctx.counts
+    score_captured, mask_captured = captured[:n_score], captured[n_score:]
+    call_key, block_size, seq_lengths, scale = ctx.static
+    dq, dk, dv, d_given = flex_attention_backward_op(
+        query, key, value, out, lse, grad_out, grad_lse, nb, idx, fnb, fidx, score_captured, mask_captured,
+        call_key, block_size, seq_lengths, scale, ctx.captured_grads)
+    d_given = iter(d_given)
+    d_captured = [next(d_given) if wanted else None for wanted in ctx.captured_grads]
+    return (dq, dk, dv, None, None, None, None, d_captured, [None] * n_mask, None, None, None, None, None, None)
+
+
+torch.library.register_autograd("flexattn::flex_attention", _backward, setup_context=_setup_context)

@@ -1,0 +1,542 @@
+"""flex_attention inside torch.compile (issue 21): no graph break at the call, fullgraph forward and
+backward equal to eager, gradients to the tensors a mod reads, recompiles only where a graph must
+change, and compiled results that follow new contents. CPU, PyTorch backend (the op runs the same
+dispatch as an eager call; the GPU tests run the Triton kernels).
+
+Most compiles use the "aot_eager" backend, which runs the op's fake implementation and its autograd
+formula as Inductor does, in a fraction of Inductor's CPU compile time; one test runs Inductor.
+"""
+
+import math
+
+import pytest
+import torch
+import torch._dynamo.testing
+from numerics import rel_err
+
+import flexattn
+from flexattn import AuxRequest, BlockMask, create_block_mask, flex_attention
+from flexattn.errors import InvalidInputError
+from flexattn.variants import CATALOGUE, apply_sinks
+
+B, H, L, E = 1, 2, 128, 16
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo(one_thread):
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def qkv(L=L, S=L, requires_grad=False, Hkv=H):
+    q = torch.randn(B, H, L, E, requires_grad=requires_grad)
+    k = torch.randn(B, Hkv, S, E, requires_grad=requires_grad)
+    v = torch.randn(B, Hkv, S, E, requires_grad=requires_grad)
+    return q, k, v
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def counted(fn, backend="aot_eager", **kwargs):
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    return torch.compile(fn, backend=counter, fullgraph=True, **kwargs), counter
+
+
+def grads(*tensors):
+    out = [t.grad.clone() for t in tensors]
+    for t in tensors:
+        t.grad = None
+    return out
+
+
+def test_assume_constant_result_still_marks_functions_as_flexattn_does():
+    # api.py sets the attribute itself (the decorator imports Dynamo, 1.7 s at import time).
+    assert torch.compiler.assume_constant_result(lambda: 0)._dynamo_marked_constant is True
+
+
+class Layer(torch.nn.Module):
+    """A small attention layer: projections, a learnable per-head bias read by the score_mod."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(E, 3 * H * E)
+        self.out = torch.nn.Linear(H * E, E)
+        self.slopes = torch.nn.Parameter(torch.rand(H))
+
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score + self.slopes[h] * (kv_idx - q_idx)
+
+        self.score_mod = alibi
+
+    def forward(self, x, block_mask):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, H, E).permute(2, 0, 3, 1, 4)
+        y = flex_attention(q, k, v, score_mod=self.score_mod, block_mask=block_mask)
+        return self.out(y.transpose(1, 2).reshape(x.shape[0], x.shape[1], H * E))
+
+
+def test_a_layer_compiles_without_graph_breaks():
+    layer = Layer()
+    x = torch.randn(B, L, E)
+    bm = create_block_mask(causal, 1, 1, L, L, device="cpu", BLOCK_SIZE=64)
+    explained = torch._dynamo.explain(layer)(x, bm)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+
+
+def test_a_layer_trains_compiled_like_eager():
+    layer = Layer()
+    x = torch.randn(B, L, E, requires_grad=True)
+    bm = create_block_mask(causal, 1, 1, L, L, device="cpu", BLOCK_SIZE=64)
+    layer(x, bm).square().sum().backward()
+    expected = grads(x, *layer.parameters())
+    compiled, counter = counted(layer)
+    out = compiled(x, bm)
+    out.square().sum().backward()
+    assert torch.allclose(out, layer(x, bm), atol=1e-5)
+    for got, want in zip(grads(x, *layer.parameters()), expected):
+        assert rel_err(got, want) < 1e-5
+    assert counter.frame_count == 1
+
+
+# Every entry: captured index tensors in masks (documents, NATTEN), Python numbers in closures
+# (softcap, windows), learnable tables (T5, Graphormer, head temperature), sinks through the LSE.
+@pytest.mark.parametrize("name", list(CATALOGUE))
+def test_catalogue_fullgraph_forward_and_backward_match_eager(name):
+    inst = CATALOGUE[name].make(B, H, L, L, "cpu")
+    bm = inst.block_mask(B, H, L, L, "cpu")
+    q, k, v = qkv(requires_grad=True)
+    wanted = (q, k, v, *inst.learnable, *([inst.sinks] if inst.sinks is not None else []))
+
+    def attend(q, k, v, bm):
+        return inst.attend(q, k, v, block_mask=bm)
+
+    eager = attend(q, k, v, bm)
+    eager.sum().backward()
+    expected = grads(*wanted)
+    compiled, counter = counted(attend)
+    out = compiled(q, k, v, bm)
+    out.sum().backward()
+    assert rel_err(out, eager) < 1e-5
+    for got, want in zip(grads(*wanted), expected):
+        assert rel_err(got, want) < 1e-5
+    assert counter.frame_count == 1
+
+
+def test_inductor_compiles_the_op():
+    q, k, v = qkv(requires_grad=True)
+    bias = torch.randn(H, requires_grad=True)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[h] * (kv_idx - q_idx)
+
+    def attend(q, k, v, bm):
+        return flex_attention(q, k, v, score_mod=biased, block_mask=bm).sin()
+
+    bm = create_block_mask(causal, 1, 1, L, L, device="cpu", BLOCK_SIZE=64)
+    eager = attend(q, k, v, bm)
+    eager.sum().backward()
+    expected = grads(q, k, v, bias)
+    compiled, _ = counted(attend, backend="inductor")
+    out = compiled(q, k, v, bm)
+    out.sum().backward()
+    assert rel_err(out, eager) < 1e-5
+    for got, want in zip(grads(q, k, v, bias), expected):
+        assert rel_err(got, want) < 1e-5
+
+
+def test_new_masks_and_new_contents_do_not_recompile_and_are_followed():
+    q, k, v = qkv()
+    doc = torch.zeros(L, dtype=torch.int32)
+    bias = torch.zeros(H)
+
+    def document(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    def attend(q, k, v, bm):
+        return flex_attention(q, k, v, score_mod=biased, block_mask=bm)
+
+    compiled, counter = counted(attend)
+    for step, cut in enumerate((64, 40, 100)):
+        doc.copy_((torch.arange(L) >= cut).int())  # new contents of a tensor the mask_mod reads
+        bias.copy_(torch.randn(H))  # and of one the score_mod reads
+        bm = create_block_mask(document, 1, 1, L, L, device="cpu", BLOCK_SIZE=32)  # a new mask, same shapes
+        assert rel_err(compiled(q, k, v, bm), attend(q, k, v, bm)) < 1e-5, step
+    assert counter.frame_count == 1
+
+
+def test_a_new_closure_over_new_tensors_reuses_the_graph():
+    # Masks rebuilt each step close over a new tensor (torchtitan's document masks): same code, same shapes.
+    q, k, v = qkv()
+
+    def document_mask(doc):
+        def same_document(b, h, q_idx, kv_idx):
+            return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+        return same_document
+
+    def attend(q, k, v, bm):
+        return flex_attention(q, k, v, block_mask=bm)
+
+    compiled, counter = counted(attend)
+    for cut in (30, 90):
+        mod = document_mask((torch.arange(L) >= cut).int())
+        bm = create_block_mask(mod, 1, 1, L, L, device="cpu", BLOCK_SIZE=32)
+        assert rel_err(compiled(q, k, v, bm), attend(q, k, v, bm)) < 1e-5
+    assert counter.frame_count == 1
+
+
+def test_a_changed_constant_recompiles_and_gives_the_new_result():
+    q, k, v = qkv()
+
+    def softcap(cap):
+        def capped(score, b, h, q_idx, kv_idx):
+            return cap * torch.tanh(score / cap)
+        return capped
+
+    def attend(q, k, v, score_mod):
+        return flex_attention(q, k, v, score_mod=score_mod)
+
+    compiled, counter = counted(attend)
+    for cap in (0.5, 0.25, 0.5):
+        assert rel_err(compiled(q, k, v, softcap(cap)), attend(q, k, v, softcap(cap))) < 1e-5, cap
+    assert counter.frame_count >= 2  # the new constant recompiled
+
+
+def test_a_rebound_global_is_followed():
+    q, k, v = qkv()
+    global _SCALE_FOR_TEST
+    _SCALE_FOR_TEST = torch.full((H,), 2.0)
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score * _SCALE_FOR_TEST[h]
+
+    def attend(q, k, v):
+        return flex_attention(q, k, v, score_mod=scaled)
+
+    compiled, counter = counted(attend)
+    first = compiled(q, k, v)
+    _SCALE_FOR_TEST = torch.full((H,), 0.5)  # another object, same shape: no recompile, new values
+    second = compiled(q, k, v)
+    assert rel_err(second, attend(q, k, v)) < 1e-5 and not torch.allclose(first, second)
+    assert counter.frame_count == 1
+
+
+def test_tensors_of_one_shape_keep_their_roles():
+    # Two captured tensors of the same shape, first used in different ways: a swap would change the result.
+    q, k, v = qkv()
+    first, second = torch.randn(H), torch.randn(H) * 3
+
+    def two(score, b, h, q_idx, kv_idx):
+        scale = torch.exp(second[h] * 0.1)
+        return torch.where(q_idx >= kv_idx, score * scale + first[h], score - first[h] * second[h])
+
+    table = torch.randn(L)
+
+    def shapes_first(score, b, h, q_idx, kv_idx):  # reads table's shape before any tensor's values
+        last = table.shape[0] - 1
+        return score * second[h] + first[h] + table[torch.clamp(kv_idx - q_idx, 0, last)]
+
+    for mod in (two, shapes_first):
+        def attend(q, k, v):
+            return flex_attention(q, k, v, score_mod=mod)
+
+        compiled, _ = counted(attend)
+        assert rel_err(compiled(q, k, v), attend(q, k, v)) < 1e-5, mod.__name__
+
+
+def test_a_mod_defined_inside_the_compiled_function():
+    q, k, v = qkv()
+
+    def capped_by(cap):
+        def capped(score, b, h, q_idx, kv_idx):
+            return cap * torch.tanh(score / cap)
+        return capped
+
+    def attend(q, k, v, cap: float):
+        def capped(score, b, h, q_idx, kv_idx):  # a new closure per call, over a Python float
+            return cap * torch.tanh(score / cap)
+        both = flexattn.and_masks(causal, lambda b, h, q_idx, kv_idx: q_idx - kv_idx < 100)  # over functions
+        bm = torch.compiler.disable(create_block_mask)(both, 1, 1, L, L, device="cpu")
+        return flex_attention(q, k, v, score_mod=capped, block_mask=bm), flex_attention(q, k, v, score_mod=capped_by(cap))
+
+    compiled = torch.compile(attend, backend="aot_eager")  # the mask is built eagerly (a graph break)
+    for got, want in zip(compiled(q, k, v, 0.5), attend(q, k, v, 0.5)):
+        assert rel_err(got, want) < 1e-5
+
+
+def test_mods_made_inside_by_a_mod_factory_may_close_over_tensors_of_the_graph():
+    q, k, v = qkv(requires_grad=True)
+    weight = torch.randn(H, requires_grad=True)
+
+    @flexattn.mod_factory
+    def biased_by(bias):
+        def biased(score, b, h, q_idx, kv_idx):
+            return score + bias[h] * (kv_idx - q_idx)
+        return biased
+
+    def attend(q, k, v, weight):
+        return flex_attention(q, k, v, score_mod=biased_by(weight.tanh() * 2))  # a tensor computed in the graph
+
+    eager = attend(q, k, v, weight)
+    eager.sum().backward()
+    expected = grads(q, k, v, weight)
+    compiled, counter = counted(attend)
+    out = compiled(q, k, v, weight)
+    out.sum().backward()
+    assert rel_err(out, eager) < 1e-5
+    for got, want in zip(grads(q, k, v, weight), expected):
+        assert rel_err(got, want) < 1e-5
+    assert counter.frame_count == 1
+
+
+def test_a_decoding_step_gpt_fast_style_compiles_fullgraph():
+    # The step slices the mask's rows with a tensor position and sets the shifted mask_mod and lengths.
+    S = 256
+    q, k, v = qkv(L=1, S=S)
+    full = create_block_mask(causal, 1, 1, S, S, device="cpu", BLOCK_SIZE=64)
+    kv_blocks = BlockMask.from_kv_blocks(full.kv_num_blocks, full.kv_indices, full.full_kv_num_blocks,
+                                         full.full_kv_indices, BLOCK_SIZE=64, mask_mod=causal, compute_q_blocks=False)
+
+    def step(q, k, v, input_pos):
+        mask = kv_blocks[:, :, input_pos // kv_blocks.BLOCK_SIZE[0]]
+        mask.mask_mod = flexattn.offset_mask_mod(kv_blocks.mask_mod, input_pos)
+        mask.seq_lengths = (1, S)
+        return flex_attention(q, k, v, block_mask=mask)
+
+    compiled, counter = counted(step)
+    for pos in (3, 130, 255):
+        position = torch.tensor(pos)
+        assert rel_err(compiled(q, k, v, position), step(q, k, v, position)) < 1e-5, pos
+    assert counter.frame_count == 1
+
+
+def test_decode_block_mask_and_a_paged_cache_compile_fullgraph():
+    # A packed batch of two sequences in one paged cache, viewed as one flat sequence of pages.
+    page, pages, S = 32, 8, 128
+    paged = flexattn.PagedAttention(pages, page, 2, device="cpu")
+    for row in range(2):
+        paged.reserve(row, S)
+    k_cache, v_cache = torch.zeros(1, H, pages * page, E), torch.zeros(1, H, pages * page, E)
+    k, v = torch.randn(2, H, S, E), torch.randn(2, H, S, E)
+    paged.assign(torch.arange(2), torch.arange(S).expand(2, S), k, v, k_cache, v_cache)
+    full = create_block_mask(causal, 2, 1, S, S, device="cpu", BLOCK_SIZE=page)
+    lengths = torch.tensor([96, 128])
+
+    def step(q, offset):
+        logical = flexattn.decode_block_mask(full, offset, q_len=1, kv_lengths=lengths)
+        physical = paged.convert_logical_block_mask(logical, kv_len=lengths)
+        return flex_attention(q, k_cache, v_cache, block_mask=physical)
+
+    compiled, counter = counted(step)
+    for offset in ((95, 127), (40, 60)):
+        q = torch.randn(2, H, 1, E)
+        offset = torch.tensor(offset)
+        assert rel_err(compiled(q, offset), step(q, offset)) < 1e-5
+    assert counter.frame_count == 1
+
+
+def test_a_mod_defined_inside_over_a_tensor_is_refused_at_compile_time():
+    # Such a closure has no Python object outside the graph to trace; docs/compile.md says to define it outside.
+    q, k, v = qkv()
+    bias = torch.randn(H)
+
+    def attend(q, k, v):
+        return flex_attention(q, k, v, score_mod=lambda score, b, h, q_idx, kv_idx: score + bias[h])
+
+    with pytest.raises(Exception, match="closure"):
+        torch.compile(attend, backend="eager", fullgraph=True)(q, k, v)
+
+
+def test_new_lengths_recompile_once_each_and_not_with_dynamic_shapes():
+    def attend(q, k, v):
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s * 0.5)
+
+    compiled, counter = counted(attend)
+    for length in (64, 96, 64, 96):
+        q, k, v = qkv(L=length, S=length)
+        assert rel_err(compiled(q, k, v), attend(q, k, v)) < 1e-5
+    assert counter.frame_count == 2
+    torch._dynamo.reset()
+    compiled, counter = counted(attend, dynamic=True)
+    for length in (64, 96, 80):
+        q, k, v = qkv(L=length, S=length)
+        assert rel_err(compiled(q, k, v), attend(q, k, v)) < 1e-5
+    assert counter.frame_count == 1
+
+
+def test_flex_attention_itself_compiles_fullgraph_with_its_options():
+    # As vLLM and transformers call torch's: torch.compile(flex_attention, fullgraph=True).
+    q, k, v = qkv(requires_grad=True, Hkv=1)
+    bm = create_block_mask(causal, 1, 1, L, L, device="cpu", BLOCK_SIZE=64)
+    compiled, counter = counted(flex_attention)
+    out, aux = compiled(q, k, v, block_mask=bm, enable_gqa=True, scale=0.3, return_aux=AuxRequest(lse=True))
+    want, want_aux = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, scale=0.3,
+                                    return_aux=AuxRequest(lse=True))
+    assert rel_err(out, want) < 1e-5 and rel_err(aux.lse, want_aux.lse) < 1e-5 and aux.max_scores is None
+    # torch's AuxRequest and BlockMask (what transformers passes) take the same route.
+    tfa = pytest.importorskip("torch.nn.attention.flex_attention")
+    theirs = tfa.create_block_mask(causal, 1, 1, L, L, device="cpu", BLOCK_SIZE=64)
+    out, lse = compiled(q, k, v, block_mask=theirs, enable_gqa=True, return_aux=tfa.AuxRequest(lse=True))
+    assert rel_err(out, flex_attention(q, k, v, block_mask=bm, enable_gqa=True)) < 1e-5
+    (out.sum() + lse.lse.sum()).backward()
+    assert q.grad is not None and k.grad is not None
+
+
+def test_create_block_mask_inside_a_compiled_region_says_to_build_it_outside():
+    q, k, v = qkv()
+
+    def attend(q, k, v):
+        return flex_attention(q, k, v, block_mask=create_block_mask(causal, 1, 1, L, L, device="cpu"))
+
+    with pytest.raises(Exception, match="outside the compiled"):
+        torch.compile(attend, backend="eager", fullgraph=True)(q, k, v)
+
+
+def test_errors_name_the_fix_under_compile():
+    q, k, v = qkv()
+    bm = create_block_mask(causal, 1, 1, 64, 64, device="cpu", BLOCK_SIZE=64)
+    with pytest.raises(Exception, match="create a new block mask"):
+        torch.compile(flex_attention, backend="eager", fullgraph=True)(q, k, v, block_mask=bm)
+    with pytest.raises(Exception, match="unknown kernel_options"):
+        torch.compile(flex_attention, backend="eager", fullgraph=True)(q, k, v, kernel_options={"BLOK_M": 1})
+    rows = create_block_mask(causal, 1, 1, L, L, device="cpu", BLOCK_SIZE=64)[:, :, torch.tensor([1])]
+    rows.seq_lengths = (64, L)  # rows selected, the mask_mod not shifted: the eager error's explanation
+    with pytest.raises(Exception, match="decode_block_mask"):
+        torch.compile(flex_attention, backend="eager", fullgraph=True)(q[:, :, :64], k, v, block_mask=rows)
+
+
+def test_the_fake_outputs_are_the_real_ones():
+    # Shapes, dtypes and strides of every output, forward and backward, against the real op.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flexattn.api import _registered_call
+    from flexattn.compile import flex_attention_backward_op, flex_attention_op
+
+    bias = torch.randn(H, requires_grad=True)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    q, k, v = qkv(Hkv=1)
+    v = torch.randn(B, 1, L, 24)
+    bm = create_block_mask(causal, 1, 1, L, L, device="cpu", BLOCK_SIZE=64)
+    key, _, _ = _registered_call(biased, causal, None, q.device)
+    tables = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+    args = (q, k, v, *tables, [bias], [], key, [64, 64], [L, L], 0.25, True, True)
+    real = flex_attention_op(*args)
+    bwd_args = (q, k, v, real[0], real[1], torch.randn_like(real[0]), None, *tables, [bias], [], key, [64, 64],
+                [L, L], 0.25, [True])
+    real_bwd = flex_attention_backward_op(*bwd_args)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = torch.ops.flexattn.flex_attention(*args)
+        fake_bwd = torch.ops.flexattn.flex_attention_backward(*bwd_args)
+    flat = list(real) + list(real_bwd[:3]) + list(real_bwd[3])
+    flat_fake = list(fake) + list(fake_bwd[:3]) + list(fake_bwd[3])
+    for r, f in zip(flat, flat_fake):
+        assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
+
+
+def test_the_triton_kernels_run_inside_the_compiled_graph():
+    # The same op on the Triton backend (the interpreter here): the kernels' forward and backward.
+    if not flexattn.kernels.interpreter_enabled():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
+    inst = CATALOGUE["alibi"].make(B, H, L, L, "cpu")
+    bm = inst.block_mask(B, H, L, L, "cpu")
+    q, k, v = qkv(requires_grad=True)
+    options = {"BACKEND": "TRITON"}
+
+    def attend(q, k, v, bm):
+        return flex_attention(q, k, v, score_mod=inst.score_mod, block_mask=bm, kernel_options=options)
+
+    eager = attend(q, k, v, bm)
+    eager.sum().backward()
+    expected = grads(q, k, v)
+    compiled, _ = counted(attend)
+    out = compiled(q, k, v, bm)
+    out.sum().backward()
+    assert torch.equal(out, eager)
+    for got, want in zip(grads(q, k, v), expected):
+        assert torch.equal(got, want)
+
+
+def test_the_model_benchmark_runs_its_smoke_sizes(tmp_path):
+    # python -m flexattn.bench --mode model --smoke: the code paths of the GPU benchmark, tiny, on a CPU.
+    import json
+
+    from flexattn.bench import run_mode
+
+    out = tmp_path / "model.json"
+    assert run_mode("model", ["--smoke", "--impls", "flexattn,sdpa", "--modes", "eager,compile", "--masks", "causal",
+                              "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert {"device", "torch", "triton"} <= report["env"].keys()
+    assert {(r["impl"], r["mode"]) for r in report["results"]} == {
+        ("flexattn", "eager"), ("flexattn", "compile"), ("sdpa", "eager"), ("sdpa", "compile")}
+    assert all(r["tokens_per_s"] > 0 and r["host_ms"] > 0 for r in report["results"])
+
+
+def test_a_masks_checked_row_statistics_follow_its_tables(monkeypatch):
+    # The first mask of a shape is checked once and its row statistics kept (the forward's
+    # consecutive-block path); a new mask of that shape, or a table changed in place, is not read back
+    # and takes the trusted plan. Triton kernels (the interpreter): the path the statistics steer.
+    if not flexattn.kernels.interpreter_enabled():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
+    import flexattn.compile as compiled_module
+
+    checks = []
+    real_check = compiled_module.checked_launch_tables
+    monkeypatch.setattr(compiled_module, "checked_launch_tables", lambda mask: checks.append(1) or real_check(mask))
+    monkeypatch.setattr(compiled_module, "_SHAPES_CHECKED", set())
+    q, k, v = qkv(L=256, S=256)
+    options = {"BACKEND": "TRITON"}
+
+    def attend(q, k, v, bm):
+        return flex_attention(q, k, v, block_mask=bm, kernel_options=options)
+
+    compiled, _ = counted(attend)
+    bm = create_block_mask(causal, 1, 1, 256, 256, device="cpu", BLOCK_SIZE=64)
+    for _ in range(2):
+        assert torch.equal(compiled(q, k, v, bm), attend(q, k, v, bm))
+    assert len(checks) == 1
+    # Row 3's full blocks 0, 1, 2 become 0, 2 in place: no longer consecutive; the stamp sees it.
+    bm.full_kv_indices[0, 0, 3, :2] = torch.tensor([0, 2], dtype=torch.int32)
+    bm.full_kv_num_blocks[0, 0, 3] = 2
+    assert torch.equal(compiled(q, k, v, bm), attend(q, k, v, bm))
+    other = create_block_mask(causal, 1, 1, 256, 256, device="cpu", BLOCK_SIZE=64)
+    assert torch.equal(compiled(q, k, v, other), attend(q, k, v, other))
+    assert len(checks) == 1
+
+
+def test_the_backward_tables_of_a_mask_are_derived_once_for_its_layers(monkeypatch):
+    # Every layer's call makes a new BlockMask on the same tables: the transposed tables the Triton
+    # backward walks are kept per table object (stamped), not derived again per layer.
+    if not flexattn.kernels.interpreter_enabled():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
+    import flexattn.kernels.tables as tables_module
+
+    derived = []
+    real = tables_module._compute_backward_tables
+    monkeypatch.setattr(tables_module, "_compute_backward_tables", lambda mask: derived.append(1) or real(mask))
+    q, k, v = qkv(requires_grad=True)
+    options = {"BACKEND": "TRITON"}
+
+    def two_layers(q, k, v, bm):
+        y = flex_attention(q, k, v, block_mask=bm, kernel_options=options)
+        return flex_attention(y, k, v, block_mask=bm, kernel_options=options)
+
+    bm = create_block_mask(causal, 1, 1, L, L, device="cpu", BLOCK_SIZE=64)
+    two_layers(q, k, v, bm).sum().backward()
+    expected = grads(q, k, v)
+    compiled, _ = counted(two_layers)
+    derived.clear()
+    compiled(q, k, v, bm).sum().backward()
+    assert derived == [1]
+    for got, want in zip(grads(q, k, v), expected):
+        assert torch.equal(got, want)
+    bm.kv_num_blocks.add_(0)  # a new version: derived again
+    compiled(q, k, v, bm).sum().backward()
+    assert derived == [1, 1]

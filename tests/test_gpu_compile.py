@@ -1,0 +1,171 @@
+"""flexattn inside torch.compile and CUDA graphs on a GPU (issue 21), bf16 at realistic sizes:
+reduce-overhead training and decoding steps, a whole training step (forward, backward, AdamW)
+captured with torch.cuda.graph and replayed with new inputs, and no host synchronisation in a
+compiled step's steady state. GPU only; about a minute on an H100 (mostly Inductor's compiles).
+
+Tolerances follow the flash-attention rule: flexattn's error against a float64 reference is at most
+a small multiple of eager PyTorch's own error in the same dtype (see tests/numerics.py)."""
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo.utils
+from numerics import rel_err
+
+from flexattn import create_block_mask, flex_attention, offset_mask_mod
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cuda"
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = torch.nn.Linear(dim, dim, bias=False)
+        self.slopes = torch.nn.Parameter(torch.exp2(-torch.arange(1, heads + 1, dtype=torch.float32)))
+
+        def alibi(score, b, h, q_idx, kv_idx):  # learnable: its gradient comes from the fused backward
+            return score + self.slopes[h] * (kv_idx - q_idx)
+
+        self.score_mod = alibi
+
+    def forward(self, x, block_mask):
+        B, L, D = x.shape
+        q, k, v = self.qkv(x).view(B, L, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        y = flex_attention(q, k, v, score_mod=self.score_mod, block_mask=block_mask)
+        return self.proj(y.transpose(1, 2).reshape(B, L, D))
+
+
+class Model(torch.nn.Module):
+    def __init__(self, dim=512, heads=8, layers=2):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Attention(dim, heads) for _ in range(layers))
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(dim) for _ in range(layers))
+
+    def forward(self, x, block_mask):
+        for norm, layer in zip(self.norms, self.layers):
+            x = x + layer(norm(x), block_mask)
+        return x
+
+
+def _problem(B=2, L=2048, dim=512):
+    torch.manual_seed(0)
+    model = Model(dim).to(DEVICE, torch.bfloat16)
+    block_mask = create_block_mask(causal, None, None, L, L, device=DEVICE)
+    return model, block_mask, B, L, dim
+
+
+def _loss(model, x, target, block_mask):
+    return torch.nn.functional.mse_loss(model(x, block_mask).float(), target.float())
+
+
+def test_reduce_overhead_training_steps_replay_like_eager():
+    model, block_mask, B, L, dim = _problem()
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    torch._dynamo.utils.counters.clear()
+    for step in range(4):  # warm-up, recording, then replays
+        torch.compiler.cudagraph_mark_step_begin()
+        x = torch.randn(B, L, dim, device=DEVICE, dtype=torch.bfloat16)
+        target = torch.randn_like(x)
+        loss = _loss(compiled, x, target, block_mask)
+        loss.backward()
+        want = _loss(eager, x, target, block_mask)
+        want.backward()
+        assert rel_err(loss, want) < 1e-2, step
+        for p, q in zip(model.parameters(), eager.parameters()):
+            assert rel_err(p.grad.float(), q.grad.float()) < 3e-2, step
+            p.grad = q.grad = None
+    assert not torch._dynamo.utils.counters["inductor"]["cudagraph_skips"], dict(
+        torch._dynamo.utils.counters["inductor"])
+
+
+def test_compiled_steady_state_does_not_synchronise():
+    model, block_mask, B, L, dim = _problem()
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(B, L, dim, device=DEVICE, dtype=torch.bfloat16)
+    target = torch.randn_like(x)
+    for _ in range(2):
+        _loss(compiled, x, target, block_mask).backward()
+    torch.cuda.synchronize()
+    new_mask = create_block_mask(causal, None, None, L, L, device=DEVICE)  # a new mask: still no sync
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _loss(compiled, x, target, new_mask).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_decoding_step_compiled_with_reduce_overhead():
+    B, H, S, D = 4, 16, 4096, 64
+    torch.manual_seed(0)
+    k = torch.randn(B, H, S, D, device=DEVICE, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    full = create_block_mask(causal, 1, 1, S, S, device=DEVICE)
+
+    def step(q, position):
+        mask = full[:, :, position // full.BLOCK_SIZE[0]]
+        mask.mask_mod = offset_mask_mod(full.mask_mod, position)
+        mask.seq_lengths = (1, S)
+        return flex_attention(q, k, v, block_mask=mask)
+
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    position = torch.zeros((), dtype=torch.int32, device=DEVICE)
+    for pos in (5, 300, 2048, 4095, 17):
+        torch.compiler.cudagraph_mark_step_begin()
+        q = torch.randn(B, H, 1, D, device=DEVICE, dtype=torch.bfloat16)
+        position.fill_(pos)
+        got = compiled(q, position).clone()
+        assert rel_err(got, step(q, position)) < 1e-2, pos
+
+
+def test_a_whole_training_step_captured_with_cuda_graph():
+    model, block_mask, B, L, dim = _problem()
+    eager = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+    eager_optimizer = torch.optim.AdamW(eager.parameters(), lr=1e-3, capturable=True)
+    static_x = torch.randn(B, L, dim, device=DEVICE, dtype=torch.bfloat16)
+    static_target = torch.randn_like(static_x)
+
+    def train_step():
+        optimizer.zero_grad(set_to_none=False)
+        loss = _loss(model, static_x, static_target, block_mask)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    # Warm-up on a side stream: tracing, kernel compiles, launch plans and the optimizer's state.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            train_step()
+    torch.cuda.current_stream().wait_stream(side)
+    eager.load_state_dict(model.state_dict())
+    eager_optimizer.load_state_dict(optimizer.state_dict())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = train_step()
+
+    for step in range(3):
+        x = torch.randn_like(static_x)
+        target = torch.randn_like(static_target)
+        static_x.copy_(x)
+        static_target.copy_(target)
+        graph.replay()
+        eager_optimizer.zero_grad()
+        want = _loss(eager, x, target, block_mask)
+        want.backward()
+        eager_optimizer.step()
+        torch.cuda.synchronize()
+        assert rel_err(static_loss, want) < 1e-2, step
+        for p, q in zip(model.parameters(), eager.parameters()):
+            assert rel_err(p.float(), q.float()) < 1e-2, step
