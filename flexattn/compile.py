@@ -58,6 +58,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from .dispatch import Call, choose_decode, pick_backend, prepare_backward, run_backward, run_forward
 from .errors import InvalidInputError
+from .graphs import may_keep_allocations
 from .kernels.tables import (
     BACKWARD_TABLES, RowStats, assume_groups_differ, checked_launch_tables, preset_row_stats,
 )
@@ -382,7 +383,7 @@ def _checked(mask: BlockMask) -> Optional[_Kept]:
 def _keep_backward_tables(mask: BlockMask) -> None:
     """After a backward on ``mask``: keep its transposed tables for the next calls on the same tables."""
     tables = mask.peek_derived(BACKWARD_TABLES)
-    if tables is None or _capturing(mask.kv_num_blocks):
+    if tables is None or not may_keep_allocations(mask.kv_num_blocks.device):
         return
     kept = _kept(mask)
     if kept is None:

@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import InvalidInputError, ModTraceError
+from .graphs import may_keep_allocations
 
 __all__ = [
     "SCORE_MOD_ARGS",
@@ -109,6 +110,8 @@ class TracedMod:
         entry = copies.get(device)
         if entry is None or entry[0] != versions:
             values = tuple(None if c.fixed_value is None else c.fixed_value.to(device) for c in self.captured)
+            if not may_keep_allocations(device):  # a CUDA graph's pool: copied for this call only
+                return values
             entry = copies[device] = (versions, values)
         return entry[1]
 

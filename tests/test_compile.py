@@ -463,6 +463,34 @@ def test_the_triton_kernels_run_inside_the_compiled_graph():
         assert torch.equal(got, want)
 
 
+def test_a_compiled_backward_lowers_the_gradient_of_a_fresh_mod_right(monkeypatch):
+    # The backward op runs without grad mode: the first lowering of a mod's gradient, there, once
+    # gave every derivative as 0 (and kept it for later mods). Compiled first, on a mask without
+    # full blocks (whose zero dS would have compiled), against the PyTorch backend.
+    if not flexattn.kernels.interpreter_enabled():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
+    import flexattn.lowering.gradient as gradient
+
+    monkeypatch.setattr(gradient, "_vjp_cache", type(gradient._vjp_cache)())
+    slopes = torch.rand(H, requires_grad=True)
+
+    def fresh_bias(score, b, h, q_idx, kv_idx):  # a mod of its own: no lowering of it is kept yet
+        return score * 0.9 + slopes[h] * (kv_idx - q_idx).abs() * -0.05
+
+    bm = create_block_mask(causal, None, None, L, L, device="cpu", separate_full_blocks=False)
+    q, k, v = qkv(requires_grad=True)
+
+    def attend(q, k, v, bm, backend):
+        return flex_attention(q, k, v, score_mod=fresh_bias, block_mask=bm, kernel_options={"BACKEND": backend})
+
+    compiled, _ = counted(attend)
+    compiled(q, k, v, bm, "TRITON").sum().backward()
+    got = grads(q, k, v, slopes)
+    attend(q, k, v, bm, "PYTORCH").sum().backward()
+    for name, g, want in zip(("dq", "dk", "dv", "dslopes"), got, grads(q, k, v, slopes)):
+        assert rel_err(g, want) < 1e-5, name
+
+
 def test_the_model_benchmark_runs_its_smoke_sizes(tmp_path):
     # python -m flexattn.bench --mode model --smoke: the code paths of the GPU benchmark, tiny, on a CPU.
     import json

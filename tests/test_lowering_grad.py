@@ -460,3 +460,26 @@ def test_op_without_autograd_formula_is_refused():
     with pytest.raises(UnsupportedOpError, match="no autograd formula") as info:
         lower_score_grad(traced)
     assert "torch.ops.flexattn_test.twice(score)" in str(info.value)
+
+
+def test_the_gradient_is_lowered_the_same_without_grad_mode(monkeypatch):
+    # A compiled graph's backward lowers a mod's gradient with grad mode off; the derivatives must
+    # not depend on it (they once came out as 0 there).
+    import flexattn.lowering.gradient as gradient
+    from flexattn.lowering import lower_score_grad
+    from flexattn.trace import trace_mod
+
+    slopes = torch.rand(4, requires_grad=True)
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score) * 2.0 + slopes[h] * (kv_idx - q_idx)
+
+    traced, _ = trace_mod(bias, "score_mod")
+    monkeypatch.setattr(gradient, "_vjp_cache", type(gradient._vjp_cache)())
+    with torch.no_grad():
+        without = lower_score_grad(traced)
+    monkeypatch.setattr(gradient, "_vjp_cache", type(gradient._vjp_cache)())
+    with_grad = lower_score_grad(traced)
+    assert (without.lines, without.result, without.accumulate) == (with_grad.lines, with_grad.result,
+                                                                   with_grad.accumulate)
+    assert "0.0" != without.result.strip()

@@ -7,6 +7,7 @@ import threading
 
 import torch
 
+from ..graphs import may_keep_allocations
 from .launch import interpreter_enabled
 
 __all__ = ["tma_layout_ok", "tma_compatible", "host_descriptors_ok", "host_descriptors", "install_tma_allocator"]
@@ -68,11 +69,13 @@ _tma_scratch: dict = {}  # stream handle -> int8 buffer
 def _tma_scratch_for(size: int, alignment: int, stream) -> torch.Tensor:
     # Device-side tensor descriptors need global scratch for every launch. Launches on one stream
     # run in order, so one buffer per stream, grown when needed, serves them all and saves a
-    # caching-allocator round trip per call (a few microseconds of host time).
+    # caching-allocator round trip per call (a few microseconds of host time); inside a CUDA
+    # graph's capture or warm-up it is allocated for the launch alone (flexattn/graphs.py).
     buf = _tma_scratch.get(stream)
     if buf is None or buf.numel() < size:
         buf = torch.empty(max(size, 1 << 16), dtype=torch.int8, device="cuda")
-        _tma_scratch[stream] = buf
+        if may_keep_allocations(buf.device):
+            _tma_scratch[stream] = buf
     return buf
 
 

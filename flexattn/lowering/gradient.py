@@ -178,7 +178,10 @@ def _vjp_graph(target, node: torch.fx.Node, active: tuple[bool, ...], table: dic
     decompositions = _decompositions(table)
     inputs = [e.clone().requires_grad_(a and e.dtype.is_floating_point) for e, a in zip(examples, active)]
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        # Grad mode on whatever the caller's: the lowering can run where autograd has turned it off
+        # (a compiled graph's backward runs its ops without grad), and tracing autograd.grad there
+        # would give every derivative as None, that is 0, and cache it for every later mod.
+        with warnings.catch_warnings(record=True) as caught, torch.enable_grad():
             warnings.simplefilter("always")
             traced = make_fx(fn, decomposition_table=decompositions, tracing_mode="fake")(*inputs, gy_example)
         for w in caught:  # an op without an autograd formula: torch warns and gives no gradient

@@ -13,6 +13,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from ..errors import InvalidInputError
+from ..graphs import may_keep_allocations
 from ..lowering.ranges import mod_index_dtype
 from ..trace import GathersReadZero
 from .block_mask import BlockMask
@@ -304,6 +305,8 @@ def dense_block_mask(L: int, S: int, device: torch.device) -> BlockMask:
         mask = BlockMask.from_kv_blocks(
             zeros, zero_idx, full_num, full_idx, BLOCK_SIZE=block, seq_lengths=(L, S)
         )
+        if not may_keep_allocations(device):  # a CUDA graph's pool: made for this call only
+            return mask
         _dense_masks[key] = mask
         if len(_dense_masks) > _DENSE_MASKS_KEPT:
             _dense_masks.popitem(last=False)
