@@ -7,8 +7,9 @@ paper benchmarks, side by side in one process with torch's compiled flex_attenti
 (eager, compiled and in CUDA graphs). Beside them: ``learnable`` (the backward of
 variants with learnable tables), the launch-config sweeps ``sweep`` and ``sweep_backward``,
 ``tile_census`` (what the compiler made of every default kernel), ``startup`` (the first call
-and the host overhead), and ``context_parallel`` (the ring's schedule on one GPU with streams for
-ranks, and the ring's model at scale). ``common`` holds what they share.
+and the host overhead), ``context_parallel`` (the ring's schedule on one GPU with streams for
+ranks, and the ring's model at scale) and ``context_parallel_gpus`` (the real ranks, one process
+per GPU, beside torch's context parallelism). ``common`` holds what they share.
 """
 
 import importlib
