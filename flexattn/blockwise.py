@@ -418,8 +418,10 @@ def blockwise_backward(
     mask_captured: Sequence[torch.Tensor],
     *,
     index_dtype: torch.dtype = INDEX_DTYPE,
+    float32_kv_grads: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[Optional[torch.Tensor]]]:
     """Gradients ``(dq, dk, dv, grads of score_captured)`` of the attention computed by blockwise_forward.
+    ``float32_kv_grads``: dk and dv stay in the working precision (float32, float64 for float64).
 
     ``out`` and ``lse`` are blockwise_forward's outputs; ``grad_lse`` may be None. dk and dv have the
     shapes of k and v (summed over GQA groups and a broadcast K/V batch). The list has one entry per
@@ -509,4 +511,5 @@ def blockwise_backward(
     captured_out = [
         g.to(c.dtype) if g is not None else None for g, c in zip(captured_grads, score_captured)
     ]
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), captured_out
+    kv_grad_dtype = _working_dtype(k.dtype) if float32_kv_grads else k.dtype
+    return dq.to(q.dtype), dk.to(kv_grad_dtype), dv.to(kv_grad_dtype), captured_out

@@ -191,15 +191,16 @@ def prepare_backward(call: Call, q, k) -> None:
             q, k, call.block_mask)
 
 
-def run_backward(call: Call, q, k, v, out, lse, grad_out, grad_lse, score_captured):
+def run_backward(call: Call, q, k, v, out, lse, grad_out, grad_lse, score_captured, float32_kv_grads: bool = False):
     """``(dq, dk, dv, [gradient of each captured tensor or None])`` by FlashAttention-2
     recomputation from the saved LSE: the Triton kernels on the Triton backend, the blockwise
-    PyTorch backward (the oracle the tests compare with) everywhere else."""
+    PyTorch backward (the oracle the tests compare with) everywhere else. ``float32_kv_grads``:
+    dk and dv in float32 (unrounded partial sums, for a caller that adds several)."""
     if call.backend == "TRITON":
         kernel = backward_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
         grads = kernel(
             q, k, v, out, lse, grad_out.contiguous(), grad_lse, call.block_mask, call.scale,
-            score_captured, call.mask_captured, call.options,
+            score_captured, call.mask_captured, call.options, float32_kv_grads=float32_kv_grads,
         )
         if _DEBUG:
             _debug_report("backward", call, q, k, v, _kernel_plan(kernel.last_plan))
@@ -210,5 +211,5 @@ def run_backward(call: Call, q, k, v, out, lse, grad_out, grad_lse, score_captur
         q, k, v, out, lse, grad_out, grad_lse, call.block_mask, call.scale,
         call.score.graph_module_on(q.device) if call.score else None, score_captured,
         call.mask.graph_module_on(q.device) if call.mask else None, call.mask_captured,
-        index_dtype=call.index_dtype,
+        index_dtype=call.index_dtype, float32_kv_grads=float32_kv_grads,
     )

@@ -270,3 +270,27 @@ def test_one_gpu_script_runs_small_on_the_cpu(tmp_path):
         assert row["out_ok"] and row["dq_ok"] and row["dk_ok"] and row["dv_ok"], row
         assert all(step["kernel_ms"] > 0 for steps in row["steps"] for step in steps)
     assert {row["mask"] for row in report["model"]["rows"]} == {"causal", "document", "sliding_window"}
+
+
+@pytest.mark.parametrize("backend", ["TRITON", "PYTORCH"])
+def test_dk_dv_parts_come_back_unrounded(backend):
+    # A key's dK/dV is a sum of parts from several ranks: each part stays float32 until the sum,
+    # so bf16 inputs lose no more than one GPU's rounding (parts rounded to bf16 doubled dV's error).
+    from flexattn.bench.context_parallel import SimulatedRanks, shard
+    from flexattn.distributed.step import step_call
+
+    torch.manual_seed(0)
+    L, H, E = 256, 2, 16
+    block_mask = create_block_mask(causal_mask, None, None, L, L, device="cpu", BLOCK_SIZE=32)
+    q, k, v = (torch.randn(1, H, L, E).to(torch.bfloat16) for _ in range(3))
+    plan = Plan(block_mask, 2, balance="mask", schedule="ring")
+    ranks = SimulatedRanks(plan, q, k, v, None, E ** -0.5)
+    out, lse = ranks.forward()[0]
+    grad_out = shard(torch.randn_like(q), plan.q_layout, 0)
+    for step in plan.rank_plan(0, "ring").steps:
+        sc = step_call(step, None, torch.int32, ranks.q[0], {"BACKEND": backend}, E ** -0.5, True, False)
+        assert sc.call.backend == backend
+        (source,) = step.sources
+        _, gk, gv, _ = sc.backward(ranks.q[0], ranks.k[source], ranks.v[source], out, lse, grad_out, None)
+        assert gk.dtype == gv.dtype == torch.float32
+        assert not torch.equal(gv, gv.to(torch.bfloat16).float())  # really unrounded

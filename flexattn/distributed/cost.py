@@ -79,6 +79,11 @@ class Problem(NamedTuple):
         """K and V of one shard of ``kv_length`` tokens."""
         return self.kv_batch * self.kv_heads * kv_length * (self.head_dim + self.value_dim) * self.itemsize
 
+    def transfer_factor(self, backward: bool) -> float:
+        """Bytes moved per byte of a K/V shard: the forward receives it; the backward receives it
+        again and returns its dK/dV, which travel in float32."""
+        return 1.0 + (max(4, self.itemsize) / self.itemsize if backward else 0.0)
+
     def output_bytes(self, q_length: int) -> int:
         """The float32 output accumulator of one shard of ``q_length`` queries, with its LSE."""
         return self.batch * self.q_heads * q_length * (self.value_dim + 1) * 4
@@ -106,7 +111,7 @@ def ring_seconds(model: CostModel, problem: Problem, block_size, q_length: int, 
     each direction, and ``BACKWARD_COMPUTE`` times the work.
     """
     work = BACKWARD_COMPUTE if backward else 1.0
-    transfer = (2 if backward else 1) * problem.shard_bytes(kv_length) / model.link_bytes_per_s
+    transfer = problem.transfer_factor(backward) * problem.shard_bytes(kv_length) / model.link_bytes_per_s
     merge = 3 * problem.output_bytes(q_length) / model.memory_bytes_per_s
     total = 0.0
     if steps and steps[0].received:
@@ -123,7 +128,7 @@ def gather_seconds(model: CostModel, problem: Problem, block_size, kv_length: in
     """One rank's time when it receives its ``received`` needed shards at once, concatenates them
     with its own and runs one kernel (the backward sends the dK/dV of each back the same way)."""
     shard = problem.shard_bytes(kv_length)
-    transfers = (2 if backward else 1) * received * shard / model.link_bytes_per_s
+    transfers = problem.transfer_factor(backward) * received * shard / model.link_bytes_per_s
     copy = 2 * (received + 1) * shard / model.memory_bytes_per_s
     work = BACKWARD_COMPUTE if backward else 1.0
     compute = work * _compute_seconds(model, problem, block_size, full, partial)

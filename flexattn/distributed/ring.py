@@ -10,8 +10,8 @@ after the kernel that read it), and the wait makes the kernel wait for the trans
 Ring backward: the same rounds bring the K/V shards again; after each step the rank sends the
 step's dK/dV to the shard's owner and receives the dK/dV of its own shard from the rank it sent
 it to in that round (the same pairs, reversed), one exchange in flight at a time. dQ, and the
-owner's dK/dV, accumulate in float32. Gradients of the score_mod's learnable tensors are this
-rank's share (see ContextParallel.flex_attention).
+owner's dK/dV, accumulate in float32, and dK/dV travel in float32 (each part unrounded).
+Gradients of the score_mod's learnable tensors are this rank's share (see ContextParallel.flex_attention).
 
 The gather schedule runs the same pieces with one round that brings every needed shard, one
 kernel over their concatenation, and one round that returns every dK/dV.
@@ -138,7 +138,7 @@ class RankRun:
                     continue
                 n = next(i for i, t in enumerate(self.learnable) if t is captured)
                 d_learnable[n] = grad.to(dtype) if d_learnable[n] is None else d_learnable[n].add_(grad)
-            return gk, gv
+            return gk.to(dtype), gv.to(dtype)  # float32 already on both backends: what peers expect
 
         if self.plan.schedule == "allgather":
             self._gather_backward(run, k, v, dk, dv)
@@ -166,7 +166,7 @@ class RankRun:
                 gk, gv = run(sc, *slots[index % 2])
                 sends = [(gk.contiguous(), rnd.recv_from[0]), (gv.contiguous(), rnd.recv_from[0])]
             if rnd.send_to:  # the rank that got the own shard this round sends its dK/dV back
-                incoming = (torch.empty_like(k), torch.empty_like(v))
+                incoming = (torch.empty_like(dk), torch.empty_like(dv))
             recvs = [(t, rnd.send_to[0]) for t in incoming] if incoming else []
             self._finish(in_flight, dk, dv)
             in_flight = (self.exchange.post(sends, recvs), incoming, sends)
@@ -196,7 +196,7 @@ class RankRun:
                     dv.add_(part_v)
                 else:
                     back += [(part_k.contiguous(), src), (part_v.contiguous(), src)]
-        incoming = {peer: (torch.empty_like(k), torch.empty_like(v)) for peer in rnd.send_to}
+        incoming = {peer: (torch.empty_like(dk), torch.empty_like(dv)) for peer in rnd.send_to}
         _wait(self.exchange.post(back, [(t, peer) for peer, pair in incoming.items() for t in pair]))
         for part_k, part_v in incoming.values():
             dk.add_(part_k)

@@ -44,8 +44,11 @@ class StepCall(NamedTuple):
         not the step's. So each step's backward kernels, given the merged ``out`` and ``lse`` (what
         a single-GPU backward is given), produce exactly that step's part of dQ, and the whole of
         dK, dV for its keys from these queries. No step's partial output is kept or recomputed.
+        dK and dV come back in float32: a key's gradient is the sum of every rank's part, and
+        rounding each part to bf16 before the sum would double its error.
         """
-        return run_backward(self.call, q, k, v, out, lse, grad_out, grad_lse, self.score_captured)
+        return run_backward(self.call, q, k, v, out, lse, grad_out, grad_lse, self.score_captured,
+                            float32_kv_grads=True)
 
 
 def _on_device(traced: Optional[TracedMod], values: list, device: torch.device) -> list:

@@ -78,8 +78,10 @@ class BackwardKernel(KernelFamily):
 
     # ---------------------------------------------------------------- launch
     def __call__(self, q, k, v, out, lse, grad_out, grad_lse, block_mask: BlockMask, scale: float,
-                 score_captured, mask_captured, options: dict):
-        """``(dq, dk, dv, [gradient of each captured tensor or None])``."""
+                 score_captured, mask_captured, options: dict, float32_kv_grads: bool = False):
+        """``(dq, dk, dv, [gradient of each captured tensor or None])``. ``float32_kv_grads``: dk and
+        dv come back in float32, unrounded, for a caller that sums several partial dK/dV of one key
+        (context parallelism: rounding each part to bf16 would double the error)."""
         global launches
         tables = launch_tables(block_mask)
         bwd_tables = backward_tables(block_mask)
@@ -87,7 +89,7 @@ class BackwardKernel(KernelFamily):
             q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), grad_out.stride(), out.stride(),
             q.dtype, q.device, block_mask.BLOCK_SIZE, tables.plan_key, scale > 0, grad_lse is not None,
             tuple(sorted(options.items())) if options else (),
-            torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None,
+            torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None, float32_kv_grads,
         )
 
         def make_plan() -> Plan:
@@ -103,14 +105,14 @@ class BackwardKernel(KernelFamily):
 
         def run(plan: Plan):
             return self._launch(plan, q, k, v, out, lse, grad_out, grad_lse, tables, bwd_tables, scale,
-                                score_captured, mask_captured)
+                                score_captured, mask_captured, float32_kv_grads)
 
         grads = self._run(key, make_plan, for_call, run, options)
         launches += 1
         return grads
 
     def _launch(self, plan: Plan, q, k, v, out, lse, grad_out, grad_lse, tables, bwd_tables, scale, score_captured,
-                mask_captured):
+                mask_captured, float32_kv_grads: bool = False):
         B, Hq, L, E = q.shape
         Bk, Hkv, S, Ev = v.shape
         module = plan.compiled
@@ -132,13 +134,14 @@ class BackwardKernel(KernelFamily):
 
         k_strides, v_strides = kv_strides(k, v, B)
         broadcast_kv = Bk == 1 and B > 1
+        kv_grad_dtype = torch.float32 if float32_kv_grads and k.dtype != torch.float64 else k.dtype
         if broadcast_kv:
             # Each query batch writes its own slice; the slices are summed below (float32).
             dk = empty_output((B, Hkv, S, E), torch.float32, q.device)
             dv = empty_output((B, Hkv, S, Ev), torch.float32, q.device)
         else:
-            dk = empty_output(k.shape, k.dtype, q.device)
-            dv = empty_output(v.shape, v.dtype, q.device)
+            dk = empty_output(k.shape, kv_grad_dtype, q.device)
+            dv = empty_output(v.shape, kv_grad_dtype, q.device)
         dq = empty_output(q.shape, q.dtype, q.device)
         lse = lse.contiguous()
 
@@ -165,8 +168,8 @@ class BackwardKernel(KernelFamily):
         ), dq_step.constexprs)
 
         if broadcast_kv:
-            dk = dk.sum(0, keepdim=True).to(k.dtype)
-            dv = dv.sum(0, keepdim=True).to(v.dtype)
+            dk = dk.sum(0, keepdim=True).to(kv_grad_dtype)
+            dv = dv.sum(0, keepdim=True).to(kv_grad_dtype)
         captured_grads: list = [None] * len(score_captured)
         for i, buf in zip(trainable, grad_buffers):
             captured_grads[i] = buf.to(score_captured[i].dtype)
