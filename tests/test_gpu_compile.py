@@ -162,7 +162,9 @@ def test_a_whole_training_step_captured_with_cuda_graph():
             train_step()
     torch.cuda.current_stream().wait_stream(side)
     eager.load_state_dict(model.state_dict())
-    eager_optimizer.load_state_dict(optimizer.state_dict())
+    # A deep copy: load_state_dict keeps tensors that need no cast, so the two optimizers would share
+    # their moments and each replayed step would move them twice.
+    eager_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_loss = train_step()
