@@ -9,7 +9,8 @@ variants with learnable tables), the launch-config sweeps ``sweep`` and ``sweep_
 ``tile_census`` (what the compiler made of every default kernel), ``startup`` (the first call
 and the host overhead), ``context_parallel`` (the ring's schedule on one GPU with streams for
 ranks, and the ring's model at scale) and ``context_parallel_gpus`` (the real ranks, one process
-per GPU, beside torch's context parallelism). ``common`` holds what they share.
+per GPU, beside torch's context parallelism, which ``torch_context_parallel`` sets up). ``common``
+holds what they share.
 """
 
 import importlib
