@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import InvalidInputError, ModTraceError
-from .graphs import may_keep_allocations
+from .graphs import copied_outside_graph_pools, may_keep_allocations
 
 __all__ = [
     "SCORE_MOD_ARGS",
@@ -109,9 +109,13 @@ class TracedMod:
         versions = tuple(None if c.fixed_value is None else c.fixed_value._version for c in self.captured)
         entry = copies.get(device)
         if entry is None or entry[0] != versions:
-            values = tuple(None if c.fixed_value is None else c.fixed_value.to(device) for c in self.captured)
-            if not may_keep_allocations(device):  # a CUDA graph's pool: copied for this call only
-                return values
+            constants = tuple(c.fixed_value for c in self.captured)
+            if may_keep_allocations(device):
+                values = tuple(None if t is None else t.to(device) for t in constants)
+            elif device.type != "cuda" or not torch.cuda.is_current_stream_capturing():  # a warm-up (graphs.py)
+                values = copied_outside_graph_pools(constants, device)
+            else:  # inside a capture with no copy kept from before: for this call only
+                return tuple(None if t is None else t.to(device) for t in constants)
             entry = copies[device] = (versions, values)
         return entry[1]
 

@@ -210,3 +210,40 @@ def test_gpu_tables_are_traced_on_cpu_stand_ins(monkeypatch):
         traced, captured = trace_mod(table_mod, "mask_mod")
     assert captured[0] is table
     assert seen and "meta" not in seen[:1]  # the first (real-value) attempt ran on the CPU
+
+
+def test_constants_copied_during_a_graph_warm_up_are_copied_by_another_thread_and_kept(monkeypatch):
+    # A CUDA-graph tree's warm-up puts the warming thread's allocations into the graph's pool (so
+    # they cannot be kept), and a capture may not copy from host memory: the constants are copied
+    # by a worker thread and kept (flexattn/graphs.py).
+    import threading
+
+    import flexattn.graphs as graphs
+    import flexattn.trace as trace
+
+    threads = []
+
+    class Constant:
+        def to(self, device):
+            threads.append(threading.current_thread().name)
+            return ("copy", device)
+
+    assert graphs.copied_outside_graph_pools((Constant(), None), torch.device("cpu")) == (
+        ("copy", torch.device("cpu")), None)
+    assert threads and threads[0].startswith("flexattn-copy")
+
+    def bucket(score, b, h, q_idx, kv_idx):
+        return score + torch.tensor([0.5, 1.5])[(q_idx - kv_idx) % 2]
+
+    traced, _ = trace.trace_mod(bucket, "score_mod")
+    assert any(c.fixed_value is not None for c in traced.captured)
+    calls = []
+    real = trace.copied_outside_graph_pools
+    monkeypatch.setattr(trace, "may_keep_allocations", lambda device: False)
+    monkeypatch.setattr(trace, "copied_outside_graph_pools", lambda t, d: calls.append(d) or real(t, d))
+    first = traced.fixed_values_on(torch.device("cpu"))
+    again = traced.fixed_values_on(torch.device("cpu"))
+    assert len(calls) == 1 and first is again  # copied once, kept
+    for value, c in zip(first, traced.captured):
+        assert (value is None) == (c.fixed_value is None)
+        assert value is None or torch.equal(value, c.fixed_value)
