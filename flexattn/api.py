@@ -342,18 +342,9 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, return_lse, 
     if block_mask is None:
         tables, mask_mod, block_size, seq_lengths = (None, None, None, None), None, [1, 1], [L, S]
     else:
-        # flexattn's BlockMask or torch's: the same fields, read without converting.
+        # flexattn's BlockMask or torch's: the same fields, read without converting, checked as eagerly.
+        _validate_block_mask(block_mask, query, key)
         seq_lengths = [block_mask.seq_lengths[0], block_mask.seq_lengths[1]]
-        if seq_lengths != [L, S]:
-            raise InvalidInputError(
-                f"block_mask was built for Q_LEN={seq_lengths[0]}, KV_LEN={seq_lengths[1]} but query has seq_len {L} "
-                f"and key has seq_len {S}; create a new block mask for these lengths"
-            )
-        if block_mask.kv_num_blocks.device != query.device:
-            raise InvalidInputError(
-                f"block_mask is on {block_mask.kv_num_blocks.device} but query is on {query.device}; "
-                "use block_mask.to(query.device)"
-            )
         tables = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
                   block_mask.full_kv_indices)
         mask_mod = block_mask.mask_mod if block_mask.mask_mod is not None else noop_mask

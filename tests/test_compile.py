@@ -7,8 +7,6 @@ Most compiles use the "aot_eager" backend, which runs the op's fake implementati
 formula as Inductor does, in a fraction of Inductor's CPU compile time; one test runs Inductor.
 """
 
-import math
-
 import pytest
 import torch
 import torch._dynamo.testing
@@ -16,8 +14,7 @@ from numerics import rel_err
 
 import flexattn
 from flexattn import AuxRequest, BlockMask, create_block_mask, flex_attention
-from flexattn.errors import InvalidInputError
-from flexattn.variants import CATALOGUE, apply_sinks
+from flexattn.variants import CATALOGUE
 
 B, H, L, E = 1, 2, 128, 16
 
@@ -407,6 +404,9 @@ def test_errors_name_the_fix_under_compile():
     rows.seq_lengths = (64, L)  # rows selected, the mask_mod not shifted: the eager error's explanation
     with pytest.raises(Exception, match="decode_block_mask"):
         torch.compile(flex_attention, backend="eager", fullgraph=True)(q[:, :, :64], k, v, block_mask=rows)
+    two_heads = create_block_mask(causal, 1, 3, L, L, device="cpu", BLOCK_SIZE=64)  # the query has 2 heads
+    with pytest.raises(Exception, match="must be 1 \\(broadcast\\) or match the query"):
+        torch.compile(flex_attention, backend="eager", fullgraph=True)(q, k, v, block_mask=two_heads)
 
 
 def test_the_fake_outputs_are_the_real_ones():
