@@ -383,9 +383,11 @@ def _checked(mask: BlockMask) -> Optional[_Kept]:
 def _keep_backward_tables(mask: BlockMask) -> None:
     """After a backward on ``mask``: keep its transposed tables for the next calls on the same tables."""
     tables = mask.peek_derived(BACKWARD_TABLES)
-    if tables is None or not may_keep_allocations(mask.kv_num_blocks.device):
-        return
     kept = _kept(mask)
+    if tables is None or (kept is not None and kept.backward is tables):
+        return  # nothing derived, or already kept: no stream queries on the steady state's path
+    if not may_keep_allocations(mask.kv_num_blocks.device):
+        return
     if kept is None:
         kept = _KEPT[mask.kv_num_blocks] = _Kept(mask, None)
     kept.backward = tables
