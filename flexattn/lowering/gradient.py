@@ -25,7 +25,6 @@ user's line and pointing to ``kernel_options={"BACKEND": "PYTORCH"}``.
 
 from __future__ import annotations
 
-import math
 import threading
 import warnings
 from collections import OrderedDict
@@ -40,7 +39,7 @@ from ..errors import UnsupportedOpError
 from ..trace import CapturedInput, TracedMod
 from .emit import Gather, ModInputs, Val, _Emitter, _numel
 from .index import print_index
-from .ops import ALIASES, LOWERINGS, TL_DTYPES, lookup, with_options
+from .ops import ALIASES, LOWERINGS, lookup, with_options
 from .ranges import CONSERVATIVE_BOUNDS, LoweringVariant, graph_key, lowering_variant
 from .sites import describe_site
 
