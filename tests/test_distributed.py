@@ -294,3 +294,36 @@ def test_dk_dv_parts_come_back_unrounded(backend):
         _, gk, gv, _ = sc.backward(ranks.q[0], ranks.k[source], ranks.v[source], out, lse, grad_out, None)
         assert gk.dtype == gv.dtype == torch.float32
         assert not torch.equal(gv, gv.to(torch.bfloat16).float())  # really unrounded
+
+
+def test_float32_and_rounded_kv_grads_of_one_shape_keep_their_own_plans():
+    # The backward's plans are cached by shapes; dK/dV in float32 or in the inputs' dtype must not
+    # share one (a plan made for bf16 dK/dV would write bf16 into a float32 buffer, or back).
+    from flexattn.bench.context_parallel import SimulatedRanks, shard
+    from flexattn.dispatch import run_backward, use_tanh_approx
+    from flexattn.kernels import backward_kernel
+    from flexattn.distributed.step import step_call
+
+    torch.manual_seed(1)
+    L, H, E = 128, 2, 16
+    block_mask = create_block_mask(causal_mask, None, None, L, L, device="cpu", BLOCK_SIZE=32)
+    q, k, v = (torch.randn(1, H, L, E).to(torch.bfloat16) for _ in range(3))
+    plan = Plan(block_mask, 2, balance="contiguous", schedule="ring")
+    ranks = SimulatedRanks(plan, q, k, v, None, E ** -0.5)
+    out, lse = ranks.forward()[1]
+    grad_out = shard(torch.randn_like(q), plan.q_layout, 1)
+    step = plan.rank_plan(1, "ring").steps[0]
+    sc = step_call(step, None, torch.int32, ranks.q[1], {"BACKEND": "TRITON"}, E ** -0.5, True, False)
+    (source,) = step.sources
+    args = (sc.call, ranks.q[1], ranks.k[source], ranks.v[source], out, lse, grad_out, None, [])
+    kernel = backward_kernel(sc.call.score, sc.call.mask, tanh_approx=use_tanh_approx(ranks.q[1], sc.call.options))
+    rounded = run_backward(*args)
+    plans = len(kernel._plans)
+    unrounded = run_backward(*args, float32_kv_grads=True)
+    assert len(kernel._plans) == plans + 1  # a plan of its own (the compiled kernel is typed by dK's dtype)
+    again = run_backward(*args)
+    assert len(kernel._plans) == plans + 1
+    assert rounded[1].dtype == again[1].dtype == torch.bfloat16 and unrounded[1].dtype == torch.float32
+    assert torch.equal(rounded[2], again[2])
+    # the same values, to one bf16 rounding (the kernel's conversion may round otherwise than torch's)
+    assert torch.allclose(unrounded[2], rounded[2].float(), rtol=2 ** -7, atol=1e-6)
