@@ -6,7 +6,8 @@ from typing import Literal, NamedTuple, Optional, TypedDict
 
 import torch
 
-__all__ = ["FlexKernelOptions", "AuxRequest", "AuxOutput", "resolve_backend_name", "normalize_kernel_options"]
+__all__ = ["FlexKernelOptions", "AuxRequest", "AuxOutput", "resolve_backend_name", "normalize_kernel_options",
+           "deterministic"]
 
 
 class FlexKernelOptions(TypedDict, total=False):
@@ -96,6 +97,15 @@ class FlexKernelOptions(TypedDict, total=False):
     Slow: for finding a bug, not for training. The environment variable
     ``FLEXATTN_CHECK_INDICES=1``, read when flexattn is imported, turns it on for every call
     that does not set this option."""
+
+    DETERMINISTIC: bool
+    """Triton backward: the gradients of learnable captured tensors are summed in a fixed order, so
+    that two runs on the same inputs give the same bits (dQ, dK and dV always do: each is written by
+    one program). Default: ``torch.are_deterministic_algorithms_enabled()``, set by
+    ``torch.use_deterministic_algorithms(True)``, which also covers the PyTorch backend's ops. The
+    cost is a float32 copy of each learnable tensor's gradient per program (at most 256 MiB per tensor,
+    else the programs take turns) and, where several pairs of one tile read one element, a tile sum
+    per distinct element."""
 
     # -- torch's keys that flexattn accepts and ignores (see the class docstring).
 
@@ -250,3 +260,11 @@ def normalize_kernel_options(options: dict) -> tuple[dict, list[str], list[str]]
         used.setdefault(f"bwd_{key}", options.get(key))
     used.update(prefixed)
     return used, ignored, unknown
+
+
+def deterministic(options: Optional[dict]) -> bool:
+    """Whether a call must give the same bits for the same inputs: kernel option ``DETERMINISTIC``,
+    else torch's switch (``torch.use_deterministic_algorithms``)."""
+    if options and "DETERMINISTIC" in options:
+        return bool(options["DETERMINISTIC"])
+    return torch.are_deterministic_algorithms_enabled()

@@ -65,6 +65,7 @@ def check_flash_rule(
     gqa: bool = False,
     use_lse: bool = False,
     repeats: int = 1,
+    options: Optional[dict] = None,
 ) -> dict[str, tuple[float, float]]:
     """flexattn's bf16 gradients of every leaf vs float64, against ``same_dtype_attention``'s: each
     must be within ``FACTOR`` (``FACTOR_CAPTURED`` for captured tensors) of the baseline's, + ``SLACK``.
@@ -72,7 +73,8 @@ def check_flash_rule(
     ``build(leaves) -> (q, k, v, score_mod)`` as in tests/test_triton_backward.py; it is called on
     the leaves, on float64 copies (the gold standard) and on same-dtype copies (the baseline).
     ``repeats`` runs flexattn's forward and backward that many times, each checked (later calls may
-    run other plans). Returns {name: (flexattn's error, the baseline's error)} of the last one.
+    run other plans). ``options``: flexattn's kernel_options. Returns {name: (flexattn's error, the
+    baseline's error)} of the last one.
     """
     q, k, v, score_mod = build(leaves)
     B, Hq, L, _ = q.shape
@@ -103,7 +105,7 @@ def check_flash_rule(
             t.grad = None
         q, k, v, score_mod = build(leaves)
         result = flex_attention(
-            q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa,
+            q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa, kernel_options=options,
             return_aux=AuxRequest(lse=True) if use_lse else None,
         )
         out, lse = (result[0], result[1].lse) if use_lse else (result, None)

@@ -33,7 +33,7 @@ import triton.language as tl
 
 @triton.jit
 def score_mod_backward(qk, grad, off_z, off_hq, q_idx, kv_idx, grad_keep, ACCUMULATE: tl.constexpr, Q_AXIS: tl.constexpr,
-                       {%- for p in params %} {{ p }},{% endfor %}):
+                       DETERMINISTIC: tl.constexpr, {%- for p in params %} {{ p }},{% endfor %}):
 {{ body | indent(4, first=True) }}
     if ACCUMULATE:
 {{ accumulate | indent(8, first=True) }}
@@ -44,7 +44,7 @@ def score_mod_backward(qk, grad, off_z, off_hq, q_idx, kv_idx, grad_keep, ACCUMU
 def grad_kernel(
     dscore_ptr, qk_ptr, grad_ptr, keep_ptr, b, h, q_start, kv_start,
     {%- for p in params %} {{ p }},{% endfor %}
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_AXIS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_AXIS: tl.constexpr, DETERMINISTIC: tl.constexpr = False,
 ):
     off_z = tl.full([], b, tl.int32)
     off_hq = tl.full([], h, tl.int32)
@@ -62,7 +62,7 @@ def grad_kernel(
     qk = tl.load(qk_ptr + tile)
     grad = tl.load(grad_ptr + tile)
     grad_keep = tl.load(keep_ptr + tile) != 0
-    dscore = score_mod_backward(qk, grad, off_z, off_hq, q_idx, kv_idx, grad_keep, True, Q_AXIS,
+    dscore = score_mod_backward(qk, grad, off_z, off_hq, q_idx, kv_idx, grad_keep, True, Q_AXIS, DETERMINISTIC,
                                 {%- for p in params %} {{ p }},{% endfor %})
     tl.store(dscore_ptr + tile, tl.broadcast_to(dscore, tile.shape))
 """
@@ -77,8 +77,10 @@ def render(lowered: LoweredScoreGrad) -> str:
     )  # fmt: skip
 
 
-def run_lowered(build, tensors, *, b, h, q_start, kv_start, qk, grad, keep, q_axis, bounds=None, **options):
-    """d score and the learnable tensors' gradients, from the lowered gradient in a Triton kernel."""
+def run_lowered(build, tensors, *, b, h, q_start, kv_start, qk, grad, keep, q_axis, bounds=None, deterministic=False,
+                **options):
+    """d score and the learnable tensors' gradients, from the lowered gradient in a Triton kernel
+    (``deterministic``: the deterministic backward's accumulation, a tile sum per element)."""
     if not INTERPRETED:
         pytest.skip("needs a process started with TRITON_INTERPRET=1")
     traced, captured = trace_mod(build(tensors), "score_mod")
@@ -90,7 +92,7 @@ def run_lowered(build, tensors, *, b, h, q_start, kv_start, qk, grad, keep, q_ax
     buffers = {i: torch.zeros(captured[i].shape, dtype=torch.float32) for i in lowered.trainable}
     extra = [x for t in captured for x in (t, *t.stride())] + [buffers[i] for i in lowered.trainable]
     kernel[(1,)](dscore, qk, grad, keep.to(torch.int8), b, h, q_start, kv_start, *extra,
-                 BLOCK_M=M, BLOCK_N=N, Q_AXIS=q_axis)  # fmt: skip
+                 BLOCK_M=M, BLOCK_N=N, Q_AXIS=q_axis, DETERMINISTIC=deterministic)  # fmt: skip
     # Named as in ``tensors`` (the traced names say where the tensor was found: "t_slopes").
     names = {next(k for k, v in tensors.items() if v is captured[i]): buffers[i] for i in lowered.trainable}
     return dscore, names, lowered
@@ -162,7 +164,7 @@ def test_alibi_learnable_slopes(one_thread):
 
     lowered = check(build, {"slopes": learnable(4)})
     assert lowered.kernel_params[-1] == "sm_t_slopes_grad_ptr" and lowered.trainable == (0,)
-    assert lowered.accumulate[0].endswith(", 0, Q_AXIS)"), lowered.accumulate  # one atomic per tile
+    assert lowered.accumulate[0].endswith(", 0, Q_AXIS, DETERMINISTIC)"), lowered.accumulate  # one atomic per tile
 
 
 def test_relative_bias_per_element(one_thread):
@@ -199,8 +201,32 @@ def test_per_query_and_per_key_tables(one_thread):
         return mod
 
     lowered = check(build, {"tq": learnable(32), "tk": learnable(40)})
-    depends = sorted(line.rsplit(", ", 2)[1] for line in lowered.accumulate)
+    depends = sorted(line.rsplit(", ", 3)[1] for line in lowered.accumulate)
     assert depends == ["1", "2"], lowered.accumulate
+
+
+def _deterministic_cases():
+    """Address patterns for the deterministic accumulation: one element, per query and per key with
+    two rows (columns) meeting at an element, per pair with many meeting, a few buckets."""
+    dist = torch.randint(0, 10, (19, 40), dtype=torch.int32)
+    return {
+        "per_head": (lambda t: lambda score, b, h, q_idx, kv_idx: score + t["w"][h] * (kv_idx - q_idx),
+                     {"w": learnable(4)}),
+        "halved_rows": (lambda t: lambda score, b, h, q_idx, kv_idx: score * t["tq"][q_idx // 2] + t["tk"][kv_idx // 3],
+                        {"tq": learnable(16), "tk": learnable(14)}),
+        "relative": (lambda t: lambda score, b, h, q_idx, kv_idx: score + t["bias"][h, q_idx - kv_idx + 40],
+                     {"bias": learnable(4, 80)}),
+        "buckets": (lambda t: lambda score, b, h, q_idx, kv_idx: score + t["bias"][t["dist"][q_idx, kv_idx]],
+                    {"bias": learnable(10), "dist": dist}),
+    }
+
+
+@pytest.mark.parametrize("case", ["per_head", "halved_rows", "relative", "buckets"])
+def test_deterministic_accumulation(one_thread, case):
+    # The deterministic backward sums a tile per distinct element (no two atomics of one instruction
+    # meet); the gradients are the same sums.
+    build, tensors = _deterministic_cases()[case]
+    check(build, tensors, bounds="any", deterministic=True)
 
 
 def test_soft_cap_exact(one_thread):
@@ -370,7 +396,8 @@ def test_same_source_for_same_graph():
     assert lower_score_grad(traced, prefix="p_").kernel_params == forward.kernel_params + ("p_slopes_grad_ptr",)
     # Every name the lines and the accumulate calls use is a kernel name, a temporary or a parameter.
     names = set(re.findall(r"\b[A-Za-z_]\w*\b", " ".join(first.lines + first.accumulate + (first.result,))))
-    allowed = {"tl", "qk", "grad", "grad_keep", "off_z", "off_hq", "q_idx", "kv_idx", "Q_AXIS", "to", "where",
+    allowed = {"tl", "qk", "grad", "grad_keep", "off_z", "off_hq", "q_idx", "kv_idx", "Q_AXIS", "DETERMINISTIC", "to",
+               "where",
                "float32", "int64", "int32", "full", "precise_tanh", "accumulate_captured_grad"}  # fmt: skip
     assert {n for n in names if not n.startswith("sm_")} <= allowed, names
 

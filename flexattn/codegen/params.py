@@ -195,13 +195,15 @@ BACKWARD_PREPROCESS = KernelParams("flex_attention_backward_preprocess", [
     _constexprs("V_HEAD_DIM", "V_HEAD_DIM_P2", "BLOCK_M", "HAS_DLSE"),
 ], doc="DELTA = rowsum(DO * O) - dLSE")
 
-_BACKWARD_FLAGS = _constexprs("INPUT_PRECISION", "NUM_STAGES", "UPCAST_DOTS", "USE_TMA")
+_BACKWARD_FLAGS = _constexprs("INPUT_PRECISION", "NUM_STAGES", "UPCAST_DOTS", "USE_TMA", "DETERMINISTIC")
 
 BACKWARD_DKDV = KernelParams("flex_attention_backward_dkdv", [
     _tensors("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV"),
     _tensors("Q_NUM_BLKS", "Q_IDX", "FULL_Q_NUM_BLKS", "FULL_Q_IDX", doc="the transposed tables"),
     _strides(q="zhmd", k="zhnd", v="zhnd", do="zhmd"),
     _strides(dk="zhnd", dv="zhnd"),
+    _tensors("GRAD_TURNS", doc="DETERMINISTIC: each gradient slot's finished programs (int32)"),
+    _scalars("GRAD_SLOTS", "GRAD_SLOT_STRIDE", doc="DETERMINISTIC: the slots of each gradient buffer, their stride"),
     _scalars("SPARSE_COLS", "IDX_ROWS", "FULL_IDX_ROWS"),
     _scalars("Q_LEN", "KV_LEN", "SM_SCALE"),
     _MODS,
@@ -324,7 +326,7 @@ BACKWARD_HELPERS = _by_name(
            doc="a sparse block's keys, walked BLOCK_N at a time; EVEN_*: no tile crosses a length"),
     _HELPER_HEAD_DIMS,
     _HELPER_MOD_FLAGS,
-    _flags("loads", "INPUT_PRECISION", "NUM_STAGES", "UPCAST_DOTS", "USE_TMA"),
+    _flags("loads", "INPUT_PRECISION", "NUM_STAGES", "UPCAST_DOTS", "USE_TMA", "DETERMINISTIC"),
 )
 
 DECODE_HELPERS = _by_name(

@@ -10,7 +10,10 @@ A plan holds three steps:
 
 Every output row is written by exactly one program, so there are no atomics on dQ, dK or dV and
 the result does not depend on scheduling. Gradients of captured tensors (a learnable bias) are
-added with float32 atomics by the dK/dV kernel only, at the addresses the mod read.
+added with float32 atomics by the dK/dV kernel only, at the addresses the mod read; in the
+deterministic backward (``torch.use_deterministic_algorithms(True)`` or kernel option
+``DETERMINISTIC``) each program adds into its own slot, in a fixed order, and the slots are summed
+here (see [Note] Deterministic gradients in templates/backward.py.jinja).
 
 The transposed tables are derived from the forward's checked tables (kernels/tables.py; never
 taken from the mask's own ``q_indices``, which a hand-built mask could let disagree with
@@ -19,6 +22,7 @@ taken from the mask's own ``q_indices``, which a hand-built mask could let disag
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Optional
@@ -31,6 +35,7 @@ from ..errors import ResourceError
 from ..lowering import index_bounds, lower_score_grad
 from ..masks import BlockMask
 from ..masks.layout import cdiv
+from ..options import deterministic as requested_determinism
 from ..trace import TracedMod
 from .configs import (
     BACKWARD_TILE_KEYS, BackwardConfig, backward_pinned, backward_shared_memory_bytes, fit_backward,
@@ -83,6 +88,7 @@ class BackwardKernel(KernelFamily):
         dv come back in float32, unrounded, for a caller that sums several partial dK/dV of one key
         (context parallelism: rounding each part to bf16 would double the error)."""
         global launches
+        deterministic = requested_determinism(options)
         tables = launch_tables(block_mask)
         bwd_tables = backward_tables(block_mask)
         key = (
@@ -90,11 +96,12 @@ class BackwardKernel(KernelFamily):
             q.dtype, q.device, block_mask.BLOCK_SIZE, tables.plan_key, scale > 0, grad_lse is not None,
             tuple(sorted(options.items())) if options else (),
             torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None, float32_kv_grads,
+            deterministic,
         )
 
         def make_plan() -> Plan:
             return self._plan(q, k, v, grad_out, grad_lse is not None, block_mask, tables, scale, score_captured,
-                              mask_captured, options)
+                              mask_captured, options, deterministic)
 
         def for_call(plan: Plan) -> Plan:
             if plan.constexprs("dkdv")["USE_TMA"] and (q.data_ptr() | k.data_ptr() | v.data_ptr()
@@ -129,7 +136,18 @@ class BackwardKernel(KernelFamily):
 
         # -- captured tensors and their gradient buffers ----
         trainable = plan.compiled.spec.score_grad.trainable if plan.compiled.spec.score_grad else ()
-        grad_buffers = [torch.zeros(score_captured[i].shape, dtype=torch.float32, device=q.device) for i in trainable]
+        dkdv = plan.steps["dkdv"]
+        if plan.constexprs("dkdv")["DETERMINISTIC"] and trainable:
+            stride = max(score_captured[i].numel() for i in trainable)  # one slot holds the largest
+            slots = gradient_slots(math.prod(dkdv.grid), stride, q.device)
+            grad_slots = [torch.zeros((slots, stride), dtype=torch.float32, device=q.device) for _ in trainable]
+            grad_buffers = grad_slots
+            turns = torch.zeros(slots, dtype=torch.int32, device=q.device)
+        else:
+            grad_slots, slots, stride = None, 1, 0
+            grad_buffers = [torch.zeros(score_captured[i].shape, dtype=torch.float32, device=q.device)
+                            for i in trainable]
+            turns = delta  # not read
         mods = mod_launch_args(score_captured) + grad_buffers + mod_launch_args(mask_captured)
 
         k_strides, v_strides = kv_strides(k, v, B)
@@ -145,14 +163,13 @@ class BackwardKernel(KernelFamily):
         dq = empty_output(q.shape, q.dtype, q.device)
         lse = lse.contiguous()
 
-        dkdv = plan.steps["dkdv"]
         qn, qi, fqn, fqi = (bwd_tables.q_num_blocks, bwd_tables.q_indices, bwd_tables.full_q_num_blocks,
                             bwd_tables.full_q_indices)
         dkdv_kernel = launch(module.kernel(BACKWARD_DKDV), dkdv.grid, BACKWARD_DKDV.pack(
             Q=q, K=k, V=v, DO=grad_out, LSE=lse, DELTA=delta, DK=dk, DV=dv,
             Q_NUM_BLKS=qn, Q_IDX=qi, FULL_Q_NUM_BLKS=fqn, FULL_Q_IDX=fqi,
             stride_q=q.stride(), stride_k=k_strides, stride_v=v_strides, stride_do=grad_out.stride(),
-            stride_dk=dk.stride(), stride_dv=dv.stride(),
+            stride_dk=dk.stride(), stride_dv=dv.stride(), GRAD_TURNS=turns, GRAD_SLOTS=slots, GRAD_SLOT_STRIDE=stride,
             SPARSE_COLS=qn.shape[2], IDX_ROWS=qi.shape[3], FULL_IDX_ROWS=fqi.shape[3],
             Q_LEN=L, KV_LEN=S, SM_SCALE=scale, mods=mods,
         ), dkdv.constexprs)
@@ -170,13 +187,16 @@ class BackwardKernel(KernelFamily):
         if broadcast_kv:
             dk = dk.sum(0, keepdim=True).to(kv_grad_dtype)
             dv = dv.sum(0, keepdim=True).to(kv_grad_dtype)
+        if grad_slots is not None:  # summed in slot order, the same every run
+            grad_buffers = [buf[:, :score_captured[i].numel()].sum(0).view(score_captured[i].shape)
+                            for i, buf in zip(trainable, grad_slots)]
         captured_grads: list = [None] * len(score_captured)
         for i, buf in zip(trainable, grad_buffers):
             captured_grads[i] = buf.to(score_captured[i].dtype)
         return (dq, dk, dv, captured_grads), {"dkdv": dkdv_kernel, "dq": dq_kernel}
 
     def _plan(self, q, k, v, grad_out, has_dlse, block_mask, tables, scale, score_captured, mask_captured,
-              options) -> Plan:
+              options, deterministic: bool = False) -> Plan:
         B, Hq, L, E = q.shape
         Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
         sparse_q, sparse_kv = block_mask.BLOCK_SIZE
@@ -203,7 +223,7 @@ class BackwardKernel(KernelFamily):
             HAS_PARTIAL_BLOCKS=self.mask is not None, HAS_FULL_BLOCKS=tables.has_full,
             INPUT_PRECISION=input_precision(q.dtype),
             UPCAST_DOTS=q.dtype == torch.bfloat16 and interpreter_enabled(),
-            USE_TMA=use_tma,
+            USE_TMA=use_tma, DETERMINISTIC=deterministic,
         )
         # Each kernel checks bounds along its own tile (EVEN_* of its tile) and along the sparse
         # blocks it walks (whole blocks: EVEN_* of the BlockMask's block).
@@ -306,6 +326,20 @@ class BackwardKernel(KernelFamily):
         best = min(timings, key=lambda t: t[0])[1] if timings else default
         tuned_configs.put_entry(key, dict(best.__dict__))
         return best
+
+
+# Gradient slots of the deterministic backward: one per program when they fit this many bytes (per
+# learnable tensor), else fewer, reused in turn; never fewer than four per multiprocessor, so that a
+# program seldom waits for its slot's previous owner.
+SLOT_BYTES = 256 << 20
+
+
+def gradient_slots(programs: int, numel: int, device: torch.device) -> int:
+    """How many slots of ``numel`` float32 elements the deterministic dK/dV kernel gets."""
+    if device.type != "cuda" or interpreter_enabled():
+        return programs  # the interpreter runs programs one after another in its own order: no waiting
+    floor = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(programs, max(SLOT_BYTES // (4 * numel), floor)))
 
 
 _kernels: "OrderedDict[tuple, BackwardKernel]" = OrderedDict()  # see [Note] Cache keys in kernels/family.py

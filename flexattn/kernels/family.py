@@ -45,6 +45,7 @@ from ..codegen.params import KernelParams
 from ..errors import BackendUnavailableError, ResourceError
 from ..lowering import LoweredMod, lower, lowering_variants
 from ..masks.layout import cdiv
+from ..options import deterministic as requested_determinism
 from ..trace import TracedMod
 from .launch import interpreter_enabled, is_out_of_resources, shared_bytes, spilled_bytes
 
@@ -208,10 +209,12 @@ class KernelFamily:
         so at the first launch; the family's smaller plan is then kept for this problem and the
         launch runs again from fresh buffers, and only when no tile fits does the user see an
         error, ours. The replan rule ([Note] Tiles the compiler made costly) only learns from a
-        call that ran the plan itself."""
+        call that ran the plan itself; a deterministic call (options.deterministic) runs again until
+        its plan has settled, so that its first result has the same bits as every later one's."""
         plan = self._plans.get(key)
         if plan is None:
             plan = self._remember_plan(key, make_plan())
+        settle = requested_determinism(options)
         while True:
             used = for_call(plan)
             try:
@@ -226,7 +229,10 @@ class KernelFamily:
                 continue
             self.last_plan = used
             if plan.check_compiled and used is plan:
-                self._plans[key] = self._plan_after_compile(plan, kernels)
+                self._plans[key] = after = self._plan_after_compile(plan, kernels)
+                if settle and after.check_compiled:  # other tiles: their sums run in another order
+                    plan = after
+                    continue
             return result
 
     def _remember_plan(self, key: tuple, plan: Plan) -> Plan:

@@ -87,6 +87,11 @@ class LoweredScoreGrad:
     def body(self) -> str:
         return "\n".join(self.lines)
 
+    @property
+    def grad_params(self) -> tuple[str, ...]:
+        """The gradient buffers' pointer parameters, one per ``trainable`` (the last of ``kernel_params``)."""
+        return self.kernel_params[len(self.kernel_params) - len(self.trainable):]
+
 
 # -- the joint graph -------------------------------------------------------------------------------
 
@@ -452,12 +457,16 @@ class _GradEmitter(_Emitter):
         accumulate = []
         for (ptr, offset, keep, depends), values in grouped.items():
             total = " + ".join(f"({v})" if len(values) > 1 else v for v in values)
-            if depends == DEPENDS_ALL and offset is not None:
-                # See [Note] Few addresses in mod_helpers.py.jinja: the offset goes apart from the base.
-                accumulate.append(f"accumulate_captured_grad_pairs({ptr}, {offset}, {total}, {keep})")
+            # The offset goes apart from the base: see [Note] Few addresses in mod_helpers.py.jinja.
+            # DETERMINISTIC is score_mod_backward's (the deterministic backward).
+            if offset is None:  # the first element, whatever the pair: the tile sums to one atomic
+                accumulate.append(f"accumulate_captured_grad({ptr}, 0, {total}, {keep}, {DEPENDS_NONE}, Q_AXIS, "
+                                  "DETERMINISTIC)")
+            elif depends == DEPENDS_ALL:
+                accumulate.append(f"accumulate_captured_grad_pairs({ptr}, {offset}, {total}, {keep}, DETERMINISTIC)")
             else:
-                address = ptr if offset is None else f"{ptr} + ({offset})"
-                accumulate.append(f"accumulate_captured_grad({address}, {total}, {keep}, {depends}, Q_AXIS)")
+                accumulate.append(f"accumulate_captured_grad({ptr}, {offset}, {total}, {keep}, {depends}, Q_AXIS, "
+                                  "DETERMINISTIC)")
         accumulate = tuple(accumulate)
         params = [p for i in range(len(self.traced.captured)) for p in self.params(i)]
         params += [self.grad_param(i) for i in trainable]
