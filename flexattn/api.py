@@ -237,7 +237,8 @@ def flex_attention(
         enable_gqa: allow Hq to be a multiple of Hkv (query head h reads key/value head h // (Hq / Hkv)).
         return_lse: deprecated (as in torch); use ``return_aux=AuxRequest(lse=True)``.
         kernel_options: ``FlexKernelOptions``; ``{"BACKEND": "PYTORCH"}`` forces the blockwise PyTorch path,
-            ``{"BACKEND": "TRITON_DECODE"}`` the split-KV decode kernels (short queries, inference).
+            ``{"BACKEND": "TRITON_DECODE"}`` the split-KV decode kernels (short queries, inference),
+            ``{"BACKEND": "GLUON"}`` the Hopper Gluon forward, ``{"BACKEND": "TRITON"}`` the portable one.
         return_aux: ``AuxRequest(lse=..., max_scores=...)`` (flexattn's or torch's) returns
             ``(out, AuxOutput)``.
 

@@ -2,7 +2,9 @@
 and backward of each backend.
 
 Backends:
-- TRITON: the generated FlashAttention-2 kernels (CUDA; CPU under ``TRITON_INTERPRET=1``).
+- TRITON: the generated FlashAttention-2 kernels (CUDA; CPU under ``TRITON_INTERPRET=1``). Its
+  forward runs the Hopper Gluon kernel (kernels/sm90.py) where that applies, unless
+  ``BACKEND='TRITON'`` was given explicitly; ``BACKEND='GLUON'`` pins it (see run_forward).
 - TRITON_DECODE: the generated split-KV decode kernels for short queries at inference; chosen by
   AUTO on CUDA for queries of up to ``MAX_AUTO_QUERY_LEN`` rows (see choose_decode).
 - PYTORCH: the blockwise online-softmax path in plain PyTorch (any device, forward and backward).
@@ -23,7 +25,8 @@ from .blockwise import Q_TILE_MAX, TILE_ELEMENTS, blockwise_backward, blockwise_
 from .codegen import debug_enabled
 from .errors import BackendUnavailableError, InvalidInputError
 from .kernels import (
-    MAX_AUTO_QUERY_LEN, backward_kernel, decode_kernel, forward_kernel, interpreter_enabled, unsupported_reason,
+    MAX_AUTO_QUERY_LEN, Sm90Unavailable, backward_kernel, decode_kernel, forward_kernel, interpreter_enabled,
+    sm90_auto_reason, sm90_forward_kernel, unsupported_reason,
 )
 from .masks import BlockMask
 from .options import resolve_backend_name
@@ -53,6 +56,14 @@ def pick_backend(query: torch.Tensor, options: dict) -> str:
     if backend == "AUTO":
         # float64 has no tensor-core path: it runs on the blockwise PyTorch backend, like CPU tensors.
         return "TRITON" if query.is_cuda and query.dtype != torch.float64 else "PYTORCH"
+    if backend == "GLUON":
+        # The Gluon kernel is a forward: the call is a Triton one whose forward run_forward pins to it.
+        if not query.is_cuda:
+            raise BackendUnavailableError(
+                f"kernel_options={{'BACKEND': 'GLUON'}} runs on CUDA (Hopper) GPUs, got {query.device} tensors "
+                "(Triton's interpreter cannot run Gluon kernels); use BACKEND='TRITON' or 'PYTORCH'"
+            )
+        backend = "TRITON"
     if backend == "TRITON_DECODE" and options.get("FORCE_USE_FLEX_ATTENTION"):
         raise InvalidInputError(
             "kernel_options BACKEND='TRITON_DECODE' and FORCE_USE_FLEX_ATTENTION=True contradict each other "
@@ -115,7 +126,7 @@ _DEBUG = debug_enabled()
 
 # What a step of a plan is called in the report, and the constexprs it shows.
 _STEP_NAMES = {"forward": "", "dkdv": "dK/dV ", "dq": "dQ ", "partial": "", "merge": "merge "}
-_SHOWN = ("BLOCK_M", "BLOCK_N", "NUM_SPLITS", "num_warps", "num_stages")
+_SHOWN = ("BLOCK_M", "BLOCK_N", "NUM_SPLITS", "STAGES", "num_warps", "num_stages")
 
 
 def _kernel_plan(plan) -> str:
@@ -165,13 +176,18 @@ def run_forward(call: Call, q, k, v, score_captured, need_lse, need_max):
             _debug_report("forward", call, q, k, v, _kernel_plan(kernel.last_plan))
         return out, lse, None
     if call.backend == "TRITON":
+        gluon_note = ""
+        if q.is_cuda and call.options.get("BACKEND") != "TRITON":
+            result, gluon_note = _sm90_forward(call, q, k, v, score_captured, need_lse, need_max)
+            if result is not None:
+                return result
         kernel = forward_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
         result = kernel(
             q, k, v, call.block_mask, call.scale, score_captured, call.mask_captured,
             need_lse=need_lse, need_max=need_max, options=call.options,
         )
         if _DEBUG:
-            _debug_report("forward", call, q, k, v, _kernel_plan(kernel.last_plan))
+            _debug_report("forward", call, q, k, v, gluon_note + _kernel_plan(kernel.last_plan))
         return result
     if _DEBUG:
         _debug_report("forward", call, q, k, v, _blockwise_plan(call))
@@ -181,6 +197,38 @@ def run_forward(call: Call, q, k, v, score_captured, need_lse, need_max):
         call.mask.graph_module_on(q.device) if call.mask else None, call.mask_captured,
         need_max=need_max, index_dtype=call.index_dtype,
     )
+
+
+# Options that tune the portable forward's launch: a call that sets one means that kernel.
+_PORTABLE_TUNING = frozenset({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "AUTOTUNE", "USE_TMA",
+                              "HOST_DESCRIPTORS", "WARP_SPECIALIZE"})
+
+
+def _sm90_forward(call: Call, q, k, v, score_captured, need_lse, need_max):
+    """``(result or None, note)``: the Hopper Gluon forward's result where it applies; else None and,
+    for the debug report, why not. With ``BACKEND='GLUON'`` the reason is an error instead. Its
+    out and LSE are the portable forward's (same conventions), so the Triton backward follows."""
+    pinned = call.options.get("BACKEND") == "GLUON"
+    tuning = sorted(_PORTABLE_TUNING & call.options.keys())
+    if tuning and not pinned:
+        return None, f"not GLUON (kernel_options {', '.join(tuning)} tune the portable forward); "
+    kernel = sm90_forward_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
+    reason = kernel.unsupported_reason(q, k, v, call.block_mask, need_max)
+    if reason is None and not pinned:
+        reason = sm90_auto_reason(q, call.block_mask, call.score is not None)
+    if reason is None:
+        try:
+            out, lse = kernel(q, k, v, call.block_mask, call.scale, score_captured, call.mask_captured,
+                              need_lse=need_lse)
+        except Sm90Unavailable as err:  # the mods' kernel did not compile: remembered, not retried
+            reason = str(err)
+        else:
+            if _DEBUG:
+                _debug_report("forward", call._replace(backend="GLUON"), q, k, v, _kernel_plan(kernel.last_plan))
+            return (out, lse, None), ""
+    if pinned:
+        raise InvalidInputError(f"kernel_options BACKEND='GLUON' cannot run this call: {reason}")
+    return None, f"not GLUON ({reason}); "
 
 
 def prepare_backward(call: Call, q, k) -> None:

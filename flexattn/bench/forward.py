@@ -11,6 +11,12 @@ where they express the variant; SDPA's memory-efficient kernel with a dense bool
 a mask expresses it). Times are medians of CUDA-event timings (triton.testing.do_bench); TFLOP/s use
 4 * B * H * L * S * D * density, with density the fraction of (query, key) blocks the BlockMask
 computes, the same count for every implementation.
+
+``--portable`` also times flexattn pinned to its portable Triton template (``BACKEND: "TRITON"``),
+beside the default choice (on Hopper, the Gluon kernels where they apply). ``--torch-flash`` also
+times torch's flex_attention with ``kernel_options={"BACKEND": "FLASH"}`` (FlashAttention-4 kernels
+generated from the same mods; needs the flash-attn-4 wheels, see ../shared/tools/flash4_wheels.sh);
+a failure is recorded in the row, not fatal.
 """
 
 from __future__ import annotations
@@ -32,6 +38,15 @@ PAPER_VARIANTS = [name for name, variant in CATALOGUE.items() if variant.paper]
 SEQ_LEN = 16384
 
 
+def flexattn_path(call) -> str:
+    """Which flexattn forward kernel ``call()`` runs: "gluon" (kernels/sm90.py) or "portable"."""
+    from flexattn.kernels import sm90
+
+    before = sm90.launches
+    call()
+    return "gluon" if sm90.launches > before else "portable"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=None, help="default 64 128")
@@ -40,6 +55,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=None, help=f"default {SEQ_LEN}")
     parser.add_argument("--heads", type=int, default=None, help="default 16")
     parser.add_argument("--no-torch-flex", action="store_true", help="skip torch.compile(flex_attention)")
+    parser.add_argument("--portable", action="store_true", help="also time flexattn's portable Triton template")
+    parser.add_argument("--torch-flash", action="store_true",
+                        help="also time torch's flex_attention with BACKEND FLASH (FlashAttention-4)")
     parser.add_argument("--out", default=None, help="write all numbers as JSON here")
     parser.add_argument("--kernel-options", default="{}", help="JSON FlexKernelOptions for flexattn")
     args = parser.parse_args(argv)
@@ -85,6 +103,14 @@ def main(argv=None) -> int:
             ours = lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, kernel_options=options)  # noqa: E731
             out = ours()
             row["flexattn_ms"] = bench(ours)
+            row["flexattn_path"] = flexattn_path(ours)
+            if args.portable:
+                portable = {**options, "BACKEND": "TRITON"}
+                pinned = lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,  # noqa: E731
+                                                         kernel_options=portable)
+                row["rel_err_portable_vs_default"] = (
+                    (pinned().float() - out.float()).norm() / out.float().norm()).item()
+                row["flexattn_portable_ms"] = bench(pinned)
 
             if not args.no_torch_flex:
                 tbm = torch_create_block_mask(mask_mod, None, None, L, S, device=device) if mask_mod else None
@@ -96,6 +122,16 @@ def main(argv=None) -> int:
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                 row["rel_err_vs_torch_flex"] = err
                 row["torch_flex_ms"] = bench(theirs)
+            if args.torch_flash:
+                tbm = torch_create_block_mask(mask_mod, None, None, L, S, device=device) if mask_mod else None
+                flash = lambda: torch_flex_compiled(q, k, v, score_mod=score_mod, block_mask=tbm,  # noqa: E731
+                                                    kernel_options={"BACKEND": "FLASH"})
+                try:
+                    ref = flash()
+                    row["rel_err_vs_torch_flash"] = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                    row["torch_flash_ms"] = bench(flash)
+                except Exception as err:  # no wheels, or a mod FLASH cannot take
+                    row["torch_flash_error"] = str(err).strip().splitlines()[0][:160]
             for backend in ("flash", "cudnn"):
                 fn = sdpa_fn(name, q, k, v, backend)
                 if fn is not None:
@@ -118,6 +154,8 @@ def main(argv=None) -> int:
                 row["speedup_vs_torch_flex"] = round(row["torch_flex_ms"] / row["flexattn_ms"], 3)
             if row.get("sdpa_cudnn_ms"):
                 row["ratio_vs_cudnn"] = round(row["sdpa_cudnn_ms"] / row["flexattn_ms"], 3)
+            if row.get("torch_flash_ms"):
+                row["ratio_vs_torch_flash"] = round(row["torch_flash_ms"] / row["flexattn_ms"], 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
             if args.out:  # write as we go: a crash later keeps the rows measured so far
@@ -127,15 +165,20 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
 
     print()
-    header = f"{'variant':<15}{'D':>4}{'dens':>6}{'ours ms':>9}{'TF/s':>7}{'torch ms':>9}{'TF/s':>7}{'x torch':>8}{'cudnn ms':>9}{'flash ms':>9}{'err':>9}"
-    print(header)
+    print("| variant | D | density | flexattn (path) TFLOP/s | portable | torch flex (Triton) | torch flex (FLASH) "
+          "| SDPA cuDNN | x torch Triton | x torch FLASH | x cuDNN |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(
-            f"{r['variant']:<15}{r['D']:>4}{r['density']:>6.2f}{r['flexattn_ms']:>9.2f}{r.get('flexattn_tflops', 0):>7.0f}"
-            f"{r.get('torch_flex_ms') or float('nan'):>9.2f}{r.get('torch_flex_tflops') or 0:>7.0f}"
-            f"{r.get('speedup_vs_torch_flex') or float('nan'):>8.2f}{r.get('sdpa_cudnn_ms') or float('nan'):>9.2f}"
-            f"{r.get('sdpa_flash_ms') or float('nan'):>9.2f}{r.get('rel_err_vs_torch_flex', float('nan')):>9.1e}"
-        )
+        def tf(key):
+            return f"{r[key]:.0f}" if r.get(key) else "-"
+
+        def ratio(key):
+            return f"{r[key] / r['flexattn_ms']:.2f}x" if r.get(key) else "-"
+
+        print(f"| {r['variant']} | {r['D']} | {r['density']:.3f} | {tf('flexattn_tflops')} ({r['flexattn_path']}) "
+              f"| {tf('flexattn_portable_tflops')} | {tf('torch_flex_tflops')} | {tf('torch_flash_tflops')} "
+              f"| {tf('sdpa_cudnn_tflops')} | {ratio('torch_flex_ms')} | {ratio('torch_flash_ms')} "
+              f"| {ratio('sdpa_cudnn_ms')} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"env": env, "rows": rows}, f, indent=1)

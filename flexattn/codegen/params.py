@@ -19,8 +19,8 @@ from typing import NamedTuple, Sequence
 
 __all__ = [
     "Group", "KernelParams", "mods_group", "FORWARD", "BACKWARD_PREPROCESS", "BACKWARD_DKDV", "BACKWARD_DQ",
-    "DECODE_PARTIAL", "DECODE_MERGE", "KERNELS", "FORWARD_HELPERS", "BACKWARD_HELPERS", "DECODE_HELPERS",
-    "TEMPLATE_GROUPS",
+    "DECODE_PARTIAL", "DECODE_MERGE", "SM90_FORWARD", "KERNELS", "FORWARD_HELPERS", "BACKWARD_HELPERS",
+    "DECODE_HELPERS", "SM90_FORWARD_HELPERS", "TEMPLATE_GROUPS",
 ]
 
 
@@ -254,10 +254,27 @@ DECODE_MERGE = KernelParams("flex_attention_decode_merge", [
                 "D_CHUNKS", "OUTPUT_LSE"),
 ], doc="combines the splits of the partial kernel")
 
+SM90_FORWARD = KernelParams("flex_attention_forward_sm90", [
+    _tensors("Q", "K", "V", "OUT", doc="2-D tensor descriptors over each tensor's storage ([Note] 2-D views)"),
+    _tensors("LSE"),
+    _tensors("KV_NUM_BLKS", "KV_IDX", "FULL_KV_NUM_BLKS", "FULL_KV_IDX", doc="the BlockMask's forward tables"),
+    _scalars("row_qz", "row_qh", "col_qh", "row_kz", "row_kh", "col_kh", "row_vz", "row_vh", "col_vh",
+             doc="where a (batch, head)'s rows start in each descriptor: rows per batch and head, columns per head"),
+    _scalars("SPARSE_ROWS", "IDX_COLS", "FULL_IDX_COLS", doc="the tables' rows and widths"),
+    _scalars("Q_LEN", "SM_SCALE"),
+    _MODS,
+    _SPARSE_LAYOUT,
+    _constexprs("HEAD_DIM", "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "STAGES",
+                "CONSUMER_REGS"),
+    _MOD_FLAGS,
+    _constexprs("OUTPUT_LSE"),
+], doc="Hopper, Gluon: one program per 128 queries of one query head, a loader warp and two consumer warpgroups")
+
 KERNELS = {
     "forward": (FORWARD,),
     "backward": (BACKWARD_PREPROCESS, BACKWARD_DKDV, BACKWARD_DQ),
     "decode": (DECODE_PARTIAL, DECODE_MERGE),
+    "sm90_forward": (SM90_FORWARD,),
 }
 
 
@@ -345,6 +362,21 @@ DECODE_HELPERS = _by_name(
     _flags("output_dims", "NUM_HEADS_Q", "QUERY_LEN", "V_HEAD_DIM", doc="OUT's heads, queries and head dim"),
 )
 
+# The sm90 kernel's partitions: gl.warp_specialize hands each one a tuple, so every group, the
+# constexprs too, is passed by position (a constexpr value stays one through the call).
+SM90_FORWARD_HELPERS = _by_name(
+    _values("ring", "q_bufs", "k_smem", "v_smem", "q_bar", "k_ready", "v_ready", "k_empty", "v_empty",
+            doc="the shared-memory buffers and the mbarriers of the Q buffers and the K/V ring"),
+    _values("views", "Q", "K", "V", "OUT", "LSE", "row_qz", "row_qh", "col_qh", "row_kz", "row_kh", "col_kh",
+            "row_vz", "row_vh", "col_vh", doc="the descriptors and where a (batch, head) starts in them"),
+    _values("tables", "off_z", "off_hq", "off_hkv", "start_m", "num_partial", "num_full", "partial_idx", "full_idx",
+            doc="the program's batch, heads and query block, and its row of the block tables"),
+    _values("mod_flags", "SM_SCALE", "HAS_SCORE_MOD", "SCALE_FIRST", "HAS_PARTIAL_BLOCKS", "SPARSE_KV_BLOCK_SIZE",
+            doc="the scale, which mods run, and the key block size the mods' kv_idx is counted in"),
+    _values("shape", "Q_LEN", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "STAGES", "OUTPUT_LSE",
+            doc="the query length, the tiles, the ring's depth, whether the LSE is written"),
+)
+
 # What codegen.render hands each family's template besides the mods: its kernels' declarations, by
 # their names above, and its helpers' groups.
 TEMPLATE_GROUPS = {
@@ -352,4 +384,5 @@ TEMPLATE_GROUPS = {
     "backward": dict(BACKWARD_PREPROCESS=BACKWARD_PREPROCESS, BACKWARD_DKDV=BACKWARD_DKDV, BACKWARD_DQ=BACKWARD_DQ,
                      **BACKWARD_HELPERS),
     "decode": dict(DECODE_PARTIAL=DECODE_PARTIAL, DECODE_MERGE=DECODE_MERGE, **DECODE_HELPERS),
+    "sm90_forward": dict(SM90_FORWARD=SM90_FORWARD, **SM90_FORWARD_HELPERS),
 }

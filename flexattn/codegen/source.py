@@ -38,6 +38,25 @@ _environment = jinja2.Environment(
 )
 
 
+# [Note] Gluon spelling. The mods' lowered lines are written for Triton's language; the Gluon
+# template calls them from @gluon.jit code, where Triton 3.6 compiles them with Gluon's semantics.
+# Two of the calls the lowering writes need a layout there: tl.full gets the template's full_auto
+# (Gluon's full with the layout left to the compiler) and tl.zeros_like Gluon's own, which takes
+# its argument's layout. Anything else Gluon lacks fails to compile, and the call runs the
+# portable forward (kernels/sm90.py).
+_GLUON_SPELLING = (("tl.full(", "full_auto("), ("tl.zeros_like(", "gl.zeros_like("))
+
+
+def gluon_spelling(text: str) -> str:
+    """Lowered Triton text as the Gluon template calls it (see [Note] Gluon spelling)."""
+    for triton_name, gluon_name in _GLUON_SPELLING:
+        text = text.replace(triton_name, gluon_name)
+    return text
+
+
+_environment.filters["gluon_spelling"] = gluon_spelling
+
+
 def debug_enabled() -> bool:
     return os.environ.get("FLEXATTN_DEBUG", "0") not in ("", "0")
 
@@ -59,6 +78,7 @@ FAMILIES = {
     "forward": ("forward.py.jinja", "flex_attention_forward", "fwd"),
     "backward": ("backward.py.jinja", "flex_attention_backward", "bwd"),
     "decode": ("decode.py.jinja", "flex_attention_decode", "dec"),
+    "sm90_forward": ("forward_sm90.py.jinja", "flex_attention_forward_sm90", "sm90"),
 }
 
 

@@ -5,15 +5,19 @@ codegen -> kernels).
 ``configs`` (tiles, warps and stages per GPU, autotuning's store) and ``tables`` (what the kernels
 read from a BlockMask) stand on it; ``family`` is what every kernel family shares (compiled
 sources, plans, the launch loop with its resource fallback and replan rule); ``forward``,
-``backward`` and ``decode`` hold only what is their own.
+``backward`` and ``decode`` hold only what is their own; ``sm90`` is the Hopper forward in Gluon,
+taken where it applies.
 """
 
 from .backward import BackwardKernel, backward_kernel
 from .decode import MAX_AUTO_QUERY_LEN, DecodeKernel, decode_kernel, unsupported_reason
 from .forward import ForwardKernel, forward_kernel
 from .launch import interpreter_enabled
+from .sm90 import Sm90ForwardKernel, Sm90Unavailable, sm90_forward_kernel
+from .sm90 import auto_reason as sm90_auto_reason
 
 __all__ = [
     "BackwardKernel", "backward_kernel", "DecodeKernel", "decode_kernel", "MAX_AUTO_QUERY_LEN", "unsupported_reason",
-    "ForwardKernel", "forward_kernel", "interpreter_enabled",
+    "ForwardKernel", "forward_kernel", "interpreter_enabled", "Sm90ForwardKernel", "Sm90Unavailable",
+    "sm90_forward_kernel", "sm90_auto_reason",
 ]

@@ -1,0 +1,272 @@
+"""The Hopper (sm90) forward family: one Gluon kernel per pair of traced mods
+(templates/forward_sm90.py.jinja), its launch plans and its launches.
+
+A warp-specialised FlashAttention forward (a loader warp feeding two consumer warpgroups through an
+mbarrier ring, as FlashAttention-3 does) that walks the BlockMask's forward tables as the portable
+forward does and writes the same output and LSE, so the portable Triton backward runs after it
+unchanged. It covers the common case only; :func:`problem_reason` and
+``Sm90ForwardKernel.unsupported_reason`` say why a call is outside it, and dispatch.py then runs
+the portable forward (or raises, when ``BACKEND='GLUON'`` pinned this one).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from typing import NamedTuple, Optional
+
+import torch
+
+from ..codegen.params import SM90_FORWARD
+from ..errors import BackendUnavailableError
+from ..lowering import index_bounds, lowering_variants
+from ..trace import TracedMod
+from .family import KernelFamily, Plan, Step, cached_kernel
+from .launch import empty_output, interpreter_enabled, kv_strides, mod_launch_args
+from .tables import launch_tables
+
+__all__ = ["Sm90ForwardKernel", "Sm90Unavailable", "sm90_forward_kernel", "problem_reason",
+           "device_reason", "shape_reason", "auto_reason", "GLUON_TRITON_VERSIONS", "launches"]
+
+# The Triton releases whose Gluon API (warp_specialize's signature, the Hopper copy and mbarrier
+# ops, calls from @gluon.jit into @triton.jit hooks) this kernel was compiled and checked on.
+GLUON_TRITON_VERSIONS = ("3.6",)
+BLOCK = 128  # query rows per program and keys per tile: the BlockMask's block on both sides
+HEAD_DIMS = (64, 128)
+# The K/V ring's depth: Q (2 x 64 rows) plus STAGES K and V tiles fit in 228 KB of shared memory.
+STAGES = {64: 3, 128: 2}
+CONSUMER_REGS = 240  # registers per thread of a consumer warpgroup (the loader warp keeps 24)
+launches = 0  # kernels launched by this family (tests check the Gluon path really ran)
+# AUTO's rule: at head dim 64 the portable forward is faster on rows that visit few key blocks (the
+# program's fixed cost, barriers and partitions, is paid over few tiles) and with a score_mod (its
+# arithmetic sits between the two matrix products, where a consumer warpgroup of 64 rows has no
+# slack). H100, Triton 3.6, bf16, B4 H16 16k tokens, TFLOP/s Gluon vs portable: sliding window (8.7
+# blocks a row) 337 vs 397, documents (4.8) 235 vs 303, ALiBi 322 vs 379, soft-cap 328 vs 356;
+# noop 472 vs 472, causal 470 vs 459, prefix LM 474 vs 454. At head dim 128 Gluon won all seven
+# paper variants: noop 681 vs 585, causal 630 vs 532, ALiBi 512 vs 454, soft-cap 506 vs 482,
+# sliding window 500 vs 402, prefix LM 627 vs 517, documents 379 vs 344 (docs/benchmarks.md).
+AUTO_MIN_BLOCKS_D64 = 16
+
+
+class Sm90Unavailable(BackendUnavailableError):
+    """This call cannot run on the sm90 kernel; the message says why (dispatch.py falls back)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+class View(NamedTuple):
+    """A tensor [B, H, N, D] as one 2-D descriptor (see [Note] 2-D views in the template): its
+    shape and row stride, and where (batch, head)'s rows start: rows per batch and per head,
+    columns per head."""
+
+    shape: tuple
+    row_stride: int
+    row_z: int
+    row_h: int
+    col_h: int
+
+
+def tensor_view(t: torch.Tensor, strides: tuple) -> Optional[View]:
+    """``t`` (with ``strides``, a batch stride of 0 where K/V are broadcast) as one 2-D view, or None.
+
+    Two layouts qualify: each head's rows apart from the others' ([B, H, N, D] storage and its
+    slices: every stride a whole number of rows), and heads side by side in a row ([B, N, H, D]
+    storage, a transposed view: the heads' columns inside the row stride)."""
+    B, H, N, D = t.shape
+    sz, sh, sn, sd = strides
+    if sd != 1 or sn < D or min(sz, sh) < 0:
+        return None
+    z_rows = 0 if B == 1 else sz
+    if z_rows % sn:
+        return None
+    if H == 1 or sh % sn == 0:  # rows per head
+        h_rows = 0 if H == 1 else sh // sn
+        rows = (B - 1) * (z_rows // sn) + (H - 1) * h_rows + N
+        return View((rows, D), sn, z_rows // sn, h_rows, 0)
+    if sh >= D and (H - 1) * sh + D <= sn:  # columns per head
+        rows = (B - 1) * (z_rows // sn) + N
+        return View((rows, (H - 1) * sh + D), sn, z_rows // sn, 0, sh)
+    return None
+
+
+def problem_reason(q, k, v, block_mask, need_max: bool) -> Optional[str]:
+    """Why the sm90 kernel cannot run this problem (None: it can), whatever the mods."""
+    if not q.is_cuda:
+        return "Gluon kernels need a CUDA device (Triton's interpreter cannot run them)"
+    return device_reason(q.device) or shape_reason(q, k, v, block_mask, need_max)
+
+
+def device_reason(device: torch.device) -> Optional[str]:
+    """Why the kernel cannot run on this CUDA device with this Triton (None: it can)."""
+    if interpreter_enabled():
+        return "Triton's interpreter (TRITON_INTERPRET=1) cannot run Gluon kernels"
+    version = _triton_version()
+    if not version.startswith(GLUON_TRITON_VERSIONS):
+        return f"Gluon kernels validated on Triton 3.6 only (this is Triton {version})"
+    capability = tuple(_capability(device.index if device.index is not None else torch.cuda.current_device()))
+    if capability != (9, 0):
+        return f"the Gluon kernel is for compute capability 9.0 (Hopper), this GPU is {capability[0]}.{capability[1]}"
+    return None
+
+
+def shape_reason(q, k, v, block_mask, need_max: bool) -> Optional[str]:
+    """Why the kernel cannot take these inputs and this BlockMask (None: it can)."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"the Gluon kernel takes float16 or bfloat16, got {str(q.dtype).replace('torch.', '')}"
+    E, Ev = q.shape[-1], v.shape[-1]
+    if E != Ev or E not in HEAD_DIMS:
+        return f"the Gluon kernel needs equal Q/K and V head dims of 64 or 128, got {E} and {Ev}"
+    L, S = q.shape[2], k.shape[2]
+    if L % BLOCK or S % BLOCK:
+        return f"the Gluon kernel needs query and key lengths that are multiples of {BLOCK}, got {L} and {S}"
+    if tuple(block_mask.BLOCK_SIZE) != (BLOCK, BLOCK):
+        return (f"the Gluon kernel needs a BlockMask BLOCK_SIZE of ({BLOCK}, {BLOCK}), "
+                f"got {tuple(block_mask.BLOCK_SIZE)}")
+    if need_max:
+        return "the Gluon kernel does not write max_scores"
+    k_strides, v_strides = kv_strides(k, v, q.shape[0])
+    for name, t, strides in (("q", q, q.stride()), ("k", k, k_strides), ("v", v, v_strides)):
+        view = tensor_view(t, strides)
+        if view is None or t.data_ptr() % 16 or (view.row_stride * t.element_size()) % 16:
+            return (f"{name} cannot be read through one 2-D tensor descriptor (it needs a unit last stride, 16-byte "
+                    "aligned rows and base, and [B, H, N, D] or [B, N, H, D] storage)")
+    return None
+
+
+def auto_reason(q, block_mask, has_score_mod: bool = False) -> Optional[str]:
+    """Why AUTO leaves an eligible call to the portable forward, measured faster there (None: it does not)."""
+    if q.shape[-1] == 64:
+        if has_score_mod:
+            return "at head dim 64 the portable forward is faster with a score_mod"
+        mean_blocks = launch_tables(block_mask).stats.mean_blocks
+        if mean_blocks < AUTO_MIN_BLOCKS_D64:
+            return (f"at head dim 64 the portable forward is faster on rows of few key blocks "
+                    f"({mean_blocks:.1f} on average, under {AUTO_MIN_BLOCKS_D64})")
+    return None
+
+
+class Sm90ForwardKernel(KernelFamily):
+    """The sm90 forward of one pair of traced mods: one compiled source per lowering variant, one
+    launch plan per problem (see [Note] Cache keys in kernels/family.py)."""
+
+    kind = "sm90_forward"
+
+    def __init__(self, score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool):
+        super().__init__(score, mask, tanh_approx=tanh_approx)
+        # Lowering variants whose kernel did not compile (a mod Gluon cannot express), and why:
+        # remembered, so later calls go to the portable forward without trying again.
+        self._failed: dict = {}
+
+    def unsupported_reason(self, q, k, v, block_mask, need_max: bool) -> Optional[str]:
+        """Why this call cannot run here (None: it can): the problem's reason, or the mods'."""
+        reason = problem_reason(q, k, v, block_mask, need_max)
+        if reason is None and self._failed:
+            B, Hq, L, _ = q.shape
+            reason = self._failed.get(lowering_variants(self.score, self.mask, index_bounds(B, Hq, L, k.shape[2])))
+        return reason
+
+    def __call__(self, q, k, v, block_mask, scale: float, score_captured, mask_captured, *, need_lse: bool):
+        """``(out, lse or None)``; raises Sm90Unavailable when the kernel of these mods does not compile
+        (checked by the caller with ``unsupported_reason`` first, for everything else)."""
+        global launches
+        tables = launch_tables(block_mask)
+        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
+               tables.plan_key, need_lse, scale > 0)
+        plan = self._plans.get(key)
+        if plan is not None:
+            result = self._launch(plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse)
+        else:
+            try:
+                plan = self._plan(q, k, v, tables, scale, need_lse)
+                result = self._launch(plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse)
+            except Exception as err:
+                if isinstance(err, torch.cuda.OutOfMemoryError):
+                    raise
+                # The first launch compiles: a mod Gluon cannot express (or a kernel that does not
+                # fit) fails here, before anything ran. See [Note] Gluon spelling in codegen/source.py.
+                reason = (f"the Gluon kernel of {self._names()} did not compile ({type(err).__name__}: "
+                          f"{_last_line(err)})")
+                B, Hq, L, _ = q.shape
+                self._failed[lowering_variants(self.score, self.mask, index_bounds(B, Hq, L, k.shape[2]))] = reason
+                raise Sm90Unavailable(reason) from err
+            self._remember_plan(key, plan)
+        launches += 1
+        self.last_plan = plan
+        return result
+
+    def _plan(self, q, k, v, tables, scale, need_lse) -> Plan:
+        B, Hq, L, E = q.shape
+        Hkv, S = k.shape[1], k.shape[2]
+        compiled = self.compiled(index_bounds(B, Hq, L, S))
+        constexprs = dict(
+            SPARSE_Z=tables.kv_num_blocks.shape[0], SPARSE_HQ=tables.kv_num_blocks.shape[1], GQA_GROUP=Hq // Hkv,
+            HEAD_DIM=E, SPARSE_Q_BLOCK_SIZE=BLOCK, SPARSE_KV_BLOCK_SIZE=BLOCK, BLOCK_M=BLOCK, BLOCK_N=BLOCK,
+            STAGES=STAGES[E], CONSUMER_REGS=CONSUMER_REGS,
+            HAS_SCORE_MOD=self.has_score_mod,
+            # The mods see the scaled score; the scale folds into the exp2 only when it is positive.
+            SCALE_FIRST=self.has_score_mod or scale <= 0,
+            HAS_PARTIAL_BLOCKS=self.has_mask_mod, HAS_FULL_BLOCKS=tables.has_full,
+            OUTPUT_LSE=need_lse,
+            num_warps=4,  # the default partition: consumer warpgroup 0
+        )
+        SM90_FORWARD.check_constexprs(constexprs)
+        return Plan(compiled, {"forward": Step(SM90_FORWARD, (L // BLOCK, Hq, B), constexprs)}, (L, S),
+                    q.element_size())
+
+    def _launch(self, plan: Plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse):
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        B, Hq, L, E = q.shape
+        step = plan.steps["forward"]
+        out = empty_output((B, Hq, L, E), q.dtype, q.device)
+        lse = empty_output((B, Hq, L), torch.float32, q.device) if need_lse else out
+        k_strides, v_strides = kv_strides(k, v, B)
+        element = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+        half = gl.NVMMASharedLayout.get_default_for([64, E], element)
+        tile = gl.NVMMASharedLayout.get_default_for([BLOCK, E], element)
+        views = []
+        descriptors = []
+        for t, strides, rows, layout in ((q, q.stride(), 64, half), (k, k_strides, BLOCK, tile),
+                                         (v, v_strides, BLOCK, tile), (out, out.stride(), 64, half)):
+            view = tensor_view(t, strides)
+            views.append(view)
+            descriptors.append(TensorDescriptor(t, list(view.shape), [view.row_stride, 1], [rows, E], layout))
+        qv, kv, vv = views[:3]
+        args = SM90_FORWARD.pack(
+            Q=descriptors[0], K=descriptors[1], V=descriptors[2], OUT=descriptors[3], LSE=lse,
+            KV_NUM_BLKS=tables.kv_num_blocks, KV_IDX=tables.kv_indices,
+            FULL_KV_NUM_BLKS=tables.full_kv_num_blocks, FULL_KV_IDX=tables.full_kv_indices,
+            row_qz=qv.row_z, row_qh=qv.row_h, col_qh=qv.col_h, row_kz=kv.row_z, row_kh=kv.row_h, col_kh=kv.col_h,
+            row_vz=vv.row_z, row_vh=vv.row_h, col_vh=vv.col_h,
+            SPARSE_ROWS=tables.kv_num_blocks.shape[2], IDX_COLS=tables.kv_indices.shape[3],
+            FULL_IDX_COLS=tables.full_kv_indices.shape[3], Q_LEN=L, SM_SCALE=scale,
+            mods=mod_launch_args(score_captured if self.has_score_mod else (),
+                                 mask_captured if self.has_mask_mod else ()),
+        )
+        plan.compiled.kernel(SM90_FORWARD)[step.grid](*args, **step.constexprs)
+        return out, (lse if need_lse else None)
+
+
+def _last_line(err: Exception) -> str:
+    """The compiler's own message: the last line of its error (the lines above quote the source)."""
+    text = str(err).strip().splitlines()
+    return text[-1][:200] if text else ""
+
+
+_kernels: "OrderedDict[tuple, Sm90ForwardKernel]" = OrderedDict()  # see [Note] Cache keys in kernels/family.py
+
+
+def sm90_forward_kernel(score: Optional[TracedMod], mask: Optional[TracedMod], *,
+                        tanh_approx: bool = False) -> Sm90ForwardKernel:
+    """The sm90 forward for these traced mods, built on first use and kept (the latest 256)."""
+    return cached_kernel(_kernels, Sm90ForwardKernel, score, mask, tanh_approx)

@@ -1,0 +1,162 @@
+"""The Hopper Gluon forward (kernels/sm90.py) on a real H100-class GPU: output and LSE against the
+float64 reference under the flash-attention rule, fully masked rows, GQA, a transposed layout, the
+backward after it, and which calls take it. Skipped without CUDA; skipped where the kernel does not
+apply (another GPU, another Triton), since there the portable forward is the one tested elsewhere.
+
+The rule (as tests/test_gpu_backward.py): the norm-wise error against float64 must be at most
+``FACTOR`` times the error of the same attention written in plain PyTorch in the same dtype, plus
+``SLACK``. Every output buffer is NaN-filled before the kernel writes it (poisoned), so a row the
+kernel skipped shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from numerics import rel_err
+from test_gpu_backward import SLACK, check_flash_rule, qkv_leaves, same_dtype_attention
+
+import flexattn.kernels.launch as launch_module
+import flexattn.kernels.sm90 as sm90
+from flexattn import AuxRequest, create_block_mask, flex_attention
+from flexattn.errors import InvalidInputError
+from flexattn.reference import reference_attention
+from flexattn.variants import CATALOGUE
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cuda"
+FACTOR = 2.0
+GLUON = {"BACKEND": "GLUON"}
+
+
+@pytest.fixture(autouse=True)
+def hopper_and_poisoned(monkeypatch):
+    probe = torch.empty(1, 1, 128, 64, device=DEVICE, dtype=torch.bfloat16)
+    mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 128, 128, device=DEVICE)
+    reason = sm90.problem_reason(probe, probe, probe, mask, need_max=False)
+    if reason is not None:
+        pytest.skip(reason)
+    monkeypatch.setattr(launch_module, "_POISON_OUTPUTS", True)
+
+
+def check_forward(q, k, v, score_mod=None, mask_mod=None, *, gqa=False, mask_heads=False, options=GLUON):
+    """flexattn's out and LSE (through the Gluon kernel: its launch counter must grow) vs float64,
+    against PyTorch's same-dtype error. Returns {name: (ours, PyTorch's)}."""
+    B, Hq, L, _ = q.shape
+    S = k.shape[2]
+    block_mask = create_block_mask(mask_mod, B if mask_heads else None, Hq if mask_heads else None, L, S,
+                                   device=DEVICE) if mask_mod else None
+    before = sm90.launches
+    out, aux = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa,
+                              kernel_options=options, return_aux=AuxRequest(lse=True))
+    torch.cuda.synchronize()
+    assert sm90.launches == before + 1, "the Gluon kernel did not run"
+    assert not torch.isnan(out).any() and not torch.isnan(aux.lse).any(), "a row was never written"
+    gold_out, gold_lse, _ = reference_attention(q.double(), k.double(), v.double(), score_mod=score_mod,
+                                                mask_mod=mask_mod, enable_gqa=gqa)
+    base_out, base_lse = same_dtype_attention(q, k, v, score_mod, mask_mod, enable_gqa=gqa)
+    errors = {"out": (rel_err(out, gold_out), rel_err(base_out, gold_out)),
+              "lse": (rel_err(aux.lse, gold_lse), rel_err(base_lse, gold_lse))}
+    failures = [f"{name}: {ours:.2e} vs {theirs:.2e} in PyTorch at {q.dtype}"
+                for name, (ours, theirs) in errors.items() if ours > FACTOR * theirs + SLACK]
+    print({name: f"{ours:.2e} (PyTorch {theirs:.2e})" for name, (ours, theirs) in errors.items()})
+    assert not failures, "error against float64 above the flash-attention rule: " + "; ".join(failures)
+    return errors
+
+
+def qkv(B, Hq, Hkv, L, E, dtype):
+    return tuple(torch.randn(B, h, L, E, device=DEVICE, dtype=dtype) for h in (Hq, Hkv, Hkv))
+
+
+VARIANTS = ("noop", "causal", "sliding_window", "document_mask", "prefix_lm")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_catalogue_masks(variant, head_dim, dtype):
+    B, H, L = 2, 4, 2048
+    score_mod, mask_mod = CATALOGUE[variant].build(B, H, L, L, DEVICE)
+    check_forward(*qkv(B, H, H, L, head_dim, dtype), score_mod, mask_mod)
+
+
+@pytest.mark.parametrize("variant", ["causal", "document_mask"])
+def test_gqa_8_2(variant):
+    B, L = 2, 2048
+    score_mod, mask_mod = CATALOGUE[variant].build(B, 8, L, L, DEVICE)
+    check_forward(*qkv(B, 8, 2, L, 128, torch.bfloat16), score_mod, mask_mod, gqa=True, mask_heads=True)
+
+
+@pytest.mark.parametrize("variant", ["alibi", "softcap"])
+def test_score_mods(variant):
+    B, H, L = 2, 4, 2048
+    score_mod, mask_mod = CATALOGUE[variant].build(B, H, L, L, DEVICE)
+    check_forward(*qkv(B, H, H, L, 64, torch.bfloat16), score_mod, mask_mod)
+
+
+def test_transposed_layout_and_broadcast_kv_batch():
+    # [B, N, H, D] storage read as [B, H, N, D] (heads side by side in a row), K/V of batch 1.
+    B, H, L, E = 2, 4, 1024, 64
+    q = torch.randn(B, L, H, E, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(1, L, H, E, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+    mask_mod = CATALOGUE["causal"].build(B, H, L, L, DEVICE)[1]
+    check_forward(q, k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1), None, mask_mod)
+
+
+def test_fully_masked_rows():
+    # Odd query blocks see no key block at all (a row of the tables with no blocks), and odd rows of
+    # the even blocks no key inside their partial blocks: out 0 and LSE -inf, as the portable forward.
+    B, H, L = 1, 2, 1024
+
+    def sparse_rows(b, h, q_idx, kv_idx):
+        return ((q_idx // 128) % 2 == 0) & (q_idx % 2 == 0) & (kv_idx <= q_idx)
+
+    q, k, v = qkv(B, H, H, L, 128, torch.bfloat16)
+    block_mask = create_block_mask(sparse_rows, None, None, L, L, device=DEVICE)
+    out, aux = flex_attention(q, k, v, block_mask=block_mask, kernel_options=GLUON, return_aux=AuxRequest(lse=True))
+    empty = torch.arange(L, device=DEVICE)
+    empty = ((empty // 128) % 2 == 1) | (empty % 2 == 1)
+    assert torch.equal(out[:, :, empty], torch.zeros_like(out[:, :, empty]))
+    assert torch.isneginf(aux.lse[:, :, empty]).all()
+    gold_out, gold_lse, _ = reference_attention(q.double(), k.double(), v.double(), mask_mod=sparse_rows)
+    assert rel_err(out, gold_out) < 1e-2 and rel_err(aux.lse, gold_lse) < 1e-3
+
+
+@pytest.mark.parametrize("variant, head_dim, gqa", [("causal", 128, False), ("document_mask", 64, False),
+                                                    ("noop", 128, True)])
+def test_backward_after_the_gluon_forward(variant, head_dim, gqa):
+    B, L = 2, 2048
+    Hq, Hkv = (8, 2) if gqa else (4, 4)
+    score_mod, mask_mod = CATALOGUE[variant].build(B, Hq, L, L, DEVICE)
+    before = sm90.launches
+    check_flash_rule(qkv_leaves(B, Hq, Hkv, L, L, head_dim), lambda t: (t["q"], t["k"], t["v"], score_mod), mask_mod,
+                     gqa=gqa, use_lse=True, options=GLUON)
+    assert sm90.launches > before
+
+
+def test_auto_takes_it_and_triton_pins_the_portable_forward():
+    B, H, L = 1, 2, 1024
+    q, k, v = qkv(B, H, H, L, 128, torch.float16)
+    before = sm90.launches
+    auto = flex_attention(q, k, v)
+    assert sm90.launches == before + 1
+    short = qkv(B, H, H, L, 64, torch.float16)
+    flex_attention(*short)  # head dim 64, 8 blocks a row: AUTO's rule keeps the portable forward
+    assert sm90.launches == before + 1
+    flex_attention(*short, kernel_options=GLUON)  # pinned: the rule does not apply
+    assert sm90.launches == before + 2
+    portable = flex_attention(q, k, v, kernel_options={"BACKEND": "TRITON"})
+    tuned = flex_attention(q, k, v, kernel_options={"BLOCK_M": 64})  # a portable tile: the portable kernel
+    assert sm90.launches == before + 2
+    torch.testing.assert_close(auto, portable, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(tuned, portable, atol=2e-3, rtol=2e-3)
+
+
+def test_gluon_pinned_on_an_ineligible_call_names_the_reason():
+    q, k, v = qkv(1, 2, 2, 1000, 64, torch.bfloat16)
+    with pytest.raises(InvalidInputError, match="multiples of 128"):
+        flex_attention(q, k, v, kernel_options=GLUON)
+    before = sm90.launches
+    flex_attention(q, k, v)  # AUTO: the portable forward, no error
+    assert sm90.launches == before

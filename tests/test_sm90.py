@@ -1,0 +1,251 @@
+"""The Hopper Gluon forward family (kernels/sm90.py) without a GPU: its template renders for the
+catalogue's mods, its reasons for leaving a call to the portable forward, the BACKEND values, a
+kernel that does not compile falling back, and CPU calls untouched by it. Where Triton 3.6 and its
+ptxas are installed, one rendered kernel is compiled for sm90 offline.
+
+Gluon kernels do not run in Triton's interpreter: their numbers are checked in tests/test_gpu_sm90.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import flexattn.dispatch as dispatch
+import flexattn.kernels.sm90 as sm90
+from flexattn import create_block_mask, flex_attention
+from flexattn.codegen import render
+from flexattn.codegen.params import SM90_FORWARD
+from flexattn.dispatch import Call, pick_backend
+from flexattn.errors import BackendUnavailableError, InvalidInputError
+from flexattn.lowering import index_bounds, lowering_variants
+from flexattn.options import resolve_backend_name
+from flexattn.trace import trace_mod
+from flexattn.variants import CATALOGUE
+
+L = 256
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def family(variant: str):
+    instance = CATALOGUE[variant].make(1, 2, L, L, "cpu")
+    score = trace_mod(instance.score_mod, "score_mod")[0] if instance.score_mod else None
+    mask = trace_mod(instance.mask_mod, "mask_mod")[0] if instance.mask_mod else None
+    return sm90.Sm90ForwardKernel(score, mask, tanh_approx=True), instance
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def bhnd(B=1, H=2, N=L, D=64, dtype=torch.bfloat16):
+    return torch.randn(B, H, N, D, dtype=dtype)
+
+
+@pytest.mark.parametrize("variant", sorted(CATALOGUE))
+def test_template_renders_for_the_catalogue(variant):
+    kernel, _ = family(variant)
+    source = render(kernel._spec(lowering_variants(kernel.score, kernel.mask, index_bounds(1, 2, L, L))))
+    compile(source, variant, "exec")  # valid Python
+    assert f"def {SM90_FORWARD.name}(" in source
+    # The lowered lines reach the hooks in Gluon's spelling ([Note] Gluon spelling in codegen/source.py).
+    assert "tl.full(" not in source and "tl.zeros_like(" not in source
+    if kernel.mask is not None:
+        assert re.search(r"def mask_mod\(.*\n(    .*\n)*    return (?!q_idx >= 0\n)", source)
+
+
+def test_rendered_module_imports_and_declares_its_kernel():
+    kernel, _ = family("document_mask")
+    compiled = kernel.compiled(None)
+    assert compiled.kernel(SM90_FORWARD) is not None
+    assert os.path.basename(compiled.module.__file__).startswith("sm90_identity_document_mask_")
+
+
+def test_shape_reasons():
+    bm = create_block_mask(causal, None, None, L, L, device="cpu")
+    q = bhnd()
+    assert sm90.shape_reason(q, q, q, bm, need_max=False) is None
+    assert "float16 or bfloat16" in sm90.shape_reason(q.float(), q.float(), q.float(), bm, False)
+    q96 = bhnd(D=96)
+    assert "64 or 128" in sm90.shape_reason(q96, q96, q96, bm, False)
+    assert "64 or 128" in sm90.shape_reason(q, q, bhnd(D=128), bm, False)
+    short = bhnd(N=200)
+    bm200 = create_block_mask(causal, None, None, 200, 200, device="cpu")
+    assert "multiples of 128" in sm90.shape_reason(short, short, short, bm200, False)
+    bm64 = create_block_mask(causal, None, None, L, L, device="cpu", BLOCK_SIZE=64)
+    assert "BLOCK_SIZE" in sm90.shape_reason(q, q, q, bm64, False)
+    assert "max_scores" in sm90.shape_reason(q, q, q, bm, True)
+    odd = torch.randn(1, 2, L, 64 * 3, dtype=torch.bfloat16)[..., ::3]  # no unit last stride
+    assert "2-D tensor descriptor" in sm90.shape_reason(odd, q, q, bm, False)
+
+
+def test_device_reasons(monkeypatch):
+    device = torch.device("cuda", 0)
+    monkeypatch.setattr(sm90, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(sm90, "_triton_version", lambda: "3.9.0")
+    assert sm90.device_reason(device) == "Gluon kernels validated on Triton 3.6 only (this is Triton 3.9.0)"
+    monkeypatch.setattr(sm90, "_triton_version", lambda: "3.6.0")
+    monkeypatch.setattr(sm90, "_capability", lambda index: (8, 0))
+    assert "compute capability 9.0" in sm90.device_reason(device)
+    monkeypatch.setattr(sm90, "_capability", lambda index: (10, 0))
+    assert "this GPU is 10.0" in sm90.device_reason(device)
+    monkeypatch.setattr(sm90, "_capability", lambda index: (9, 0))
+    assert sm90.device_reason(device) is None
+    monkeypatch.setattr(sm90, "interpreter_enabled", lambda: True)
+    assert "interpreter" in sm90.device_reason(device)
+    q = bhnd()
+    assert "CUDA device" in sm90.problem_reason(q, q, q, create_block_mask(causal, None, None, L, L, device="cpu"),
+                                                False)
+
+
+def test_views_of_the_layouts_it_reads():
+    B, H, N, D = 2, 4, L, 64
+    q = torch.randn(B, H, N, D)
+    assert sm90.tensor_view(q, q.stride()) == sm90.View((B * H * N, D), D, H * N, N, 0)
+    t = torch.randn(B, N, H, D).transpose(1, 2)  # heads side by side in a row
+    assert sm90.tensor_view(t, t.stride()) == sm90.View((B * N, H * D), H * D, N, 0, D)
+    one = torch.randn(1, H, N, D).expand(B, -1, -1, -1)  # a broadcast batch reads batch 0's rows
+    assert sm90.tensor_view(one, one.stride()).row_z == 0
+    wide = torch.randn(B, H, N, 2 * D)[..., :D]  # a slice of the head dim: longer rows, same view
+    assert sm90.tensor_view(wide, wide.stride()) == sm90.View((B * H * N, D), 2 * D, H * N, N, 0)
+    assert sm90.tensor_view(q.transpose(2, 3), q.transpose(2, 3).stride()) is None
+
+
+def test_auto_rule_keeps_few_block_rows_at_head_dim_64_portable():
+    q = bhnd(N=1024)
+    dense = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, None, None, 1024, 1024, device="cpu")
+    assert "few key blocks" in sm90.auto_reason(q, dense)  # 8 blocks a row
+    assert sm90.auto_reason(bhnd(N=1024, D=128), dense) is None
+    long = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, None, None, 4096, 4096, device="cpu")
+    assert sm90.auto_reason(bhnd(N=4096), long) is None  # 32 blocks a row
+    assert "score_mod" in sm90.auto_reason(bhnd(N=4096), long, has_score_mod=True)
+    assert sm90.auto_reason(bhnd(N=4096, D=128), long, has_score_mod=True) is None
+
+
+def test_backend_values():
+    assert resolve_backend_name({"BACKEND": "GLUON"}) == "GLUON"
+    with pytest.raises(ValueError, match="GLUON"):
+        resolve_backend_name({"BACKEND": "CUTE"})
+    with pytest.raises(BackendUnavailableError, match="GLUON"):
+        pick_backend(bhnd(), {"BACKEND": "GLUON"})  # CPU tensors
+    with pytest.raises(BackendUnavailableError, match="GLUON"):
+        flex_attention(bhnd(), bhnd(), bhnd(), kernel_options={"BACKEND": "GLUON"})
+
+
+class _FailingKernel:
+    """A family whose kernel does not compile (what an unrenderable mod does on the GPU)."""
+
+    def unsupported_reason(self, *args):
+        return None
+
+    def __call__(self, *args, **kwargs):
+        raise sm90.Sm90Unavailable("the Gluon kernel of these mods did not compile (CompilationError: x)")
+
+
+def test_a_kernel_that_does_not_compile_falls_back_unless_pinned(monkeypatch):
+    monkeypatch.setattr(dispatch, "sm90_forward_kernel", lambda *args, **kwargs: _FailingKernel())
+    monkeypatch.setattr(dispatch, "sm90_auto_reason", lambda q, block_mask, has_score_mod: None)
+    q = bhnd()
+    bm = create_block_mask(causal, None, None, L, L, device="cpu")
+    call = Call("TRITON", bm, 0.125, None, None, [], {}, torch.int32)
+    result, note = dispatch._sm90_forward(call, q, q, q, [], True, False)
+    assert result is None and "did not compile" in note
+    with pytest.raises(InvalidInputError, match="BACKEND='GLUON' cannot run this call: .*did not compile"):
+        dispatch._sm90_forward(call._replace(options={"BACKEND": "GLUON"}), q, q, q, [], True, False)
+    result, note = dispatch._sm90_forward(call._replace(options={"BLOCK_M": 64}), q, q, q, [], True, False)
+    assert result is None and "BLOCK_M" in note
+
+
+def test_the_family_remembers_a_kernel_that_did_not_compile(monkeypatch):
+    kernel, instance = family("document_mask")
+    q = bhnd()
+    bm = instance.block_mask(1, 2, L, L, "cpu")
+
+    def no_compile(*args, **kwargs):
+        raise RuntimeError("error: unsupported operation in Gluon")
+
+    monkeypatch.setattr(kernel, "_launch", no_compile)
+    monkeypatch.setattr(sm90, "problem_reason", lambda *args: None)
+    with pytest.raises(sm90.Sm90Unavailable, match="did not compile .*unsupported operation"):
+        kernel(q, q, q, bm, 0.125, [], [], need_lse=True)
+    assert "unsupported operation" in kernel.unsupported_reason(q, q, q, bm, False)
+    assert not kernel._plans  # nothing kept of the failed launch
+
+
+def test_cpu_calls_never_reach_it():
+    before, families = sm90.launches, len(sm90._kernels)
+    q = bhnd(D=16).float()
+    flex_attention(q, q, q, block_mask=create_block_mask(causal, None, None, L, L, device="cpu"))  # PYTORCH
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        flex_attention(q, q, q, kernel_options={"BACKEND": "TRITON"})
+        flex_attention(q, q, q, kernel_options={"BACKEND": "TRITON", "TANH_APPROX": False})
+    assert sm90.launches == before and len(sm90._kernels) == families
+
+
+def _offline_compile_available() -> bool:
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.experimental.gluon._runtime import GluonASTSource  # noqa: F401
+    except ImportError:
+        return False
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    return triton.__version__.startswith(sm90.GLUON_TRITON_VERSIONS) and os.path.exists(ptxas)
+
+
+@pytest.mark.skipif(not _offline_compile_available(), reason="needs Triton 3.6 with its ptxas (offline sm90 compile)")
+def test_causal_kernel_compiles_for_sm90_offline():
+    """The rendered causal kernel through Triton's whole pipeline for sm90: its two consumer
+    warpgroups issue wgmma and it fits the shared memory of an H100. In a process of its own
+    without TRITON_INTERPRET (under the interpreter @triton.jit hooks cannot be compiled); about 5 s."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    code = "import test_sm90; test_sm90.compile_causal_offline()"
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compiled" in done.stdout
+
+
+def compile_causal_offline():
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    kernel, _ = family("causal")
+    D = 64
+    rows = torch.empty(2 * L, D, dtype=torch.bfloat16)
+    half = gl.NVMMASharedLayout.get_default_for([64, D], gl.bfloat16)
+    tile = gl.NVMMASharedLayout.get_default_for([128, D], gl.bfloat16)
+    descriptor = {64: TensorDescriptor(rows, [2 * L, D], [D, 1], [64, D], half),
+                  128: TensorDescriptor(rows, [2 * L, D], [D, 1], [128, D], tile)}
+    constexprs = dict(SPARSE_Z=1, SPARSE_HQ=1, GQA_GROUP=1, HEAD_DIM=D, SPARSE_Q_BLOCK_SIZE=128,
+                      SPARSE_KV_BLOCK_SIZE=128, BLOCK_M=128, BLOCK_N=128, STAGES=sm90.STAGES[D],
+                      CONSUMER_REGS=sm90.CONSUMER_REGS, HAS_SCORE_MOD=False, SCALE_FIRST=False,
+                      HAS_PARTIAL_BLOCKS=True, HAS_FULL_BLOCKS=True, OUTPUT_LSE=True)
+    signature = {}
+    for name in SM90_FORWARD.names():
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in ("Q", "OUT", "K", "V"):
+            signature[name] = mangle_type(descriptor[64 if name in ("Q", "OUT") else 128])
+        elif name == "LSE":
+            signature[name] = "*fp32"
+        elif name in ("KV_NUM_BLKS", "KV_IDX", "FULL_KV_NUM_BLKS", "FULL_KV_IDX"):
+            signature[name] = "*i32"
+        else:
+            signature[name] = "fp32" if name == "SM_SCALE" else "i32"
+    compiled = triton.compile(GluonASTSource(kernel.compiled(None).kernel(SM90_FORWARD), signature, constexprs, {}),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    assert len(re.findall(r"wgmma\.mma_async", compiled.asm["ptx"])) > 0
+    assert compiled.metadata.shared <= 227 * 1024
+    print("compiled")
