@@ -107,12 +107,13 @@ class FlexKernelOptions(TypedDict, total=False):
 
     DETERMINISTIC: bool
     """Triton backward: the gradients of learnable captured tensors are summed in a fixed order, so
-    that two runs on the same inputs give the same bits (dQ, dK and dV always do: each is written by
-    one program). Default: ``torch.are_deterministic_algorithms_enabled()``, set by
+    that two runs on the same inputs give the same bits (dQ, dK and dV are each written by one
+    program; a deterministic call also launches again until its problem's tiles have settled).
+    Default: ``torch.are_deterministic_algorithms_enabled()``, set by
     ``torch.use_deterministic_algorithms(True)``, which also covers the PyTorch backend's ops. The
-    cost is a float32 copy of each learnable tensor's gradient per program (at most 256 MiB per tensor,
-    else the programs take turns) and, where several pairs of one tile read one element, a tile sum
-    per distinct element."""
+    cost is a float32 copy of each learnable tensor's gradient per program (fewer copies, taken in
+    turn, past 256 MiB a tensor, but never fewer than four per multiprocessor) and, where several
+    pairs of one tile read one element, a tile sum per distinct element."""
 
     # -- torch's keys that flexattn accepts and ignores (see the class docstring).
 
