@@ -238,7 +238,8 @@ def flex_attention(
         return_lse: deprecated (as in torch); use ``return_aux=AuxRequest(lse=True)``.
         kernel_options: ``FlexKernelOptions``; ``{"BACKEND": "PYTORCH"}`` forces the blockwise PyTorch path,
             ``{"BACKEND": "TRITON_DECODE"}`` the split-KV decode kernels (short queries, inference),
-            ``{"BACKEND": "GLUON"}`` the Hopper Gluon forward, ``{"BACKEND": "TRITON"}`` the portable one.
+            ``{"BACKEND": "GLUON"}`` the Hopper Gluon forward and backward, ``{"BACKEND": "TRITON"}`` the
+            portable ones.
         return_aux: ``AuxRequest(lse=..., max_scores=...)`` (flexattn's or torch's) returns
             ``(out, AuxOutput)``.
 

@@ -3,8 +3,9 @@ and backward of each backend.
 
 Backends:
 - TRITON: the generated FlashAttention-2 kernels (CUDA; CPU under ``TRITON_INTERPRET=1``). Its
-  forward runs the Hopper Gluon kernel (kernels/sm90.py) where that applies, unless
-  ``BACKEND='TRITON'`` was given explicitly; ``BACKEND='GLUON'`` pins it (see run_forward).
+  forward and backward run the Hopper Gluon kernels (kernels/sm90.py, kernels/sm90_backward.py)
+  where they apply, unless ``BACKEND='TRITON'`` was given explicitly; ``BACKEND='GLUON'`` pins them
+  (see run_forward and run_backward).
 - TRITON_DECODE: the generated split-KV decode kernels for short queries at inference; chosen by
   AUTO on CUDA for queries of up to ``MAX_AUTO_QUERY_LEN`` rows (see choose_decode).
 - PYTORCH: the blockwise online-softmax path in plain PyTorch (any device, forward and backward).
@@ -26,13 +27,14 @@ from .codegen import debug_enabled
 from .errors import BackendUnavailableError, InvalidInputError
 from .kernels import (
     MAX_AUTO_QUERY_LEN, Sm90Unavailable, backward_kernel, decode_kernel, forward_kernel, interpreter_enabled,
-    sm90_auto_reason, sm90_forward_kernel, unsupported_reason,
+    sm90_auto_reason, sm90_backward_auto_reason, sm90_backward_kernel, sm90_forward_kernel, unsupported_reason,
 )
 from .masks import BlockMask
 from .options import resolve_backend_name
 from .trace import TracedMod
 
-__all__ = ["Call", "pick_backend", "choose_decode", "use_tanh_approx", "run_forward", "prepare_backward", "run_backward"]
+__all__ = ["Call", "pick_backend", "choose_decode", "use_tanh_approx", "run_forward", "prepare_backward", "run_backward",
+           "sm90_forward_choice", "sm90_backward_choice"]
 
 
 class Call(NamedTuple):
@@ -57,7 +59,7 @@ def pick_backend(query: torch.Tensor, options: dict) -> str:
         # float64 has no tensor-core path: it runs on the blockwise PyTorch backend, like CPU tensors.
         return "TRITON" if query.is_cuda and query.dtype != torch.float64 else "PYTORCH"
     if backend == "GLUON":
-        # The Gluon kernel is a forward: the call is a Triton one whose forward run_forward pins to it.
+        # The Gluon kernels run inside the Triton backend: run_forward and run_backward pin them.
         if not query.is_cuda:
             raise BackendUnavailableError(
                 f"kernel_options={{'BACKEND': 'GLUON'}} runs on CUDA (Hopper) GPUs, got {query.device} tensors "
@@ -204,18 +206,31 @@ _PORTABLE_TUNING = frozenset({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "
                               "HOST_DESCRIPTORS", "WARP_SPECIALIZE"})
 
 
+def sm90_forward_choice(call: Call, q, k, v, need_max: bool):
+    """``(kernel, reason)``: the Hopper Gluon forward family of the call's mods and why this call
+    cannot or should not take it (None: it takes it). ``kernel`` is None when the options rule it
+    out before any family is built (nothing about the kernel is asked then)."""
+    pinned = call.options.get("BACKEND") == "GLUON"
+    if call.options.get("BACKEND") == "TRITON":
+        return None, "kernel_options BACKEND='TRITON' pins the portable kernels"
+    tuning = sorted(_PORTABLE_TUNING & call.options.keys())
+    if tuning and not pinned:
+        return None, f"kernel_options {', '.join(tuning)} tune the portable forward"
+    kernel = sm90_forward_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
+    reason = kernel.unsupported_reason(q, k, v, call.block_mask, need_max)
+    if reason is None and not pinned:
+        reason = sm90_auto_reason(q, call.block_mask, call.score is not None)
+    return kernel, reason
+
+
 def _sm90_forward(call: Call, q, k, v, score_captured, need_lse, need_max):
     """``(result or None, note)``: the Hopper Gluon forward's result where it applies; else None and,
     for the debug report, why not. With ``BACKEND='GLUON'`` the reason is an error instead. Its
     out and LSE are the portable forward's (same conventions), so the Triton backward follows."""
     pinned = call.options.get("BACKEND") == "GLUON"
-    tuning = sorted(_PORTABLE_TUNING & call.options.keys())
-    if tuning and not pinned:
-        return None, f"not GLUON (kernel_options {', '.join(tuning)} tune the portable forward); "
-    kernel = sm90_forward_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
-    reason = kernel.unsupported_reason(q, k, v, call.block_mask, need_max)
-    if reason is None and not pinned:
-        reason = sm90_auto_reason(q, call.block_mask, call.score is not None)
+    kernel, reason = sm90_forward_choice(call, q, k, v, need_max)
+    if kernel is None:
+        return None, f"not GLUON ({reason}); "
     if reason is None:
         try:
             out, lse = kernel(q, k, v, call.block_mask, call.scale, score_captured, call.mask_captured,
@@ -228,6 +243,48 @@ def _sm90_forward(call: Call, q, k, v, score_captured, need_lse, need_max):
             return (out, lse, None), ""
     if pinned:
         raise InvalidInputError(f"kernel_options BACKEND='GLUON' cannot run this call: {reason}")
+    return None, f"not GLUON ({reason}); "
+
+
+# Options that tune the portable backward's launch: a call that sets one means those kernels.
+_PORTABLE_BACKWARD_TUNING = frozenset({"BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps",
+                                       "bwd_num_stages", "num_warps", "num_stages", "AUTOTUNE", "USE_TMA"})
+
+
+def sm90_backward_choice(call: Call, q, k, v, float32_kv_grads: bool = False):
+    """``(kernel, reason)`` for the backward, as sm90_forward_choice is for the forward."""
+    pinned = call.options.get("BACKEND") == "GLUON"
+    if call.options.get("BACKEND") == "TRITON":
+        return None, "kernel_options BACKEND='TRITON' pins the portable kernels"
+    tuning = sorted(_PORTABLE_BACKWARD_TUNING & call.options.keys())
+    if tuning and not pinned:
+        return None, f"kernel_options {', '.join(tuning)} tune the portable backward"
+    kernel = sm90_backward_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
+    reason = kernel.unsupported_reason(q, k, v, call.block_mask, float32_kv_grads)
+    if reason is None and not pinned:
+        reason = sm90_backward_auto_reason(q, call.block_mask)
+    return kernel, reason
+
+
+def _sm90_backward(call: Call, q, k, v, out, lse, grad_out, grad_lse, score_captured, float32_kv_grads):
+    """``(grads or None, note)``: the Hopper Gluon backward's gradients where it applies; else None
+    and, for the debug report, why not. With ``BACKEND='GLUON'`` the reason is an error instead."""
+    pinned = call.options.get("BACKEND") == "GLUON"
+    kernel, reason = sm90_backward_choice(call, q, k, v, float32_kv_grads)
+    if kernel is None:
+        return None, f"not GLUON ({reason}); "
+    if reason is None:
+        try:
+            grads = kernel(q, k, v, out, lse, grad_out, grad_lse, call.block_mask, call.scale, score_captured,
+                           call.mask_captured)
+        except Sm90Unavailable as err:  # the mods' kernels did not compile: remembered, not retried
+            reason = str(err)
+        else:
+            if _DEBUG:
+                _debug_report("backward", call._replace(backend="GLUON"), q, k, v, _kernel_plan(kernel.last_plan))
+            return grads, ""
+    if pinned:
+        raise InvalidInputError(f"kernel_options BACKEND='GLUON' cannot run this call's backward: {reason}")
     return None, f"not GLUON ({reason}); "
 
 
@@ -245,13 +302,20 @@ def run_backward(call: Call, q, k, v, out, lse, grad_out, grad_lse, score_captur
     PyTorch backward (the oracle the tests compare with) everywhere else. ``float32_kv_grads``:
     dk and dv in float32 (unrounded partial sums, for a caller that adds several)."""
     if call.backend == "TRITON":
+        grad_out = grad_out.contiguous()
+        gluon_note = ""
+        if q.is_cuda:
+            grads, gluon_note = _sm90_backward(call, q, k, v, out, lse, grad_out, grad_lse, score_captured,
+                                               float32_kv_grads)
+            if grads is not None:
+                return grads
         kernel = backward_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
         grads = kernel(
-            q, k, v, out, lse, grad_out.contiguous(), grad_lse, call.block_mask, call.scale,
+            q, k, v, out, lse, grad_out, grad_lse, call.block_mask, call.scale,
             score_captured, call.mask_captured, call.options, float32_kv_grads=float32_kv_grads,
         )
         if _DEBUG:
-            _debug_report("backward", call, q, k, v, _kernel_plan(kernel.last_plan))
+            _debug_report("backward", call, q, k, v, gluon_note + _kernel_plan(kernel.last_plan))
         return grads
     if _DEBUG:
         _debug_report("backward", call, q, k, v, _blockwise_plan(call))

@@ -26,15 +26,19 @@ class FlexKernelOptions(TypedDict, total=False):
     BACKEND: Literal["AUTO", "TRITON", "GLUON", "TRITON_DECODE", "PYTORCH"]
     """Which implementation runs. ``AUTO`` (default): the Triton kernels for CUDA tensors (the
     split-KV decode kernels for queries of up to 64 rows when no gradient is needed, the forward
-    kernel otherwise, as the Hopper Gluon kernel where it applies), the blockwise PyTorch path for
-    other devices. ``TRITON``: the portable fused forward kernel, or an error saying why it cannot
-    run (on CPU tensors it needs ``TRITON_INTERPRET=1``). ``GLUON``: the Hopper forward written in
-    Triton's Gluon (a loader warp and two consumer warpgroups), or an error saying why it cannot
-    run: it needs compute capability 9.0 (H100, H200), Triton 3.6, float16 or bfloat16, equal head
-    dims of 64 or 128, query and key lengths that are multiples of 128, a BlockMask ``BLOCK_SIZE``
-    of 128, no ``max_scores``, and mods Gluon compiles. AUTO takes it for such calls, except at head
-    dim 64 with a score_mod or on rows that visit fewer than 16 key blocks (measured slower there),
-    and when a forward tile option (``BLOCK_M``, ``num_warps``, ...) is set; the backward after either forward is the Triton backward.
+    and backward kernels otherwise, as the Hopper Gluon kernels where they apply), the blockwise
+    PyTorch path for other devices. ``TRITON``: the portable fused forward and backward kernels, or
+    an error saying why they cannot run (on CPU tensors they need ``TRITON_INTERPRET=1``).
+    ``GLUON``: the Hopper forward and backward written in Triton's Gluon (a loader warp and two
+    consumer warpgroups), or an error saying why a call cannot take them: they need compute
+    capability 9.0 (H100, H200), Triton 3.6, float16 or bfloat16, equal head dims of 64 or 128,
+    query and key lengths that are multiples of 128, a BlockMask ``BLOCK_SIZE`` of 128, and mods
+    Gluon compiles; the forward no ``max_scores``; the backward no learnable captured tensors and no
+    broadcast key/value batch. AUTO takes them for such calls except where measured slower: the
+    forward at head dim 64 with a score_mod or on rows that visit fewer than 16 key blocks, the
+    backward at head dim 64 on rows of fewer than 6; and not when a tile option of the portable
+    kernel (``BLOCK_M``, ``BLOCK_M1``, ``num_warps``, ...) is set. ``flexattn kernel NAME --explain``
+    says which a call takes and why.
     ``TRITON_DECODE``: the split-KV decode kernels (flash-decoding: the KV sequence split across
     programs, all query heads of a GQA group in one tile), for queries that fit in one query block
     of the BlockMask; an error otherwise. Calls that need gradients or ``max_scores`` run the

@@ -1,4 +1,4 @@
-"""The error measure every numerical test uses, and the check that the Triton backward ran."""
+"""The error measure every numerical test uses, and the check that the generated backward kernels ran."""
 
 import contextlib
 import importlib
@@ -15,14 +15,20 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (diff.norm() / expected.double()[finite].norm().clamp_min(1e-30)).item()
 
 
+_BACKWARD_FAMILIES = ("flexattn.kernels.backward", "flexattn.kernels.sm90_backward")
+
+
 @contextlib.contextmanager
 def expect_triton_backward():
-    """Fails unless the block ran the Triton backward: ``flexattn.kernels.backward.launches`` (bumped once
-    per Triton backward call) must grow. A backward that silently fell back to the blockwise
-    PyTorch path would pass every numerical check, so this is what says the kernels were tested."""
-    launcher = importlib.import_module("flexattn.kernels.backward")
-    before = launcher.launches
+    """Fails unless the block ran generated backward kernels: the portable Triton ones
+    (``flexattn.kernels.backward.launches``) or, on Hopper, the Gluon ones
+    (``flexattn.kernels.sm90_backward.launches``); each counter is bumped once per backward call.
+    A backward that silently fell back to the blockwise PyTorch path would pass every numerical
+    check, so this is what says the kernels were tested."""
+    launchers = [importlib.import_module(name) for name in _BACKWARD_FAMILIES]
+    before = sum(launcher.launches for launcher in launchers)
     yield
-    assert launcher.launches > before, (
-        "the backward did not run the Triton kernels (flexattn.kernels.backward.launches did not grow)"
+    assert sum(launcher.launches for launcher in launchers) > before, (
+        "the backward did not run the generated kernels (flexattn.kernels.backward.launches and "
+        "flexattn.kernels.sm90_backward.launches did not grow)"
     )

@@ -123,6 +123,22 @@ def test_fully_masked_rows():
     assert rel_err(out, gold_out) < 1e-2 and rel_err(aux.lse, gold_lse) < 1e-3
 
 
+def test_two_masks_of_one_shape_reuse_no_stale_tables():
+    # Same shapes, same mods (the plan cache's key), two BlockMasks of different content, in both
+    # orders: each call must walk its own mask's tables, never the first call's.
+    B, H, L = 1, 2, 2048
+    q, k, v = qkv(B, H, H, L, 128, torch.bfloat16)
+    windows = {w: create_block_mask(lambda b, h, qi, ki, w=w: (qi >= ki) & (qi - ki < w), None, None, L, L,
+                                    device=DEVICE) for w in (256, 1024)}
+    for w in (256, 1024, 256):
+        before = sm90.launches
+        out = flex_attention(q, k, v, block_mask=windows[w], kernel_options=GLUON)
+        assert sm90.launches == before + 1
+        gold, _, _ = reference_attention(q.double(), k.double(), v.double(),
+                                         mask_mod=lambda b, h, qi, ki, w=w: (qi >= ki) & (qi - ki < w))
+        assert rel_err(out, gold) < 1e-2, f"window {w}"
+
+
 @pytest.mark.parametrize("variant, head_dim, gqa", [("causal", 128, False), ("document_mask", 64, False),
                                                     ("noop", 128, True)])
 def test_backward_after_the_gluon_forward(variant, head_dim, gqa):

@@ -105,14 +105,19 @@ def _timer(device: torch.device, rep_ms: float, min_reps: int) -> Callable[[Call
     return bench
 
 
-def _triton_backward_launches() -> Optional[int]:
-    """The Triton backward's launch counter (``flexattn.kernels.backward.launches``), None where it does not exist."""
-    try:
-        import flexattn.kernels.backward as backward_module
-    except ImportError:
-        return None
-    count = getattr(backward_module, "launches", None)
-    return count if isinstance(count, int) else None
+def _backward_launches() -> dict:
+    """The launch counters of flexattn's backward kernel families, by path: "GLUON" (the Hopper
+    kernels, flexattn.kernels.sm90_backward) and "TRITON" (the portable ones)."""
+    counts = {}
+    for path, module_name in (("GLUON", "flexattn.kernels.sm90_backward"), ("TRITON", "flexattn.kernels.backward")):
+        try:
+            module = __import__(module_name, fromlist=["launches"])
+        except ImportError:
+            continue
+        count = getattr(module, "launches", None)
+        if isinstance(count, int):
+            counts[path] = count
+    return counts
 
 
 def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -129,21 +134,22 @@ def _measure(impl: str, fn: Callable, q, k, v, dout, row: dict, bench, device, *
         out = fn()
         _sync(device)
         row[f"{impl}_first_fwd_s"] = round(time.perf_counter() - start, 3)
-        launches = _triton_backward_launches() if impl == "flexattn" else None
+        ours = impl.startswith("flexattn")
+        before = _backward_launches() if ours else {}
         start = time.perf_counter()
         grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         _sync(device)
         row[f"{impl}_first_bwd_s"] = round(time.perf_counter() - start, 3)
-        if impl == "flexattn":
-            after = _triton_backward_launches()
-            triton_ran = launches is not None and after is not None and after > launches
-            row["flexattn_bwd_backend"] = "TRITON" if triton_ran else "PYTORCH"
-            if not triton_ran and device.type == "cuda":
+        if ours:
+            after = _backward_launches()
+            ran = [path for path in after if after[path] > before.get(path, after[path])]
+            row[f"{impl}_bwd_backend"] = ran[0] if ran else "PYTORCH"
+            if not ran and device.type == "cuda":
                 time_backward = False
-                row["flexattn_bwd_error"] = (
-                    "the backward ran on the blockwise PyTorch path (flexattn.kernels.backward.launches did not move); not timed"
+                row[f"{impl}_bwd_error"] = (
+                    "the backward ran on the blockwise PyTorch path (no kernel family's launch counter moved); not timed"
                 )
-                print(f"!!! flexattn {row['variant']} d={row['D']}: {row['flexattn_bwd_error']}", flush=True)
+                print(f"!!! {impl} {row['variant']} d={row['D']}: {row[f'{impl}_bwd_error']}", flush=True)
         row[f"{impl}_fwd_ms"] = bench(fn)
         if time_backward:
             row[f"{impl}_bwd_ms"] = bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
@@ -241,12 +247,21 @@ def _run_case(name: str, B: int, H: int, L: int, D: int, dtype, device, options,
     results = {}
     ours = lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, kernel_options=options)  # noqa: E731
     results["flexattn"] = _measure("flexattn", ours, q, k, v, dout, row, bench, device)
+    if args.portable:  # flexattn pinned to its portable Triton kernels, forward and backward
+        portable = {**options, "BACKEND": "TRITON"}
+        pinned = lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,  # noqa: E731
+                                                 kernel_options=portable)
+        results["flexattn_portable"] = _measure("flexattn_portable", pinned, q, k, v, dout, row, bench, device)
     if torch_flex is not None:
         from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
         tbm = torch_create_block_mask(mask_mod, None, None, L, S, device=device) if mask_mod else None
         theirs = lambda: torch_flex(q, k, v, score_mod=score_mod, block_mask=tbm)  # noqa: E731
         results["torch_flex"] = _measure("torch_flex", theirs, q, k, v, dout, row, bench, device)
+        if args.torch_flash:  # torch's FlashAttention-4 (CuTe DSL) kernels from the same mods
+            flash = lambda: torch_flex(q, k, v, score_mod=score_mod, block_mask=tbm,  # noqa: E731
+                                       kernel_options={"BACKEND": "FLASH"})
+            results["torch_flash"] = _measure("torch_flash", flash, q, k, v, dout, row, bench, device)
     for backend in SDPA_BACKENDS:
         fn = sdpa_fn(name, q, k, v, backend)
         if fn is not None:
@@ -280,6 +295,10 @@ def _run_case(name: str, B: int, H: int, L: int, D: int, dtype, device, options,
         ours_ms = row.get(f"flexattn_{phase}_ms")
         row[f"{phase}_speedup_vs_torch_flex"] = _ratio(row.get(f"torch_flex_{phase}_ms"), ours_ms)
         row[f"{phase}_ratio_vs_cudnn"] = _ratio(row.get(f"sdpa_cudnn_{phase}_ms"), ours_ms)
+        if f"torch_flash_{phase}_ms" in row:
+            row[f"{phase}_ratio_vs_torch_flash"] = _ratio(row.get(f"torch_flash_{phase}_ms"), ours_ms)
+        if f"flexattn_portable_{phase}_ms" in row:
+            row[f"{phase}_ratio_vs_portable"] = _ratio(row.get(f"flexattn_portable_{phase}_ms"), ours_ms)
     problems = _check(row, args)
     row["grad_check"] = "ok" if not problems else problems
     for problem in problems:
@@ -303,6 +322,7 @@ def _markdown(rows: list[dict]) -> str:
         "| SDPA cuDNN bwd ms | flexattn / cuDNN bwd | fwd+bwd | SDPA flash bwd ms | max grad rel err vs torch | check |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    flash = any("torch_flash_bwd_ms" in r or "flexattn_portable_bwd_ms" in r for r in rows)
     for r in rows:
         err = r.get("grad_max_rel_err_vs_torch_flex")
         lines.append(
@@ -315,6 +335,20 @@ def _markdown(rows: list[dict]) -> str:
             f"| {ms(r.get('sdpa_flash_bwd_ms'))} | {f'{err:.1e}' if err is not None else '-'} "
             f"| {'ok' if r['grad_check'] == 'ok' else 'MISMATCH'} |"
         )
+    if flash:  # --portable / --torch-flash: the backward's paths side by side
+        lines += [
+            "",
+            "| variant | d | flexattn bwd (path) TFLOP/s | portable bwd TFLOP/s | torch FLASH bwd TFLOP/s "
+            "| x portable | x torch FLASH | x cuDNN |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['variant']} | {r['D']} | {tf(r.get('flexattn_bwd_tflops'))} ({r.get('flexattn_bwd_backend', '-')}) "
+                f"| {tf(r.get('flexattn_portable_bwd_tflops'))} | {tf(r.get('torch_flash_bwd_tflops'))} "
+                f"| {ratio(r.get('bwd_ratio_vs_portable'))} | {ratio(r.get('bwd_ratio_vs_torch_flash'))} "
+                f"| {ratio(r.get('bwd_ratio_vs_cudnn'))} |"
+            )
     return "\n".join(lines)
 
 
@@ -352,6 +386,10 @@ def main(argv=None) -> int:
                           help="flexattn's error against the float32 oracle may reach max(2x torch's, this)")
     parser.add_argument("--no-oracle", dest="oracle", action="store_false",
                           help="skip the float32 oracle on one (batch, head) slice")
+    parser.add_argument("--portable", action="store_true",
+                        help="also time flexattn pinned to its portable Triton kernels (BACKEND TRITON)")
+    parser.add_argument("--torch-flash", action="store_true",
+                        help="also time torch's flex_attention with BACKEND FLASH (FlashAttention-4 wheels needed)")
     parser.add_argument("--smoke", action="store_true",
                           help="tiny sizes (256 tokens, B1 H2 d32 unless given) that run on CPU under TRITON_INTERPRET=1")
     return run(parser.parse_args(argv))

@@ -14,7 +14,7 @@ from flexattn.kernels import backward_kernel, decode_kernel, forward_kernel
 from flexattn.lowering import index_bounds
 from flexattn.trace import trace_mod
 
-__all__ = ["KINDS", "kernel_source"]
+__all__ = ["KINDS", "kernel_source", "explain"]
 
 KINDS = ("forward", "backward", "decode")
 
@@ -30,3 +30,53 @@ def kernel_source(score_mod: Optional[Callable], mask_mod: Optional[Callable], B
     mask = trace_mod(mask_mod, "mask_mod")[0] if mask_mod is not None else None
     family = {"forward": forward_kernel, "backward": backward_kernel, "decode": decode_kernel}[kind]
     return family(score, mask, tanh_approx=tanh_approx).compiled(index_bounds(B, H, Q_LEN, KV_LEN)).source
+
+
+def explain(score_mod: Optional[Callable], mask_mod: Optional[Callable], B: int, H: int, Q_LEN: int, KV_LEN: int,
+            head_dim: int, dtype, device: str, *, decode_len: int = 1) -> list[tuple[str, str]]:
+    """``[(stage, what runs and why)]`` for a training call (forward and backward) and a decode call
+    of ``decode_len`` query rows, of these mods and sizes on ``device``: the choices a call makes, as
+    dispatch.py makes them (the FLEXATTN_DEBUG lines say the same per call). Builds the inputs and
+    the BlockMask; launches nothing."""
+    import math
+
+    import torch
+
+    from flexattn.dispatch import Call, choose_decode, pick_backend, sm90_backward_choice, sm90_forward_choice
+    from flexattn.masks import create_block_mask
+
+    q = torch.randn(B, H, Q_LEN, head_dim, dtype=dtype, device=device)
+    k, v = (torch.randn(B, H, KV_LEN, head_dim, dtype=dtype, device=device) for _ in range(2))
+    score = trace_mod(score_mod, "score_mod")[0] if score_mod is not None else None
+    block_mask = create_block_mask(mask_mod if mask_mod is not None else _everything, None, None, Q_LEN, KV_LEN,
+                                   device=device)
+    mask = trace_mod(block_mask.mask_mod, "mask_mod")[0] if mask_mod is not None else None
+    backend = pick_backend(q, {})
+    call = Call(backend, block_mask, 1.0 / math.sqrt(head_dim), score, mask, [], {}, torch.int32)
+    if backend == "PYTORCH":
+        why = ("AUTO runs CPU tensors on it (BACKEND='TRITON' under TRITON_INTERPRET=1 runs the portable Triton "
+               "kernels in Triton's interpreter; the Gluon kernels need a Hopper GPU)"
+               if q.device.type == "cpu" else "float64 has no tensor-core path")
+        portable = f"blockwise PyTorch: {why}"
+        return [("forward", portable), ("backward", portable), ("decode", portable)]
+    lines = []
+    for stage, choice, family in (("forward", sm90_forward_choice(call, q, k, v, need_max=False), "forward_sm90"),
+                                  ("backward", sm90_backward_choice(call, q, k, v), "backward_sm90")):
+        _, reason = choice
+        if reason is None:
+            lines.append((stage, f"Gluon Hopper kernels (templates/{family}.py.jinja)"))
+        else:
+            portable = family.split("_")[0]
+            lines.append((stage, f"portable Triton kernels (templates/{portable}.py.jinja); not Gluon: {reason}"))
+    short = q[:, :, :decode_len]
+    decode_mask = block_mask if decode_len > block_mask.BLOCK_SIZE[0] else create_block_mask(
+        mask_mod if mask_mod is not None else _everything, None, None, decode_len, KV_LEN, device=device)
+    if choose_decode(backend, {}, short, decode_mask, needs_grad=False, need_max=False) == "TRITON_DECODE":
+        lines.append(("decode", f"split-KV decode kernels (templates/decode.py.jinja) for {decode_len} query row(s)"))
+    else:
+        lines.append(("decode", f"the forward's kernels for {decode_len} query row(s)"))
+    return lines
+
+
+def _everything(b, h, q_idx, kv_idx):
+    return q_idx >= 0

@@ -216,6 +216,8 @@ def _cmd_kernel(args, parser) -> int:
     from flexattn.cli.kernel_source import kernel_source
 
     variant = _catalogue()[args.name]
+    if args.explain:
+        return _explain(variant, args)
     kind = "backward" if args.backward else "decode" if args.decode else "forward"
     if kind == "decode" and not variant.decode:
         parser.error(f"argument --decode: variant '{variant.name}' has no decoding form (its Variant.decode is "
@@ -228,6 +230,29 @@ def _cmd_kernel(args, parser) -> int:
     if inst.sinks is not None:
         print("# attention sinks are folded into the output outside the kernel, through its log-sum-exp")
     print(source, end="" if source.endswith("\n") else "\n")
+    return 0
+
+
+def _explain(variant, args) -> int:
+    import torch
+
+    from flexattn.cli.kernel_source import explain
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    B, H, L = 1, args.heads, args.seq
+    inst = variant.make(B, H, L, L, device)
+    where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    print(f"# flexattn kernel {variant.name} --explain: B={B} H={H} Q_LEN=KV_LEN={L} D={args.head_dim} {args.dtype} "
+          f"on {where} (torch {torch.__version__}, Triton {triton_version})")
+    for stage, choice in explain(inst.score_mod, inst.mask_mod, B, H, L, L, args.head_dim, getattr(torch, args.dtype),
+                                 device):
+        print(f"{stage:9s} {choice}")
     return 0
 
 
@@ -303,8 +328,14 @@ def build_parser() -> argparse.ArgumentParser:
     which = kernel.add_mutually_exclusive_group()
     which.add_argument("--backward", action="store_true", help="the backward kernels (dK/dV, dQ) instead")
     which.add_argument("--decode", action="store_true", help="the split-KV decoding kernels instead")
+    which.add_argument("--explain", action="store_true",
+                       help="which kernels a call takes on this machine (Gluon on Hopper, or the portable "
+                       "Triton ones, and why), for --seq, --heads, --head-dim and --dtype")
     kernel.add_argument("--seq", type=_seq_len, default=1024, metavar="N", help="Q_LEN = KV_LEN (default 1024)")
     kernel.add_argument("--heads", type=_positive_int, default=4, metavar="H", help="query heads (default 4)")
+    kernel.add_argument("--head-dim", type=_positive_int, default=128, metavar="D", help="--explain: head dim (default 128)")
+    kernel.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                        help="--explain: the inputs' dtype (default bfloat16)")
     kernel.set_defaults(run=_cmd_kernel)
 
     bench = commands.add_parser(

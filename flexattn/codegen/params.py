@@ -19,8 +19,9 @@ from typing import NamedTuple, Sequence
 
 __all__ = [
     "Group", "KernelParams", "mods_group", "FORWARD", "BACKWARD_PREPROCESS", "BACKWARD_DKDV", "BACKWARD_DQ",
-    "DECODE_PARTIAL", "DECODE_MERGE", "SM90_FORWARD", "KERNELS", "FORWARD_HELPERS", "BACKWARD_HELPERS",
-    "DECODE_HELPERS", "SM90_FORWARD_HELPERS", "TEMPLATE_GROUPS",
+    "DECODE_PARTIAL", "DECODE_MERGE", "SM90_FORWARD", "SM90_BACKWARD_DKDV", "SM90_BACKWARD_DQ", "KERNELS",
+    "FORWARD_HELPERS", "BACKWARD_HELPERS", "DECODE_HELPERS", "SM90_FORWARD_HELPERS", "SM90_BACKWARD_HELPERS",
+    "TEMPLATE_GROUPS",
 ]
 
 
@@ -270,11 +271,44 @@ SM90_FORWARD = KernelParams("flex_attention_forward_sm90", [
     _constexprs("OUTPUT_LSE"),
 ], doc="Hopper, Gluon: one program per 128 queries of one query head, a loader warp and two consumer warpgroups")
 
+_SM90_TILES = _constexprs("HEAD_DIM", "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "STAGES",
+                          "CONSUMER_REGS")
+
+SM90_BACKWARD_DKDV = KernelParams("flex_attention_backward_dkdv_sm90", [
+    _tensors("Q", "K", "V", "DO", "DK", "DV", doc="2-D tensor descriptors over each tensor's storage"),
+    _tensors("LSE", "DELTA"),
+    _tensors("Q_NUM_BLKS", "Q_IDX", "FULL_Q_NUM_BLKS", "FULL_Q_IDX", doc="the transposed tables"),
+    _scalars("row_qz", "row_qh", "col_qh", "row_kz", "row_kh", "col_kh", "row_vz", "row_vh", "col_vh",
+             "row_doz", "row_doh", "col_doh", "row_dkz", "row_dkh", "col_dkh",
+             doc="where a (batch, head)'s rows start in each descriptor (DK and DV share one layout)"),
+    _scalars("SPARSE_COLS", "IDX_ROWS", "FULL_IDX_ROWS"),
+    _scalars("Q_LEN", "SM_SCALE"),
+    _MODS,
+    _SPARSE_LAYOUT,
+    _SM90_TILES,
+    _MOD_FLAGS,
+], doc="Hopper, Gluon: one program per 128 keys of one key/value head, a loader warp and two consumer warpgroups")
+
+SM90_BACKWARD_DQ = KernelParams("flex_attention_backward_dq_sm90", [
+    _tensors("Q", "K", "V", "DO", "DQ", doc="2-D tensor descriptors over each tensor's storage"),
+    _tensors("LSE", "DELTA"),
+    _tensors("KV_NUM_BLKS", "KV_IDX", "FULL_KV_NUM_BLKS", "FULL_KV_IDX", doc="the BlockMask's forward tables"),
+    _scalars("row_qz", "row_qh", "col_qh", "row_kz", "row_kh", "col_kh", "row_vz", "row_vh", "col_vh",
+             "row_doz", "row_doh", "col_doh", doc="where a (batch, head)'s rows start in each descriptor"),
+    _scalars("SPARSE_ROWS", "IDX_COLS", "FULL_IDX_COLS"),
+    _scalars("Q_LEN", "SM_SCALE"),
+    _MODS,
+    _SPARSE_LAYOUT,
+    _SM90_TILES,
+    _MOD_FLAGS,
+], doc="Hopper, Gluon: one program per 128 queries of one query head, a loader warp and two consumer warpgroups")
+
 KERNELS = {
     "forward": (FORWARD,),
     "backward": (BACKWARD_PREPROCESS, BACKWARD_DKDV, BACKWARD_DQ),
     "decode": (DECODE_PARTIAL, DECODE_MERGE),
     "sm90_forward": (SM90_FORWARD,),
+    "sm90_backward": (BACKWARD_PREPROCESS, SM90_BACKWARD_DKDV, SM90_BACKWARD_DQ),
 }
 
 
@@ -377,6 +411,31 @@ SM90_FORWARD_HELPERS = _by_name(
             doc="the query length, the tiles, the ring's depth, whether the LSE is written"),
 )
 
+# The sm90 backward's partitions, one set of groups per kernel (passed by position, as above).
+_SM90_VIEWS = ("row_qz", "row_qh", "col_qh", "row_kz", "row_kh", "col_kh", "row_vz", "row_vh", "col_vh",
+               "row_doz", "row_doh", "col_doh")
+SM90_BACKWARD_HELPERS = _by_name(
+    _values("dkdv_ring", "q_smem", "do_smem", "k_smem", "v_smem", "lse_smem", "delta_smem", "kv_bar", "ready", "empty",
+            doc="dK/dV: the key tiles, the query-side ring (Q, dO, LSE, DELTA per slot) and its mbarriers"),
+    _values("dkdv_views", "Q", "K", "V", "DO", "DK", "DV", "LSE", "DELTA", *_SM90_VIEWS, "row_dkz", "row_dkh", "col_dkh",
+            doc="dK/dV: the descriptors and where a (batch, head) starts in them"),
+    _values("dkdv_tables", "off_z", "off_hkv", "start_n", "Q_NUM_BLKS", "Q_IDX", "FULL_Q_NUM_BLKS", "FULL_Q_IDX",
+            "SPARSE_COLS", "IDX_ROWS", "FULL_IDX_ROWS",
+            doc="dK/dV: the program's batch, head and key block, and the transposed tables"),
+    _values("dkdv_flags", "SM_SCALE", "Q_LEN", "HAS_SCORE_MOD", "SCALE_FIRST", "HAS_PARTIAL_BLOCKS",
+            "HAS_FULL_BLOCKS", "SPARSE_Z", "SPARSE_HQ", "GQA_GROUP", "SPARSE_Q_BLOCK_SIZE", "BLOCK_M", "BLOCK_N",
+            "HEAD_DIM", "STAGES", doc="dK/dV: the scale, the query length, which mods run, the tiles"),
+    _values("dq_ring", "q_bufs", "do_bufs", "k_smem", "v_smem", "q_bar", "k_ready", "v_ready", "k_empty", "v_empty",
+            doc="dQ: the Q and dO buffers, the K/V ring and their mbarriers"),
+    _values("dq_views", "Q", "K", "V", "DO", "DQ", "LSE", "DELTA", *_SM90_VIEWS,
+            doc="dQ: the descriptors and where a (batch, head) starts in them"),
+    _values("dq_tables", "off_z", "off_hq", "off_hkv", "start_m", "num_partial", "num_full", "partial_idx", "full_idx",
+            doc="dQ: the program's batch, heads and query block, and its row of the block tables"),
+    _values("dq_flags", "SM_SCALE", "Q_LEN", "HAS_SCORE_MOD", "SCALE_FIRST", "HAS_PARTIAL_BLOCKS",
+            "SPARSE_KV_BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "STAGES",
+            doc="dQ: the scale, the query length, which mods run, the tiles"),
+)
+
 # What codegen.render hands each family's template besides the mods: its kernels' declarations, by
 # their names above, and its helpers' groups.
 TEMPLATE_GROUPS = {
@@ -385,4 +444,6 @@ TEMPLATE_GROUPS = {
                      **BACKWARD_HELPERS),
     "decode": dict(DECODE_PARTIAL=DECODE_PARTIAL, DECODE_MERGE=DECODE_MERGE, **DECODE_HELPERS),
     "sm90_forward": dict(SM90_FORWARD=SM90_FORWARD, **SM90_FORWARD_HELPERS),
+    "sm90_backward": dict(BACKWARD_PREPROCESS=BACKWARD_PREPROCESS, SM90_BACKWARD_DKDV=SM90_BACKWARD_DKDV,
+                          SM90_BACKWARD_DQ=SM90_BACKWARD_DQ, **SM90_BACKWARD_HELPERS),
 }

@@ -79,6 +79,7 @@ FAMILIES = {
     "backward": ("backward.py.jinja", "flex_attention_backward", "bwd"),
     "decode": ("decode.py.jinja", "flex_attention_decode", "dec"),
     "sm90_forward": ("forward_sm90.py.jinja", "flex_attention_forward_sm90", "sm90"),
+    "sm90_backward": ("backward_sm90.py.jinja", "flex_attention_backward_sm90", "sm90bwd"),
 }
 
 
@@ -114,7 +115,7 @@ def render(spec: KernelSpec) -> str:
     # The backward's kernels hand the score_mod's gradient its parameters: the score_mod's (first),
     # then the gradient buffers of its trainable captured tensors.
     grad_params = mods_group(spec.score_grad.kernel_params if spec.score_grad else ())
-    kernel_mods = grad_params if spec.family == "backward" else score_params
+    kernel_mods = grad_params if spec.family in ("backward", "sm90_backward") else score_params
     source = _environment.get_template(template).render(
         kernel_name=kernel_name,
         description=f"score_mod={spec.score_name}, mask_mod={spec.mask_name}",

@@ -5,8 +5,8 @@ codegen -> kernels).
 ``configs`` (tiles, warps and stages per GPU, autotuning's store) and ``tables`` (what the kernels
 read from a BlockMask) stand on it; ``family`` is what every kernel family shares (compiled
 sources, plans, the launch loop with its resource fallback and replan rule); ``forward``,
-``backward`` and ``decode`` hold only what is their own; ``sm90`` is the Hopper forward in Gluon,
-taken where it applies.
+``backward`` and ``decode`` hold only what is their own; ``sm90`` and ``sm90_backward`` are the
+Hopper forward and backward in Gluon, taken where they apply.
 """
 
 from .backward import BackwardKernel, backward_kernel
@@ -15,9 +15,11 @@ from .forward import ForwardKernel, forward_kernel
 from .launch import interpreter_enabled
 from .sm90 import Sm90ForwardKernel, Sm90Unavailable, sm90_forward_kernel
 from .sm90 import auto_reason as sm90_auto_reason
+from .sm90_backward import Sm90BackwardKernel, sm90_backward_kernel
+from .sm90_backward import auto_reason as sm90_backward_auto_reason
 
 __all__ = [
     "BackwardKernel", "backward_kernel", "DecodeKernel", "decode_kernel", "MAX_AUTO_QUERY_LEN", "unsupported_reason",
     "ForwardKernel", "forward_kernel", "interpreter_enabled", "Sm90ForwardKernel", "Sm90Unavailable",
-    "sm90_forward_kernel", "sm90_auto_reason",
+    "sm90_forward_kernel", "sm90_auto_reason", "Sm90BackwardKernel", "sm90_backward_kernel", "sm90_backward_auto_reason",
 ]

@@ -194,7 +194,7 @@ class Sm90ForwardKernel(KernelFamily):
                 # The first launch compiles: a mod Gluon cannot express (or a kernel that does not
                 # fit) fails here, before anything ran. See [Note] Gluon spelling in codegen/source.py.
                 reason = (f"the Gluon kernel of {self._names()} did not compile ({type(err).__name__}: "
-                          f"{_last_line(err)})")
+                          f"{last_line(err)})")
                 B, Hq, L, _ = q.shape
                 self._failed[lowering_variants(self.score, self.mask, index_bounds(B, Hq, L, k.shape[2]))] = reason
                 raise Sm90Unavailable(reason) from err
@@ -223,7 +223,6 @@ class Sm90ForwardKernel(KernelFamily):
                     q.element_size())
 
     def _launch(self, plan: Plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse):
-        from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         B, Hq, L, E = q.shape
@@ -231,9 +230,7 @@ class Sm90ForwardKernel(KernelFamily):
         out = empty_output((B, Hq, L, E), q.dtype, q.device)
         lse = empty_output((B, Hq, L), torch.float32, q.device) if need_lse else out
         k_strides, v_strides = kv_strides(k, v, B)
-        element = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-        half = gl.NVMMASharedLayout.get_default_for([64, E], element)
-        tile = gl.NVMMASharedLayout.get_default_for([BLOCK, E], element)
+        half, tile = shared_layout(64, E, q.dtype), shared_layout(BLOCK, E, q.dtype)
         views = []
         descriptors = []
         for t, strides, rows, layout in ((q, q.stride(), 64, half), (k, k_strides, BLOCK, tile),
@@ -257,7 +254,17 @@ class Sm90ForwardKernel(KernelFamily):
         return out, (lse if need_lse else None)
 
 
-def _last_line(err: Exception) -> str:
+@functools.lru_cache(maxsize=None)
+def shared_layout(rows: int, cols: int, dtype: torch.dtype):
+    """The swizzled shared-memory layout of a [rows, cols] tile of ``dtype``, as the copy engine
+    writes it and warpgroup_mma reads it (12 us to work out each time, so kept)."""
+    from triton.experimental.gluon import language as gl
+
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], element)
+
+
+def last_line(err: Exception) -> str:
     """The compiler's own message: the last line of its error (the lines above quote the source)."""
     text = str(err).strip().splitlines()
     return text[-1][:200] if text else ""

@@ -1,0 +1,238 @@
+"""The Hopper (sm90) backward family: a dK/dV and a dQ kernel in Gluon per pair of traced mods
+(templates/backward_sm90.py.jinja), after the portable backward's preprocess (DELTA), and their
+launches.
+
+Warp-specialised like the sm90 forward (kernels/sm90.py): a loader warp feeds two consumer
+warpgroups through an mbarrier ring. dK/dV walks the BlockMask's transposed tables and dQ its
+forward tables, the same tables the portable backward walks (kernels/tables.py), with the same
+lowered mods and the score_mod's lowered gradient. Each output row is written by one program, no
+atomics, so the result does not depend on scheduling (bit-identical from run to run).
+
+It covers the common case; :func:`problem_reason` and ``Sm90BackwardKernel.unsupported_reason`` say
+why a call is outside it (learnable captured tensors, a broadcast key/value batch, context
+parallelism's float32 parts, anything the forward's reasons name), and dispatch.py then runs the
+portable backward, or raises when ``BACKEND='GLUON'`` pinned this one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from ..codegen import KernelSpec
+from ..codegen.params import BACKWARD_PREPROCESS, SM90_BACKWARD_DKDV, SM90_BACKWARD_DQ
+from ..lowering import index_bounds, lower_score_grad, lowering_variants
+from ..masks.layout import cdiv
+from ..trace import TracedMod
+from .family import KernelFamily, Plan, Step, cached_kernel
+from .launch import empty_output, kv_strides, launch, mod_launch_args
+from .sm90 import BLOCK, CONSUMER_REGS, Sm90Unavailable, last_line, shared_layout, tensor_view
+from .sm90 import problem_reason as forward_problem_reason
+from .tables import backward_tables, launch_tables
+
+__all__ = ["Sm90BackwardKernel", "sm90_backward_kernel", "problem_reason", "auto_reason", "launches"]
+
+launches = 0  # backward calls run by this family (tests check the Gluon path really ran)
+QUERY_TILE = 64  # dK/dV walks each listed 128-row query block as two tiles of 64 rows
+# Ring depths: dK/dV holds K and V (128 rows) and STAGES slots of Q and dO (64 rows); dQ holds Q and
+# dO (128 rows) and STAGES slots of K and V (128 rows). Both fit in 228 KB with these depths; one more
+# dK/dV stage at d=64 was 3% faster with a causal mask and 2% slower without one (H100).
+DKDV_STAGES = {64: 3, 128: 2}
+DQ_STAGES = {64: 4, 128: 2}
+PREPROCESS_ROWS = 64
+
+
+def problem_reason(q, k, v, block_mask, float32_kv_grads: bool = False) -> Optional[str]:
+    """Why the sm90 backward cannot run this problem (None: it can), whatever the mods."""
+    reason = forward_problem_reason(q, k, v, block_mask, need_max=False)
+    if reason is not None:
+        return reason
+    if k.shape[0] != q.shape[0]:
+        return "the Gluon backward needs a key/value batch equal to the queries' (no broadcast batch of 1)"
+    if float32_kv_grads:
+        return "the Gluon backward writes dK and dV in the inputs' dtype, not as float32 parts"
+    if q.shape[0] * q.shape[1] * q.shape[2] >= 2**31:
+        return "the Gluon backward indexes rows in 32 bits: batch x heads x length must stay under 2**31"
+    return None
+
+
+# AUTO's rule: the Gluon backward was faster than the portable one on 13 of the 14 paper cases (H100,
+# Triton 3.6, bf16, 16k tokens, docs/benchmarks.md): 1.11-1.29x at head dim 128 and 1.07-1.23x at
+# 64, but 0.97x with documents at head dim 64 (4.8 key blocks a row), where the fixed cost of a
+# warp-specialised program is paid over few tiles; sliding window (8.7 blocks a row) was 1.20x.
+AUTO_MIN_BLOCKS_D64 = 6
+
+
+def auto_reason(q, block_mask) -> Optional[str]:
+    """Why AUTO leaves an eligible call to the portable backward, measured faster there (None: it does not)."""
+    if q.shape[-1] == 64:
+        mean_blocks = launch_tables(block_mask).stats.mean_blocks
+        if mean_blocks < AUTO_MIN_BLOCKS_D64:
+            return (f"at head dim 64 the portable backward is faster on rows of few key blocks "
+                    f"({mean_blocks:.1f} on average, under {AUTO_MIN_BLOCKS_D64})")
+    return None
+
+
+class Sm90BackwardKernel(KernelFamily):
+    """The sm90 backward of one pair of traced mods: one compiled source per lowering variant, one
+    launch plan per problem (see [Note] Cache keys in kernels/family.py)."""
+
+    kind = "sm90_backward"
+
+    def __init__(self, score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool):
+        super().__init__(score, mask, tanh_approx=tanh_approx)
+        # Lowering variants whose kernels did not compile (a mod Gluon cannot express), and why.
+        self._failed: dict = {}
+
+    def _spec(self, variants: tuple) -> KernelSpec:
+        score_grad = None
+        if self.score is not None:
+            score_grad = lower_score_grad(self.score, prefix="sm_", tanh_approx=self.tanh_approx, variant=variants[0])
+        return replace(super()._spec(variants), score_grad=score_grad)
+
+    def unsupported_reason(self, q, k, v, block_mask, float32_kv_grads: bool = False) -> Optional[str]:
+        """Why this call cannot run here (None: it can): the problem's reason, or the mods'."""
+        reason = problem_reason(q, k, v, block_mask, float32_kv_grads)
+        if reason is not None:
+            return reason
+        B, Hq, L, _ = q.shape
+        bounds = index_bounds(B, Hq, L, k.shape[2])
+        failed = self._failed.get(lowering_variants(self.score, self.mask, bounds))
+        if failed is not None:
+            return failed
+        score_grad = self.compiled(bounds).spec.score_grad
+        if score_grad is not None and score_grad.trainable:
+            return ("the score_mod's captured tensors that require grad (learnable biases) get their gradients "
+                    "from the portable backward")
+        return None
+
+    def __call__(self, q, k, v, out, lse, grad_out, grad_lse, block_mask, scale: float, score_captured,
+                 mask_captured):
+        """``(dq, dk, dv, [None for each captured tensor])``; raises Sm90Unavailable when the kernels of
+        these mods do not compile (the caller checked ``unsupported_reason`` first, for everything else)."""
+        global launches
+        tables = launch_tables(block_mask)
+        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), grad_out.stride(), out.stride(),
+               q.dtype, q.device, tables.plan_key, scale > 0, grad_lse is not None)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(q, k, tables, scale, grad_lse is not None)
+            try:
+                result = self._launch(plan, q, k, v, out, lse, grad_out, grad_lse, block_mask, tables, scale,
+                                      score_captured, mask_captured)
+            except Exception as err:
+                if isinstance(err, torch.cuda.OutOfMemoryError):
+                    raise
+                # The first launch compiles: a mod Gluon cannot express fails here, before any
+                # output was handed back. See [Note] Gluon spelling in codegen/source.py.
+                reason = f"the Gluon backward of {self._names()} did not compile ({type(err).__name__}: {last_line(err)})"
+                B, Hq, L, _ = q.shape
+                self._failed[lowering_variants(self.score, self.mask, index_bounds(B, Hq, L, k.shape[2]))] = reason
+                raise Sm90Unavailable(reason) from err
+            self._remember_plan(key, plan)
+        else:
+            result = self._launch(plan, q, k, v, out, lse, grad_out, grad_lse, block_mask, tables, scale,
+                                  score_captured, mask_captured)
+        launches += 1
+        self.last_plan = plan
+        return result
+
+    def _plan(self, q, k, tables, scale, has_dlse) -> Plan:
+        B, Hq, L, E = q.shape
+        Hkv, S = k.shape[1], k.shape[2]
+        compiled = self.compiled(index_bounds(B, Hq, L, S))
+        common = dict(
+            SPARSE_Z=tables.kv_num_blocks.shape[0], SPARSE_HQ=tables.kv_num_blocks.shape[1], GQA_GROUP=Hq // Hkv,
+            HEAD_DIM=E, SPARSE_Q_BLOCK_SIZE=BLOCK, SPARSE_KV_BLOCK_SIZE=BLOCK, CONSUMER_REGS=CONSUMER_REGS,
+            HAS_SCORE_MOD=self.has_score_mod,
+            # The mods see the scaled score; the scale folds into the exp2 only when it is positive.
+            SCALE_FIRST=self.has_score_mod or scale <= 0,
+            HAS_PARTIAL_BLOCKS=self.has_mask_mod, HAS_FULL_BLOCKS=tables.has_full,
+            num_warps=4,  # the default partition: consumer warpgroup 0
+        )
+        dkdv = dict(common, BLOCK_M=QUERY_TILE, BLOCK_N=BLOCK, STAGES=DKDV_STAGES[E])
+        dq = dict(common, BLOCK_M=BLOCK, BLOCK_N=BLOCK, STAGES=DQ_STAGES[E])
+        SM90_BACKWARD_DKDV.check_constexprs(dkdv)
+        SM90_BACKWARD_DQ.check_constexprs(dq)
+        preprocess = dict(V_HEAD_DIM=E, V_HEAD_DIM_P2=E, BLOCK_M=PREPROCESS_ROWS, HAS_DLSE=has_dlse)
+        steps = {
+            "preprocess": Step(BACKWARD_PREPROCESS, (cdiv(L, PREPROCESS_ROWS), Hq, B), preprocess),
+            "dkdv": Step(SM90_BACKWARD_DKDV, (S // BLOCK, Hkv, B), dkdv),
+            "dq": Step(SM90_BACKWARD_DQ, (L // BLOCK, Hq, B), dq),
+        }
+        return Plan(compiled, steps, (L, S), q.element_size())
+
+    def _launch(self, plan: Plan, q, k, v, out, lse, grad_out, grad_lse, block_mask, tables, scale, score_captured,
+                mask_captured):
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        B, Hq, L, E = q.shape
+        Hkv, S = k.shape[1], k.shape[2]
+        module = plan.compiled
+
+        # -- preprocess: DELTA (the portable backward's kernel) ----
+        delta = empty_output((B, Hq, L), torch.float32, q.device)
+        dlse = grad_lse.contiguous().float() if grad_lse is not None else delta
+        pre = plan.steps["preprocess"]
+        launch(module.kernel(BACKWARD_PREPROCESS), pre.grid, BACKWARD_PREPROCESS.pack(
+            OUT=out, DO=grad_out, DLSE=dlse, DELTA=delta, stride_o=out.stride(), stride_do=grad_out.stride(), Q_LEN=L,
+        ), pre.constexprs)
+        lse = lse.contiguous()
+
+        # -- 2-D views and descriptors ([Note] 2-D views in templates/forward_sm90.py.jinja) ----
+        dq = empty_output((B, Hq, L, E), q.dtype, q.device)
+        dk = empty_output((B, Hkv, S, E), k.dtype, q.device)
+        dv = empty_output((B, Hkv, S, E), v.dtype, q.device)
+        k_strides, v_strides = kv_strides(k, v, B)
+        half, tile = shared_layout(QUERY_TILE, E, q.dtype), shared_layout(BLOCK, E, q.dtype)
+
+        def described(t, strides, rows, layout):
+            view = tensor_view(t, strides)
+            return view, TensorDescriptor(t, list(view.shape), [view.row_stride, 1], [rows, E], layout)
+
+        qv, q_rows = described(q, q.stride(), QUERY_TILE, half)
+        kv, k_tile = described(k, k_strides, BLOCK, tile)
+        vv, v_tile = described(v, v_strides, BLOCK, tile)
+        dov, do_rows = described(grad_out, grad_out.stride(), QUERY_TILE, half)
+        dkv, dk_rows = described(dk, dk.stride(), QUERY_TILE, half)
+        _, dv_rows = described(dv, dv.stride(), QUERY_TILE, half)
+        _, dq_rows = described(dq, dq.stride(), QUERY_TILE, half)
+        views = dict(row_qz=qv.row_z, row_qh=qv.row_h, col_qh=qv.col_h, row_kz=kv.row_z, row_kh=kv.row_h,
+                     col_kh=kv.col_h, row_vz=vv.row_z, row_vh=vv.row_h, col_vh=vv.col_h, row_doz=dov.row_z,
+                     row_doh=dov.row_h, col_doh=dov.col_h)
+        mods = mod_launch_args(score_captured if self.has_score_mod else (),
+                               mask_captured if self.has_mask_mod else ())
+
+        # -- dK/dV: the transposed tables ----
+        bwd = backward_tables(block_mask)
+        step = plan.steps["dkdv"]
+        module.kernel(SM90_BACKWARD_DKDV)[step.grid](*SM90_BACKWARD_DKDV.pack(
+            Q=q_rows, K=k_tile, V=v_tile, DO=do_rows, DK=dk_rows, DV=dv_rows, LSE=lse, DELTA=delta,
+            Q_NUM_BLKS=bwd.q_num_blocks, Q_IDX=bwd.q_indices, FULL_Q_NUM_BLKS=bwd.full_q_num_blocks,
+            FULL_Q_IDX=bwd.full_q_indices, **views, row_dkz=dkv.row_z, row_dkh=dkv.row_h, col_dkh=dkv.col_h,
+            SPARSE_COLS=bwd.q_num_blocks.shape[2], IDX_ROWS=bwd.q_indices.shape[3],
+            FULL_IDX_ROWS=bwd.full_q_indices.shape[3], Q_LEN=L, SM_SCALE=scale, mods=mods,
+        ), **step.constexprs)
+
+        # -- dQ: the forward tables ----
+        step = plan.steps["dq"]
+        module.kernel(SM90_BACKWARD_DQ)[step.grid](*SM90_BACKWARD_DQ.pack(
+            Q=q_rows, K=k_tile, V=v_tile, DO=do_rows, DQ=dq_rows, LSE=lse, DELTA=delta,
+            KV_NUM_BLKS=tables.kv_num_blocks, KV_IDX=tables.kv_indices, FULL_KV_NUM_BLKS=tables.full_kv_num_blocks,
+            FULL_KV_IDX=tables.full_kv_indices, **views, SPARSE_ROWS=tables.kv_num_blocks.shape[2],
+            IDX_COLS=tables.kv_indices.shape[3], FULL_IDX_COLS=tables.full_kv_indices.shape[3], Q_LEN=L,
+            SM_SCALE=scale, mods=mods,
+        ), **step.constexprs)
+        return dq, dk, dv, [None] * len(score_captured)
+
+
+_kernels: "OrderedDict[tuple, Sm90BackwardKernel]" = OrderedDict()  # see [Note] Cache keys in kernels/family.py
+
+
+def sm90_backward_kernel(score: Optional[TracedMod], mask: Optional[TracedMod], *,
+                         tanh_approx: bool = False) -> Sm90BackwardKernel:
+    """The sm90 backward for these traced mods, built on first use and kept (the latest 256)."""
+    return cached_kernel(_kernels, Sm90BackwardKernel, score, mask, tanh_approx)

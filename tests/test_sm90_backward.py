@@ -1,0 +1,200 @@
+"""The Hopper Gluon backward family (kernels/sm90_backward.py) without a GPU: its template renders
+for the catalogue's mods, its reasons for leaving a call to the portable backward, the options that
+pin either, a kernel that does not compile falling back, ``flexattn kernel --explain``, and (where
+Triton 3.6 and its ptxas are installed) the causal kernels compiled for sm90 offline.
+
+Gluon kernels do not run in Triton's interpreter: their numbers are checked in
+tests/test_gpu_sm90_backward.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_sm90 import _offline_compile_available, bhnd, causal
+
+import flexattn.dispatch as dispatch
+import flexattn.kernels.sm90_backward as sm90_backward
+from flexattn import create_block_mask
+from flexattn.cli.kernel_source import explain
+from flexattn.cli.main import main
+from flexattn.codegen import render
+from flexattn.codegen.params import BACKWARD_PREPROCESS, SM90_BACKWARD_DKDV, SM90_BACKWARD_DQ
+from flexattn.dispatch import Call
+from flexattn.errors import InvalidInputError
+from flexattn.lowering import index_bounds, lowering_variants
+from flexattn.trace import trace_mod
+from flexattn.variants import CATALOGUE
+
+L = 256
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def family(variant: str):
+    instance = CATALOGUE[variant].make(1, 2, L, L, "cpu")
+    score = trace_mod(instance.score_mod, "score_mod")[0] if instance.score_mod else None
+    mask = trace_mod(instance.mask_mod, "mask_mod")[0] if instance.mask_mod else None
+    return sm90_backward.Sm90BackwardKernel(score, mask, tanh_approx=True), instance
+
+
+@pytest.mark.parametrize("variant", sorted(CATALOGUE))
+def test_template_renders_for_the_catalogue(variant):
+    kernel, _ = family(variant)
+    source = render(kernel._spec(lowering_variants(kernel.score, kernel.mask, index_bounds(1, 2, L, L))))
+    compile(source, variant, "exec")  # valid Python
+    for params in (BACKWARD_PREPROCESS, SM90_BACKWARD_DKDV, SM90_BACKWARD_DQ):
+        assert f"def {params.name}(" in source
+    # The lowered lines reach the hooks in Gluon's spelling ([Note] Gluon spelling in codegen/source.py).
+    assert "tl.full(" not in source and "tl.zeros_like(" not in source
+
+
+def test_problem_reasons(monkeypatch):
+    bm = create_block_mask(causal, None, None, L, L, device="cpu")
+    q = bhnd()
+    assert "CUDA device" in sm90_backward.problem_reason(q, q, q, bm)
+    # Past the device (and the forward's other reasons), the backward's own.
+    monkeypatch.setattr(sm90_backward, "forward_problem_reason", lambda *args, **kwargs: None)
+    assert sm90_backward.problem_reason(q, q, q, bm) is None
+    one, two = bhnd(B=1), bhnd(B=2)
+    assert "broadcast" in sm90_backward.problem_reason(two, one, one, bm)
+    assert "float32" in sm90_backward.problem_reason(q, q, q, bm, float32_kv_grads=True)
+
+
+def test_learnable_tensors_take_the_portable_backward(monkeypatch):
+    monkeypatch.setattr(sm90_backward, "problem_reason", lambda *args: None)
+    q = bhnd()
+    learnable, instance = family("t5_bias")
+    bm = instance.block_mask(1, 2, L, L, "cpu")
+    assert "learnable" in learnable.unsupported_reason(q, q, q, bm)
+    fixed, instance = family("alibi")
+    assert fixed.unsupported_reason(q, q, q, instance.block_mask(1, 2, L, L, "cpu")) is None
+
+
+def test_auto_rule_keeps_few_block_rows_at_head_dim_64_portable():
+    def everything(b, h, q_idx, kv_idx):
+        return q_idx >= 0
+
+    few = create_block_mask(everything, None, None, 512, 512, device="cpu")  # 4 blocks a row
+    assert "few key blocks" in sm90_backward.auto_reason(bhnd(N=512), few)
+    assert sm90_backward.auto_reason(bhnd(N=512, D=128), few) is None
+    enough = create_block_mask(everything, None, None, 1024, 1024, device="cpu")  # 8 blocks a row
+    assert sm90_backward.auto_reason(bhnd(N=1024), enough) is None
+
+
+class _FailingKernel:
+    """A family whose kernels do not compile (what an unrenderable mod does on the GPU)."""
+
+    def unsupported_reason(self, *args):
+        return None
+
+    def __call__(self, *args, **kwargs):
+        raise sm90_backward.Sm90Unavailable("the Gluon backward of these mods did not compile (CompilationError: x)")
+
+
+def test_choices_and_a_kernel_that_does_not_compile(monkeypatch):
+    monkeypatch.setattr(dispatch, "sm90_backward_kernel", lambda *args, **kwargs: _FailingKernel())
+    monkeypatch.setattr(dispatch, "sm90_backward_auto_reason", lambda q, block_mask: None)
+    q = bhnd()
+    bm = create_block_mask(causal, None, None, L, L, device="cpu")
+    call = Call("TRITON", bm, 0.125, None, None, [], {}, torch.int32)
+    args = (q, q, q, q, torch.zeros(1, 2, L), q, None, [], False)
+    grads, note = dispatch._sm90_backward(call, *args)
+    assert grads is None and "did not compile" in note
+    with pytest.raises(InvalidInputError, match="BACKEND='GLUON' cannot run this call's backward: .*did not compile"):
+        dispatch._sm90_backward(call._replace(options={"BACKEND": "GLUON"}), *args)
+    kernel, reason = dispatch.sm90_backward_choice(call._replace(options={"BLOCK_M1": 32}), q, q, q)
+    assert kernel is None and "BLOCK_M1" in reason
+    kernel, reason = dispatch.sm90_backward_choice(call._replace(options={"BACKEND": "TRITON"}), q, q, q)
+    assert kernel is None and "BACKEND='TRITON'" in reason
+
+
+def test_the_family_remembers_kernels_that_did_not_compile(monkeypatch):
+    kernel, instance = family("document_mask")
+    q = bhnd()
+    bm = instance.block_mask(1, 2, L, L, "cpu")
+
+    def no_compile(*args, **kwargs):
+        raise RuntimeError("error: unsupported operation in Gluon")
+
+    monkeypatch.setattr(kernel, "_launch", no_compile)
+    monkeypatch.setattr(sm90_backward, "problem_reason", lambda *args: None)
+    with pytest.raises(sm90_backward.Sm90Unavailable, match="did not compile .*unsupported operation"):
+        kernel(q, q, q, q, torch.zeros(1, 2, L), q, None, bm, 0.125, [], [])
+    assert "unsupported operation" in kernel.unsupported_reason(q, q, q, bm)
+    assert not kernel._plans
+
+
+def test_explain_names_each_stage_and_why(monkeypatch):
+    score_mod, mask_mod = CATALOGUE["alibi"].build(1, 2, L, L, "cpu")
+    lines = dict(explain(score_mod, mask_mod, 1, 2, L, L, 64, torch.bfloat16, "cpu"))
+    assert set(lines) == {"forward", "backward", "decode"}
+    assert all("blockwise PyTorch" in choice for choice in lines.values())  # AUTO on CPU tensors
+    monkeypatch.setattr(dispatch, "pick_backend", lambda q, options: "TRITON")  # as on a GPU
+    lines = dict(explain(score_mod, mask_mod, 1, 2, L, L, 64, torch.bfloat16, "cpu"))
+    assert "templates/forward.py.jinja" in lines["forward"] and "CUDA device" in lines["forward"]
+    assert "templates/backward.py.jinja" in lines["backward"] and "CUDA device" in lines["backward"]
+
+
+def test_explain_on_the_command_line(capsys):
+    assert main(["kernel", "causal", "--explain", "--seq", "512", "--head-dim", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "--explain: B=1 H=4 Q_LEN=KV_LEN=512 D=64 bfloat16" in out
+    assert [line.split()[0] for line in out.splitlines()[1:]] == ["forward", "backward", "decode"]
+
+
+@pytest.mark.skipif(not _offline_compile_available(), reason="needs Triton 3.6 with its ptxas (offline sm90 compile)")
+def test_causal_kernels_compile_for_sm90_offline():
+    """The rendered causal dK/dV and dQ kernels through Triton's whole pipeline for sm90, in a
+    process of its own without TRITON_INTERPRET; about 10 s."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    code = "import test_sm90_backward; test_sm90_backward.compile_causal_offline()"
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == 2
+
+
+def compile_causal_offline():
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    kernel, _ = family("causal")
+    D = 64
+    rows = torch.empty(2 * L, D, dtype=torch.bfloat16)
+    descriptor = {r: TensorDescriptor(rows, [2 * L, D], [D, 1], [r, D],
+                                      gl.NVMMASharedLayout.get_default_for([r, D], gl.bfloat16)) for r in (64, 128)}
+    for params, block_m, stages in ((SM90_BACKWARD_DKDV, 64, sm90_backward.DKDV_STAGES[D]),
+                                    (SM90_BACKWARD_DQ, 128, sm90_backward.DQ_STAGES[D])):
+        constexprs = dict(SPARSE_Z=1, SPARSE_HQ=1, GQA_GROUP=1, HEAD_DIM=D, SPARSE_Q_BLOCK_SIZE=128,
+                          SPARSE_KV_BLOCK_SIZE=128, BLOCK_M=block_m, BLOCK_N=128, STAGES=stages,
+                          CONSUMER_REGS=240, HAS_SCORE_MOD=False, SCALE_FIRST=False,
+                          HAS_PARTIAL_BLOCKS=True, HAS_FULL_BLOCKS=True)
+        signature = {}
+        for name in params.names():
+            if name in constexprs:
+                signature[name] = "constexpr"
+            elif name in ("Q", "DO", "DQ", "DK", "DV", "K", "V"):
+                signature[name] = mangle_type(descriptor[128 if name in ("K", "V") else 64])
+            elif name in ("LSE", "DELTA"):
+                signature[name] = "*fp32"
+            elif name.endswith(("NUM_BLKS", "_IDX")):
+                signature[name] = "*i32"
+            else:
+                signature[name] = "fp32" if name == "SM_SCALE" else "i32"
+        compiled = triton.compile(GluonASTSource(kernel.compiled(None).kernel(params), signature, constexprs, {}),
+                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        assert len(re.findall(r"wgmma\.mma_async", compiled.asm["ptx"])) > 0
+        assert compiled.metadata.shared <= 227 * 1024
+        print("compiled")
