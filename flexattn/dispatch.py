@@ -210,39 +210,59 @@ def sm90_forward_choice(call: Call, q, k, v, need_max: bool):
     """``(kernel, reason)``: the Hopper Gluon forward family of the call's mods and why this call
     cannot or should not take it (None: it takes it). ``kernel`` is None when the options rule it
     out before any family is built (nothing about the kernel is asked then)."""
+    def reason(kernel):
+        return (kernel.unsupported_reason(q, k, v, call.block_mask, need_max),
+                lambda: sm90_auto_reason(q, call.block_mask, call.score is not None))
+
+    return _gluon_choice(call, q, "forward", _PORTABLE_TUNING, sm90_forward_kernel, reason)
+
+
+def _gluon_choice(call: Call, q, stage: str, portable_tuning: frozenset, family, reasons):
+    """The choice both sm90_*_choice make: the options first (``BACKEND='TRITON'``, or a tile option
+    of the portable ``stage`` without ``BACKEND='GLUON'``), then ``reasons(kernel)``: why this call
+    cannot take the family's kernels, and (a callable) why AUTO would not, asked unless pinned."""
     pinned = call.options.get("BACKEND") == "GLUON"
     if call.options.get("BACKEND") == "TRITON":
         return None, "kernel_options BACKEND='TRITON' pins the portable kernels"
-    tuning = sorted(_PORTABLE_TUNING & call.options.keys())
+    tuning = sorted(portable_tuning & call.options.keys())
     if tuning and not pinned:
-        return None, f"kernel_options {', '.join(tuning)} tune the portable forward"
-    kernel = sm90_forward_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
-    reason = kernel.unsupported_reason(q, k, v, call.block_mask, need_max)
+        return None, f"kernel_options {', '.join(tuning)} tune the portable {stage}"
+    kernel = family(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
+    reason, auto_reason = reasons(kernel)
     if reason is None and not pinned:
-        reason = sm90_auto_reason(q, call.block_mask, call.score is not None)
+        reason = auto_reason()
     return kernel, reason
 
 
 def _sm90_forward(call: Call, q, k, v, score_captured, need_lse, need_max):
     """``(result or None, note)``: the Hopper Gluon forward's result where it applies; else None and,
     for the debug report, why not. With ``BACKEND='GLUON'`` the reason is an error instead. Its
-    out and LSE are the portable forward's (same conventions), so the Triton backward follows."""
-    pinned = call.options.get("BACKEND") == "GLUON"
-    kernel, reason = sm90_forward_choice(call, q, k, v, need_max)
-    if kernel is None:
-        return None, f"not GLUON ({reason}); "
-    if reason is None:
+    out and LSE are the portable forward's (same conventions), so either backward follows."""
+    def run(kernel):
+        out, lse = kernel(q, k, v, call.block_mask, call.scale, score_captured, call.mask_captured, need_lse=need_lse)
+        return out, lse, None
+
+    return _run_gluon("forward", call, q, k, v, sm90_forward_choice(call, q, k, v, need_max), run)
+
+
+def _run_gluon(stage: str, call: Call, q, k, v, choice, run):
+    """``(result or None, note)`` of a Gluon family's ``choice`` (``(kernel, reason)``): ``run(kernel)``
+    where the reason is None; else None and, for the debug report, why not. A kernel that does not
+    compile is remembered by its family and falls back the same way. With ``BACKEND='GLUON'`` every
+    reason is an error instead."""
+    kernel, reason = choice
+    if kernel is not None and reason is None:
         try:
-            out, lse = kernel(q, k, v, call.block_mask, call.scale, score_captured, call.mask_captured,
-                              need_lse=need_lse)
-        except Sm90Unavailable as err:  # the mods' kernel did not compile: remembered, not retried
+            result = run(kernel)
+        except Sm90Unavailable as err:  # the mods' kernels did not compile: remembered, not retried
             reason = str(err)
         else:
             if _DEBUG:
-                _debug_report("forward", call._replace(backend="GLUON"), q, k, v, _kernel_plan(kernel.last_plan))
-            return (out, lse, None), ""
-    if pinned:
-        raise InvalidInputError(f"kernel_options BACKEND='GLUON' cannot run this call: {reason}")
+                _debug_report(stage, call._replace(backend="GLUON"), q, k, v, _kernel_plan(kernel.last_plan))
+            return result, ""
+    if call.options.get("BACKEND") == "GLUON":
+        what = "this call" if stage == "forward" else f"this call's {stage}"
+        raise InvalidInputError(f"kernel_options BACKEND='GLUON' cannot run {what}: {reason}")
     return None, f"not GLUON ({reason}); "
 
 
@@ -253,39 +273,21 @@ _PORTABLE_BACKWARD_TUNING = frozenset({"BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOC
 
 def sm90_backward_choice(call: Call, q, k, v, float32_kv_grads: bool = False):
     """``(kernel, reason)`` for the backward, as sm90_forward_choice is for the forward."""
-    pinned = call.options.get("BACKEND") == "GLUON"
-    if call.options.get("BACKEND") == "TRITON":
-        return None, "kernel_options BACKEND='TRITON' pins the portable kernels"
-    tuning = sorted(_PORTABLE_BACKWARD_TUNING & call.options.keys())
-    if tuning and not pinned:
-        return None, f"kernel_options {', '.join(tuning)} tune the portable backward"
-    kernel = sm90_backward_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
-    reason = kernel.unsupported_reason(q, k, v, call.block_mask, float32_kv_grads)
-    if reason is None and not pinned:
-        reason = sm90_backward_auto_reason(q, call.block_mask)
-    return kernel, reason
+    def reason(kernel):
+        return (kernel.unsupported_reason(q, k, v, call.block_mask, float32_kv_grads),
+                lambda: sm90_backward_auto_reason(q, call.block_mask))
+
+    return _gluon_choice(call, q, "backward", _PORTABLE_BACKWARD_TUNING, sm90_backward_kernel, reason)
 
 
 def _sm90_backward(call: Call, q, k, v, out, lse, grad_out, grad_lse, score_captured, float32_kv_grads):
     """``(grads or None, note)``: the Hopper Gluon backward's gradients where it applies; else None
     and, for the debug report, why not. With ``BACKEND='GLUON'`` the reason is an error instead."""
-    pinned = call.options.get("BACKEND") == "GLUON"
-    kernel, reason = sm90_backward_choice(call, q, k, v, float32_kv_grads)
-    if kernel is None:
-        return None, f"not GLUON ({reason}); "
-    if reason is None:
-        try:
-            grads = kernel(q, k, v, out, lse, grad_out, grad_lse, call.block_mask, call.scale, score_captured,
-                           call.mask_captured)
-        except Sm90Unavailable as err:  # the mods' kernels did not compile: remembered, not retried
-            reason = str(err)
-        else:
-            if _DEBUG:
-                _debug_report("backward", call._replace(backend="GLUON"), q, k, v, _kernel_plan(kernel.last_plan))
-            return grads, ""
-    if pinned:
-        raise InvalidInputError(f"kernel_options BACKEND='GLUON' cannot run this call's backward: {reason}")
-    return None, f"not GLUON ({reason}); "
+    def run(kernel):
+        return kernel(q, k, v, out, lse, grad_out, grad_lse, call.block_mask, call.scale, score_captured,
+                      call.mask_captured)
+
+    return _run_gluon("backward", call, q, k, v, sm90_backward_choice(call, q, k, v, float32_kv_grads), run)
 
 
 def prepare_backward(call: Call, q, k) -> None:

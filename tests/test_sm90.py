@@ -249,3 +249,49 @@ def compile_causal_offline():
     assert len(re.findall(r"wgmma\.mma_async", compiled.asm["ptx"])) > 0
     assert compiled.metadata.shared <= 227 * 1024
     print("compiled")
+
+
+def test_a_plan_is_made_once_and_kept(monkeypatch):
+    # The launch path without a GPU: _launch stands in for the kernel (see test_sm90_backward.py).
+    kernel, instance = family("causal")
+    q = bhnd()
+    monkeypatch.setattr(sm90, "problem_reason", lambda *args: None)
+    launched = []
+
+    def fake_launch(plan, *args):
+        launched.append(plan)
+        return "out", "lse"
+
+    monkeypatch.setattr(kernel, "_launch", fake_launch)
+    bm = instance.block_mask(1, 2, L, L, "cpu")
+    before = sm90.launches
+    for _ in range(2):
+        assert kernel(q, q, q, bm, 0.125, [], [], need_lse=True) == ("out", "lse")
+    assert launched[0] is launched[1] and len(kernel._plans) == 1
+    assert sm90.launches == before + 2 and kernel.last_plan is launched[0]
+    assert launched[0].steps["forward"].grid == (L // 128, 2, 1)
+
+
+def test_the_launcher_packs_what_the_kernel_declares(monkeypatch):
+    # The real launcher on CPU tensors, the Gluon kernel recorded (see test_sm90_backward.py).
+    from test_sm90_backward import _Recorder
+
+    from flexattn.kernels.family import CompiledKernel
+
+    calls = []
+    monkeypatch.setattr(CompiledKernel, "kernel", lambda self, params: _Recorder(params, calls))
+    monkeypatch.setattr(sm90, "problem_reason", lambda *args: None)
+    kernel, instance = family("alibi")
+    B, H, E = 2, 2, 64
+    q = torch.randn(B, L, H, E, dtype=torch.bfloat16).transpose(1, 2)  # heads side by side in a row
+    k, v = (torch.randn(B, H, L, E, dtype=torch.bfloat16) for _ in range(2))
+    score_captured = trace_mod(instance.score_mod, "score_mod")[1]
+    out, lse = kernel(q, k, v, instance.block_mask(B, H, L, L, "cpu"), 0.125, score_captured, [], need_lse=True)
+    assert out.shape == q.shape and lse.shape == (B, H, L)
+    [(params, grid, args, constexprs)] = calls
+    assert params is SM90_FORWARD and grid == kernel.last_plan.steps["forward"].grid
+    assert len(args) == SM90_FORWARD.argument_count(len(kernel.compiled(None).spec.score_mod.kernel_params))
+    SM90_FORWARD.check_constexprs(constexprs)
+    by_name = dict(zip((n for g in SM90_FORWARD.runtime if g.kind != "mods" for n in g.expanded()), args))
+    assert (by_name["row_qz"], by_name["row_qh"], by_name["col_qh"]) == (L, 0, E)
+    assert (by_name["row_kz"], by_name["row_kh"], by_name["col_kh"]) == (H * L, L, 0)

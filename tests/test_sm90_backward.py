@@ -198,3 +198,74 @@ def compile_causal_offline():
         assert len(re.findall(r"wgmma\.mma_async", compiled.asm["ptx"])) > 0
         assert compiled.metadata.shared <= 227 * 1024
         print("compiled")
+
+
+def test_a_plan_is_made_once_and_kept(monkeypatch):
+    # The launch path without a GPU: _launch stands in for the kernels; the first call plans and
+    # keeps the plan, the second reuses it, a mask of other content gets its own.
+    kernel, instance = family("causal")
+    q = bhnd()
+    monkeypatch.setattr(sm90_backward, "problem_reason", lambda *args: None)
+    launched = []
+
+    def fake_launch(plan, *args):
+        launched.append(plan)
+        return "grads"
+
+    monkeypatch.setattr(kernel, "_launch", fake_launch)
+    bm = instance.block_mask(1, 2, L, L, "cpu")
+    before = sm90_backward.launches
+    for _ in range(2):
+        assert kernel(q, q, q, q, torch.zeros(1, 2, L), q, None, bm, 0.125, [], []) == "grads"
+    assert launched[0] is launched[1] and len(kernel._plans) == 1
+    assert sm90_backward.launches == before + 2 and kernel.last_plan is launched[0]
+    steps = launched[0].steps
+    assert steps["dkdv"].grid == (L // 128, 2, 1) and steps["dq"].grid == (L // 128, 2, 1)
+    assert steps["dkdv"].constexprs["BLOCK_M"] == 64 and steps["dq"].constexprs["BLOCK_M"] == 128
+    window = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (qi - ki < 64), None, None, L, L, device="cpu")
+    kernel(q, q, q, q, torch.zeros(1, 2, L), q, None, window, 0.125, [], [])
+    assert len(kernel._plans) == 2
+
+
+class _Recorder:
+    """Stands in for a Gluon kernel: records each launch's grid, arguments and constexprs."""
+
+    def __init__(self, params, calls):
+        self.params, self.calls = params, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **constexprs: self.calls.append((self.params, grid, args, constexprs))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+                    reason="the preprocess kernel runs in Triton's interpreter on CPU tensors")
+def test_the_launcher_packs_what_the_kernels_declare(monkeypatch):
+    # The real launcher on CPU tensors: the portable preprocess runs (interpreter), the two Gluon
+    # kernels are recorded: as many arguments as their declarations take, their plan's constexprs,
+    # and the 2-D views of [B, H, N, D] storage.
+    from flexattn.kernels.family import CompiledKernel
+
+    calls = []
+    real_kernel = CompiledKernel.kernel
+    monkeypatch.setattr(CompiledKernel, "kernel", lambda self, params: (
+        real_kernel(self, params) if params is BACKWARD_PREPROCESS else _Recorder(params, calls)))
+    monkeypatch.setattr(sm90_backward, "problem_reason", lambda *args: None)
+    kernel, instance = family("alibi")
+    B, H, E = 2, 2, 64
+    q, k, v, out, grad_out = (torch.randn(B, H, L, E, dtype=torch.bfloat16) for _ in range(5))
+    lse = torch.randn(B, H, L)
+    bm = instance.block_mask(B, H, L, L, "cpu")
+    score_captured = trace_mod(instance.score_mod, "score_mod")[1]  # ALiBi's slopes
+    assert len(score_captured) == 1
+    dq, dk, dv, captured = kernel(q, k, v, out, lse, grad_out, None, bm, 0.125, score_captured, [])
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and captured == [None]
+    plan = kernel.last_plan
+    assert [(params, grid) for params, grid, _, _ in calls] == [
+        (SM90_BACKWARD_DKDV, plan.steps["dkdv"].grid), (SM90_BACKWARD_DQ, plan.steps["dq"].grid)]
+    mods = len(kernel.compiled(None).spec.score_grad.kernel_params)  # the slopes and their stride
+    for params, _, args, constexprs in calls:
+        assert len(args) == params.argument_count(mods)
+        params.check_constexprs(constexprs)
+        by_name = dict(zip((n for g in params.runtime if g.kind != "mods" for n in g.expanded()), args))
+        assert (by_name["row_qz"], by_name["row_qh"], by_name["col_qh"]) == (H * L, L, 0)
+        assert by_name["Q_LEN"] == L and by_name["SM_SCALE"] == 0.125

@@ -46,7 +46,7 @@ from .launch import empty_output, interpreter_enabled, kv_strides, launch, mod_l
 from .tables import backward_tables, launch_tables
 from .tma import install_tma_allocator, tma_compatible
 
-__all__ = ["BackwardKernel", "backward_kernel", "launches"]
+__all__ = ["BackwardKernel", "backward_kernel", "preprocess_delta", "launches"]
 
 launches = 0  # Triton backward calls in this process (tests check that the kernels, not a fallback, ran)
 
@@ -126,13 +126,7 @@ class BackwardKernel(KernelFamily):
         if plan.constexprs("dkdv")["USE_TMA"]:
             install_tma_allocator()  # this thread's: autograd runs the backward in a worker thread
 
-        # -- preprocess: DELTA ----
-        delta = empty_output((B, Hq, L), torch.float32, q.device)
-        dlse = grad_lse.contiguous().float() if grad_lse is not None else delta
-        pre = plan.steps["preprocess"]
-        launch(module.kernel(BACKWARD_PREPROCESS), pre.grid, BACKWARD_PREPROCESS.pack(
-            OUT=out, DO=grad_out, DLSE=dlse, DELTA=delta, stride_o=out.stride(), stride_do=grad_out.stride(), Q_LEN=L,
-        ), pre.constexprs)
+        delta = preprocess_delta(module, plan.steps["preprocess"], out, grad_out, grad_lse)
 
         # -- captured tensors and their gradient buffers ----
         trainable = plan.compiled.spec.score_grad.trainable if plan.compiled.spec.score_grad else ()
@@ -326,6 +320,19 @@ class BackwardKernel(KernelFamily):
         best = min(timings, key=lambda t: t[0])[1] if timings else default
         tuned_configs.put_entry(key, dict(best.__dict__))
         return best
+
+
+def preprocess_delta(module, step: Step, out: torch.Tensor, grad_out: torch.Tensor,
+                     grad_lse: Optional[torch.Tensor]) -> torch.Tensor:
+    """DELTA = rowsum(dO * O) - dLSE, a contiguous [B, H, L] float32 buffer, by the preprocess kernel
+    of ``module`` (templates/backward_preprocess.py.jinja; the sm90 backward runs it too)."""
+    B, Hq, L = out.shape[:3]
+    delta = empty_output((B, Hq, L), torch.float32, out.device)
+    dlse = grad_lse.contiguous().float() if grad_lse is not None else delta
+    launch(module.kernel(BACKWARD_PREPROCESS), step.grid, BACKWARD_PREPROCESS.pack(
+        OUT=out, DO=grad_out, DLSE=dlse, DELTA=delta, stride_o=out.stride(), stride_do=grad_out.stride(), Q_LEN=L,
+    ), step.constexprs)
+    return delta
 
 
 # Gradient slots of the deterministic backward: one per program when they fit this many bytes (per

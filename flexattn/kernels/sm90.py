@@ -25,7 +25,7 @@ from .family import KernelFamily, Plan, Step, cached_kernel
 from .launch import empty_output, interpreter_enabled, kv_strides, mod_launch_args
 from .tables import launch_tables
 
-__all__ = ["Sm90ForwardKernel", "Sm90Unavailable", "sm90_forward_kernel", "problem_reason",
+__all__ = ["Sm90ForwardKernel", "GluonFamily", "Sm90Unavailable", "sm90_forward_kernel", "problem_reason",
            "device_reason", "shape_reason", "auto_reason", "GLUON_TRITON_VERSIONS", "launches"]
 
 # The Triton releases whose Gluon API (warp_specialize's signature, the Hopper copy and mbarrier
@@ -154,25 +154,51 @@ def auto_reason(q, block_mask, has_score_mod: bool = False) -> Optional[str]:
     return None
 
 
-class Sm90ForwardKernel(KernelFamily):
+class GluonFamily(KernelFamily):
+    """What the Gluon families share: a lowering variant whose kernels did not compile (a mod Gluon
+    cannot express, or kernels that do not fit) is remembered with its reason, so later calls go to
+    the portable kernels without trying again; the first launch of a plan is where that shows."""
+
+    what = "kernel"  # how the error names the family's kernels
+
+    def __init__(self, score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool):
+        super().__init__(score, mask, tanh_approx=tanh_approx)
+        self._failed: dict = {}  # lowering variants -> why their kernels did not compile
+
+    def _variants(self, q, k) -> tuple:
+        B, Hq, L, _ = q.shape
+        return lowering_variants(self.score, self.mask, index_bounds(B, Hq, L, k.shape[2]))
+
+    def _failed_reason(self, q, k) -> Optional[str]:
+        return self._failed.get(self._variants(q, k)) if self._failed else None
+
+    def _first_launch(self, key: tuple, q, k, make_plan, launch):
+        """``(plan, launch(plan))`` for a problem seen for the first time; the plan is kept once its
+        launch (which compiles) succeeded. Raises Sm90Unavailable, and remembers why, when it fails."""
+        plan = make_plan()
+        try:
+            result = launch(plan)
+        except Exception as err:
+            if isinstance(err, torch.cuda.OutOfMemoryError):
+                raise
+            # See [Note] Gluon spelling in codegen/source.py.
+            reason = (f"the Gluon {self.what} of {self._names()} did not compile ({type(err).__name__}: "
+                      f"{last_line(err)})")
+            self._failed[self._variants(q, k)] = reason
+            raise Sm90Unavailable(reason) from err
+        self._remember_plan(key, plan)
+        return plan, result
+
+
+class Sm90ForwardKernel(GluonFamily):
     """The sm90 forward of one pair of traced mods: one compiled source per lowering variant, one
     launch plan per problem (see [Note] Cache keys in kernels/family.py)."""
 
     kind = "sm90_forward"
 
-    def __init__(self, score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool):
-        super().__init__(score, mask, tanh_approx=tanh_approx)
-        # Lowering variants whose kernel did not compile (a mod Gluon cannot express), and why:
-        # remembered, so later calls go to the portable forward without trying again.
-        self._failed: dict = {}
-
     def unsupported_reason(self, q, k, v, block_mask, need_max: bool) -> Optional[str]:
         """Why this call cannot run here (None: it can): the problem's reason, or the mods'."""
-        reason = problem_reason(q, k, v, block_mask, need_max)
-        if reason is None and self._failed:
-            B, Hq, L, _ = q.shape
-            reason = self._failed.get(lowering_variants(self.score, self.mask, index_bounds(B, Hq, L, k.shape[2])))
-        return reason
+        return problem_reason(q, k, v, block_mask, need_max) or self._failed_reason(q, k)
 
     def __call__(self, q, k, v, block_mask, scale: float, score_captured, mask_captured, *, need_lse: bool):
         """``(out, lse or None)``; raises Sm90Unavailable when the kernel of these mods does not compile
@@ -181,24 +207,15 @@ class Sm90ForwardKernel(KernelFamily):
         tables = launch_tables(block_mask)
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
                tables.plan_key, need_lse, scale > 0)
+
+        def launch(plan: Plan):
+            return self._launch(plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse)
+
         plan = self._plans.get(key)
-        if plan is not None:
-            result = self._launch(plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse)
+        if plan is None:
+            plan, result = self._first_launch(key, q, k, lambda: self._plan(q, k, v, tables, scale, need_lse), launch)
         else:
-            try:
-                plan = self._plan(q, k, v, tables, scale, need_lse)
-                result = self._launch(plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse)
-            except Exception as err:
-                if isinstance(err, torch.cuda.OutOfMemoryError):
-                    raise
-                # The first launch compiles: a mod Gluon cannot express (or a kernel that does not
-                # fit) fails here, before anything ran. See [Note] Gluon spelling in codegen/source.py.
-                reason = (f"the Gluon kernel of {self._names()} did not compile ({type(err).__name__}: "
-                          f"{last_line(err)})")
-                B, Hq, L, _ = q.shape
-                self._failed[lowering_variants(self.score, self.mask, index_bounds(B, Hq, L, k.shape[2]))] = reason
-                raise Sm90Unavailable(reason) from err
-            self._remember_plan(key, plan)
+            result = launch(plan)
         launches += 1
         self.last_plan = plan
         return result

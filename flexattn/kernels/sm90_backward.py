@@ -24,16 +24,17 @@ import torch
 
 from ..codegen import KernelSpec
 from ..codegen.params import BACKWARD_PREPROCESS, SM90_BACKWARD_DKDV, SM90_BACKWARD_DQ
-from ..lowering import index_bounds, lower_score_grad, lowering_variants
+from ..lowering import index_bounds, lower_score_grad
 from ..masks.layout import cdiv
 from ..trace import TracedMod
-from .family import KernelFamily, Plan, Step, cached_kernel
-from .launch import empty_output, kv_strides, launch, mod_launch_args
-from .sm90 import BLOCK, CONSUMER_REGS, Sm90Unavailable, last_line, shared_layout, tensor_view
+from .family import Plan, Step, cached_kernel
+from .backward import preprocess_delta
+from .launch import empty_output, kv_strides, mod_launch_args
+from .sm90 import BLOCK, CONSUMER_REGS, GluonFamily, Sm90Unavailable, shared_layout, tensor_view
 from .sm90 import problem_reason as forward_problem_reason
 from .tables import backward_tables, launch_tables
 
-__all__ = ["Sm90BackwardKernel", "sm90_backward_kernel", "problem_reason", "auto_reason", "launches"]
+__all__ = ["Sm90BackwardKernel", "Sm90Unavailable", "sm90_backward_kernel", "problem_reason", "auto_reason", "launches"]
 
 launches = 0  # backward calls run by this family (tests check the Gluon path really ran)
 QUERY_TILE = 64  # dK/dV walks each listed 128-row query block as two tiles of 64 rows
@@ -76,16 +77,12 @@ def auto_reason(q, block_mask) -> Optional[str]:
     return None
 
 
-class Sm90BackwardKernel(KernelFamily):
+class Sm90BackwardKernel(GluonFamily):
     """The sm90 backward of one pair of traced mods: one compiled source per lowering variant, one
     launch plan per problem (see [Note] Cache keys in kernels/family.py)."""
 
     kind = "sm90_backward"
-
-    def __init__(self, score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool):
-        super().__init__(score, mask, tanh_approx=tanh_approx)
-        # Lowering variants whose kernels did not compile (a mod Gluon cannot express), and why.
-        self._failed: dict = {}
+    what = "backward"
 
     def _spec(self, variants: tuple) -> KernelSpec:
         score_grad = None
@@ -95,15 +92,11 @@ class Sm90BackwardKernel(KernelFamily):
 
     def unsupported_reason(self, q, k, v, block_mask, float32_kv_grads: bool = False) -> Optional[str]:
         """Why this call cannot run here (None: it can): the problem's reason, or the mods'."""
-        reason = problem_reason(q, k, v, block_mask, float32_kv_grads)
+        reason = problem_reason(q, k, v, block_mask, float32_kv_grads) or self._failed_reason(q, k)
         if reason is not None:
             return reason
         B, Hq, L, _ = q.shape
-        bounds = index_bounds(B, Hq, L, k.shape[2])
-        failed = self._failed.get(lowering_variants(self.score, self.mask, bounds))
-        if failed is not None:
-            return failed
-        score_grad = self.compiled(bounds).spec.score_grad
+        score_grad = self.compiled(index_bounds(B, Hq, L, k.shape[2])).spec.score_grad
         if score_grad is not None and score_grad.trainable:
             return ("the score_mod's captured tensors that require grad (learnable biases) get their gradients "
                     "from the portable backward")
@@ -117,25 +110,17 @@ class Sm90BackwardKernel(KernelFamily):
         tables = launch_tables(block_mask)
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), grad_out.stride(), out.stride(),
                q.dtype, q.device, tables.plan_key, scale > 0, grad_lse is not None)
+
+        def launch(plan: Plan):
+            return self._launch(plan, q, k, v, out, lse, grad_out, grad_lse, block_mask, tables, scale,
+                                score_captured, mask_captured)
+
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plan(q, k, tables, scale, grad_lse is not None)
-            try:
-                result = self._launch(plan, q, k, v, out, lse, grad_out, grad_lse, block_mask, tables, scale,
-                                      score_captured, mask_captured)
-            except Exception as err:
-                if isinstance(err, torch.cuda.OutOfMemoryError):
-                    raise
-                # The first launch compiles: a mod Gluon cannot express fails here, before any
-                # output was handed back. See [Note] Gluon spelling in codegen/source.py.
-                reason = f"the Gluon backward of {self._names()} did not compile ({type(err).__name__}: {last_line(err)})"
-                B, Hq, L, _ = q.shape
-                self._failed[lowering_variants(self.score, self.mask, index_bounds(B, Hq, L, k.shape[2]))] = reason
-                raise Sm90Unavailable(reason) from err
-            self._remember_plan(key, plan)
+            plan, result = self._first_launch(key, q, k, lambda: self._plan(q, k, tables, scale, grad_lse is not None),
+                                              launch)
         else:
-            result = self._launch(plan, q, k, v, out, lse, grad_out, grad_lse, block_mask, tables, scale,
-                                  score_captured, mask_captured)
+            result = launch(plan)
         launches += 1
         self.last_plan = plan
         return result
@@ -173,13 +158,7 @@ class Sm90BackwardKernel(KernelFamily):
         Hkv, S = k.shape[1], k.shape[2]
         module = plan.compiled
 
-        # -- preprocess: DELTA (the portable backward's kernel) ----
-        delta = empty_output((B, Hq, L), torch.float32, q.device)
-        dlse = grad_lse.contiguous().float() if grad_lse is not None else delta
-        pre = plan.steps["preprocess"]
-        launch(module.kernel(BACKWARD_PREPROCESS), pre.grid, BACKWARD_PREPROCESS.pack(
-            OUT=out, DO=grad_out, DLSE=dlse, DELTA=delta, stride_o=out.stride(), stride_do=grad_out.stride(), Q_LEN=L,
-        ), pre.constexprs)
+        delta = preprocess_delta(module, plan.steps["preprocess"], out, grad_out, grad_lse)
         lse = lse.contiguous()
 
         # -- 2-D views and descriptors ([Note] 2-D views in templates/forward_sm90.py.jinja) ----
