@@ -196,10 +196,11 @@ def _offline_compile_available() -> bool:
     except ImportError:
         return False
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    return triton.__version__.startswith(sm90.GLUON_TRITON_VERSIONS) and os.path.exists(ptxas)
+    return triton.__version__.startswith(sm90.GLUON_COMPILES_ON) and os.path.exists(ptxas)
 
 
-@pytest.mark.skipif(not _offline_compile_available(), reason="needs Triton 3.6 with its ptxas (offline sm90 compile)")
+@pytest.mark.skipif(not _offline_compile_available(),
+                    reason="needs a Triton of sm90.GLUON_COMPILES_ON with its ptxas (offline sm90 compile)")
 def test_causal_kernel_compiles_for_sm90_offline():
     """The rendered causal kernel through Triton's whole pipeline for sm90: its two consumer
     warpgroups issue wgmma and it fits the shared memory of an H100. In a process of its own

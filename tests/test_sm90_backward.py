@@ -147,7 +147,8 @@ def test_explain_on_the_command_line(capsys):
     assert [line.split()[0] for line in out.splitlines()[1:]] == ["forward", "backward", "decode"]
 
 
-@pytest.mark.skipif(not _offline_compile_available(), reason="needs Triton 3.6 with its ptxas (offline sm90 compile)")
+@pytest.mark.skipif(not _offline_compile_available(),
+                    reason="needs a Triton of sm90.GLUON_COMPILES_ON with its ptxas (offline sm90 compile)")
 def test_causal_kernels_compile_for_sm90_offline():
     """The rendered causal dK/dV and dQ kernels through Triton's whole pipeline for sm90, in a
     process of its own without TRITON_INTERPRET; about 10 s."""

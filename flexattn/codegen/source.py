@@ -57,6 +57,40 @@ def gluon_spelling(text: str) -> str:
 _environment.filters["gluon_spelling"] = gluon_spelling
 
 
+# [Note] Gluon API by Triton release. Gluon is experimental and renames its ops between releases;
+# the sm90 templates spell the ones that moved through ``gluon_api`` (chosen here at render time
+# from the installed Triton), so under Triton 3.6 their source is what it always was. Each entry is
+# the first release of a spelling, and holds until the next entry:
+# - 3.7: gl.thread_barrier -> gl.barrier (the same barrier within a CTA; 3.7 drops the old name);
+# - 3.8: tma.async_copy_global_to_shared -> tma.async_load and tma.async_copy_shared_to_global ->
+#   tma.async_store (3.8 keeps the old names as aliases; 3.9 removes them).
+# Only Triton 3.6 is validated on a GPU (kernels/sm90.py GLUON_TRITON_VERSIONS, the runtime guard);
+# the later releases of kernels/sm90.py GLUON_COMPILES_ON are compiled offline for sm90, not run.
+_GLUON_API = (
+    ((3, 6), dict(tma_load="tma.async_copy_global_to_shared", tma_store="tma.async_copy_shared_to_global",
+                  thread_barrier="gl.thread_barrier")),
+    ((3, 7), dict(thread_barrier="gl.barrier")),
+    ((3, 8), dict(tma_load="tma.async_load", tma_store="tma.async_store")),
+)
+
+
+def gluon_api(version: Optional[str] = None) -> dict:
+    """The Gluon spellings of the installed Triton (or of ``version``): see [Note] Gluon API by
+    Triton release."""
+    if version is None:
+        try:
+            import triton
+        except ImportError:  # rendering for reading only (no kernel can be built without Triton)
+            return dict(_GLUON_API[0][1])
+        version = triton.__version__
+    release = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    names = dict(_GLUON_API[0][1])
+    for first, spellings in _GLUON_API:
+        if release >= first:
+            names.update(spellings)
+    return names
+
+
 def debug_enabled() -> bool:
     return os.environ.get("FLEXATTN_DEBUG", "0") not in ("", "0")
 
@@ -126,6 +160,7 @@ def render(spec: KernelSpec) -> str:
         grad_params=grad_params,
         mask_params=mask_params,
         mods=mods_group(kernel_mods.names, mask_params.names),
+        gluon_api=gluon_api(),
         **TEMPLATE_GROUPS[spec.family],
     )
     # A group with no names (no mods) leaves a line of spaces where it stood; drop it.

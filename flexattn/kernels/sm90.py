@@ -26,11 +26,17 @@ from .launch import empty_output, interpreter_enabled, kv_strides, mod_launch_ar
 from .tables import launch_tables
 
 __all__ = ["Sm90ForwardKernel", "GluonFamily", "Sm90Unavailable", "sm90_forward_kernel", "problem_reason",
-           "device_reason", "shape_reason", "auto_reason", "GLUON_TRITON_VERSIONS", "launches"]
+           "device_reason", "shape_reason", "auto_reason", "GLUON_TRITON_VERSIONS", "GLUON_COMPILES_ON",
+           "launches"]
 
 # The Triton releases whose Gluon API (warp_specialize's signature, the Hopper copy and mbarrier
 # ops, calls from @gluon.jit into @triton.jit hooks) this kernel was compiled and checked on.
 GLUON_TRITON_VERSIONS = ("3.6",)
+# The Triton releases whose Gluon compiles these templates (forward and backward) for sm90, offline:
+# compiled, not run on a GPU. Only GLUON_TRITON_VERSIONS is validated, and only it runs the kernels;
+# the spellings that differ are chosen at render time ([Note] Gluon API by Triton release in
+# codegen/source.py).
+GLUON_COMPILES_ON = ("3.6", "3.7", "3.8", "3.9")
 BLOCK = 128  # query rows per program and keys per tile: the BlockMask's block on both sides
 HEAD_DIMS = (64, 128)
 # The K/V ring's depth: Q (2 x 64 rows) plus STAGES K and V tiles fit in 228 KB of shared memory.
