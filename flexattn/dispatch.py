@@ -271,10 +271,10 @@ _PORTABLE_BACKWARD_TUNING = frozenset({"BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOC
                                        "bwd_num_stages", "num_warps", "num_stages", "AUTOTUNE", "USE_TMA"})
 
 
-def sm90_backward_choice(call: Call, q, k, v, float32_kv_grads: bool = False):
+def sm90_backward_choice(call: Call, q, k, v, float32_kv_grads: bool = False, grad_out=None):
     """``(kernel, reason)`` for the backward, as sm90_forward_choice is for the forward."""
     def reason(kernel):
-        return (kernel.unsupported_reason(q, k, v, call.block_mask, float32_kv_grads),
+        return (kernel.unsupported_reason(q, k, v, call.block_mask, float32_kv_grads, grad_out),
                 lambda: sm90_backward_auto_reason(q, call.block_mask))
 
     return _gluon_choice(call, q, "backward", _PORTABLE_BACKWARD_TUNING, sm90_backward_kernel, reason)
@@ -287,7 +287,7 @@ def _sm90_backward(call: Call, q, k, v, out, lse, grad_out, grad_lse, score_capt
         return kernel(q, k, v, out, lse, grad_out, grad_lse, call.block_mask, call.scale, score_captured,
                       call.mask_captured)
 
-    return _run_gluon("backward", call, q, k, v, sm90_backward_choice(call, q, k, v, float32_kv_grads), run)
+    return _run_gluon("backward", call, q, k, v, sm90_backward_choice(call, q, k, v, float32_kv_grads, grad_out), run)
 
 
 def prepare_backward(call: Call, q, k) -> None:

@@ -63,6 +63,10 @@ def test_problem_reasons(monkeypatch):
     one, two = bhnd(B=1), bhnd(B=2)
     assert "broadcast" in sm90_backward.problem_reason(two, one, one, bm)
     assert "float32" in sm90_backward.problem_reason(q, q, q, bm, float32_kv_grads=True)
+    assert sm90_backward.problem_reason(q, q, q, bm, grad_out=q.clone()) is None
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)  # base 2 bytes off
+    assert "gradient" in sm90_backward.problem_reason(q, q, q, bm, grad_out=shifted)
+    assert "gradient" in sm90_backward.problem_reason(q, q, q, bm, grad_out=q.float())
 
 
 def test_learnable_tensors_take_the_portable_backward(monkeypatch):

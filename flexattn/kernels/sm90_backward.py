@@ -46,11 +46,19 @@ DQ_STAGES = {64: 4, 128: 2}
 PREPROCESS_ROWS = 64
 
 
-def problem_reason(q, k, v, block_mask, float32_kv_grads: bool = False) -> Optional[str]:
-    """Why the sm90 backward cannot run this problem (None: it can), whatever the mods."""
+def problem_reason(q, k, v, block_mask, float32_kv_grads: bool = False,
+                   grad_out: Optional[torch.Tensor] = None) -> Optional[str]:
+    """Why the sm90 backward cannot run this problem (None: it can), whatever the mods. ``grad_out``
+    (the output's gradient, when known) is read through a tensor descriptor like q."""
     reason = forward_problem_reason(q, k, v, block_mask, need_max=False)
     if reason is not None:
         return reason
+    if grad_out is not None:
+        view = tensor_view(grad_out, grad_out.stride())
+        if (view is None or grad_out.data_ptr() % 16 or (view.row_stride * grad_out.element_size()) % 16
+                or grad_out.dtype != q.dtype):
+            return ("the output's gradient cannot be read through one 2-D tensor descriptor (it needs q's dtype, "
+                    "16-byte aligned rows and base)")
     if k.shape[0] != q.shape[0]:
         return "the Gluon backward needs a key/value batch equal to the queries' (no broadcast batch of 1)"
     if float32_kv_grads:
@@ -90,9 +98,10 @@ class Sm90BackwardKernel(GluonFamily):
             score_grad = lower_score_grad(self.score, prefix="sm_", tanh_approx=self.tanh_approx, variant=variants[0])
         return replace(super()._spec(variants), score_grad=score_grad)
 
-    def unsupported_reason(self, q, k, v, block_mask, float32_kv_grads: bool = False) -> Optional[str]:
+    def unsupported_reason(self, q, k, v, block_mask, float32_kv_grads: bool = False,
+                           grad_out: Optional[torch.Tensor] = None) -> Optional[str]:
         """Why this call cannot run here (None: it can): the problem's reason, or the mods'."""
-        reason = problem_reason(q, k, v, block_mask, float32_kv_grads) or self._failed_reason(q, k)
+        reason = problem_reason(q, k, v, block_mask, float32_kv_grads, grad_out) or self._failed_reason(q, k)
         if reason is not None:
             return reason
         B, Hq, L, _ = q.shape
