@@ -30,7 +30,7 @@ from .kernels import (
     sm90_auto_reason, sm90_backward_auto_reason, sm90_backward_kernel, sm90_forward_kernel, unsupported_reason,
 )
 from .masks import BlockMask
-from .options import resolve_backend_name
+from .options import deterministic, resolve_backend_name
 from .trace import TracedMod
 
 __all__ = ["Call", "pick_backend", "choose_decode", "use_tanh_approx", "run_forward", "prepare_backward", "run_backward",
@@ -285,7 +285,7 @@ def _sm90_backward(call: Call, q, k, v, out, lse, grad_out, grad_lse, score_capt
     and, for the debug report, why not. With ``BACKEND='GLUON'`` the reason is an error instead."""
     def run(kernel):
         return kernel(q, k, v, out, lse, grad_out, grad_lse, call.block_mask, call.scale, score_captured,
-                      call.mask_captured)
+                      call.mask_captured, deterministic=deterministic(call.options))
 
     return _run_gluon("backward", call, q, k, v, sm90_backward_choice(call, q, k, v, float32_kv_grads, grad_out), run)
 

@@ -1,9 +1,10 @@
 """The Hopper Gluon backward (kernels/sm90_backward.py) on a real H100-class GPU: dQ, dK and dV
 against the float64 reference under the flash-attention rule (tests/test_gpu_backward.py's
 check_flash_rule), the paper's variants at both head dims and in both 16-bit dtypes, GQA, the LSE's
-gradient, a transposed layout, fully masked rows, two masks of one shape, bit-identical reruns,
-and which calls take it. Skipped without CUDA and where the kernels do not apply (another GPU,
-another Triton): there the portable backward is the one tested elsewhere.
+gradient, a transposed layout, fully masked rows, two masks of one shape, head dim 64 with dQ in
+the dK/dV kernel and in its own, bit-identical reruns of the two-kernel form, and which calls take
+it. Skipped without CUDA and where the kernels do not apply (another GPU, another Triton): there the
+portable backward is the one tested elsewhere.
 
 Every output buffer is NaN-filled before the kernels write it (poisoned), so a row a kernel
 skipped shows up as NaN.
@@ -114,18 +115,53 @@ def test_two_masks_of_one_shape():
         gluon_gradients(leaves, plain(), lambda b, h, qi, ki, w=w: (qi >= ki) & (qi - ki < w))
 
 
-def test_reruns_are_bit_identical():
+@pytest.fixture
+def plans(monkeypatch):
+    """The steps of each Gluon backward launch, in order."""
+    seen = []
+    real = sm90_backward.Sm90BackwardKernel._launch
+
+    def recording(self, plan, *args):
+        seen.append(plan.steps)
+        return real(self, plan, *args)
+
+    monkeypatch.setattr(sm90_backward.Sm90BackwardKernel, "_launch", recording)
+    return seen
+
+
+@pytest.mark.parametrize("head_dim, options", [(128, None), (64, {"DETERMINISTIC": True})])
+def test_reruns_are_bit_identical(head_dim, options, plans):
+    # The two-kernel form: every output row has one writer. (At head dim 64 AUTO adds dQ in the
+    # dK/dV kernel, in an order that depends on scheduling; a deterministic call keeps the two.)
     B, H, L = 2, 4, 2048
     score_mod, mask_mod = CATALOGUE["alibi"].build(B, H, L, L, DEVICE)
-    leaves = qkv_leaves(B, H, H, L, L, 128)
+    leaves = qkv_leaves(B, H, H, L, L, head_dim)
     block_mask = create_block_mask(mask_mod, None, None, L, L, device=DEVICE)
-    grad_out = torch.randn(B, H, L, 128, device=DEVICE, dtype=torch.bfloat16)
+    grad_out = torch.randn(B, H, L, head_dim, device=DEVICE, dtype=torch.bfloat16)
     runs = []
     for _ in range(2):
-        out = flex_attention(leaves["q"], leaves["k"], leaves["v"], score_mod=score_mod, block_mask=block_mask)
+        out = flex_attention(leaves["q"], leaves["k"], leaves["v"], score_mod=score_mod, block_mask=block_mask,
+                             kernel_options=options)
         runs.append(torch.autograd.grad(out, list(leaves.values()), grad_out))
+    assert len(plans) == 2 and all("dq" in steps for steps in plans)
     for first, second in zip(*runs):
         assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("variant", ["noop", "causal", "alibi", "softcap", "document_mask"])
+def test_head_dim_64_in_both_forms(variant, plans, monkeypatch):
+    # [Note] dQ in the dK/dV kernel: at head dim 64 the form without a dQ kernel (which AUTO takes
+    # with a score_mod or no mod) and the two-kernel form a deterministic call takes, each under the
+    # flash-attention rule against float64.
+    B, H, L = 2, 4, 1024
+    score_mod, mask_mod = CATALOGUE[variant].build(B, H, L, L, DEVICE)
+    leaves = qkv_leaves(B, H, H, L, L, 64)
+    gluon_gradients(leaves, plain(score_mod), mask_mod)
+    auto_fuses = score_mod is not None or mask_mod is None
+    monkeypatch.setattr(sm90_backward, "fuses_dq", lambda head_dim, deterministic, *mods: not deterministic)
+    gluon_gradients(leaves, plain(score_mod), mask_mod)
+    gluon_gradients(leaves, plain(score_mod), mask_mod, options={**GLUON, "DETERMINISTIC": True})
+    assert [("dq" in steps) for steps in plans] == [not auto_fuses, False, True]
 
 
 def test_auto_takes_it_and_triton_pins_the_portable_backward():

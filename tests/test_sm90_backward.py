@@ -144,6 +144,23 @@ def test_explain_names_each_stage_and_why(monkeypatch):
     assert "templates/backward.py.jinja" in lines["backward"] and "CUDA device" in lines["backward"]
 
 
+def test_explain_names_the_gluon_backward_form(monkeypatch):
+    # Where the Gluon backward runs, --explain says whether dQ joins the dK/dV kernel (head dim 64,
+    # not deterministic: [Note] dQ in the dK/dV kernel) or has a kernel of its own.
+    monkeypatch.setattr(dispatch, "pick_backend", lambda q, options: "TRITON")
+    monkeypatch.setattr(dispatch, "sm90_forward_choice", lambda *args, **kwargs: (None, None))
+    monkeypatch.setattr(dispatch, "sm90_backward_choice", lambda *args, **kwargs: (None, None))
+
+    def backward(head_dim, mask_mod=None):
+        return dict(explain(None, mask_mod, 1, 2, L, L, head_dim, torch.bfloat16, "cpu"))["backward"]
+
+    assert backward(64).endswith("dQ added in the dK/dV kernel, no dQ kernel")
+    assert backward(64, causal).endswith("dK/dV and dQ kernels")
+    assert backward(128).endswith("dK/dV and dQ kernels")
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert backward(64).endswith("dK/dV and dQ kernels")
+
+
 def test_explain_on_the_command_line(capsys):
     assert main(["kernel", "causal", "--explain", "--seq", "512", "--head-dim", "64"]) == 0
     out = capsys.readouterr().out
@@ -162,7 +179,7 @@ def test_causal_kernels_compile_for_sm90_offline():
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
                           text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 2
+    assert done.stdout.count("compiled") == 3
 
 
 def compile_causal_offline():
@@ -180,16 +197,23 @@ def compile_causal_offline():
     rows = torch.empty(2 * L, D, dtype=torch.bfloat16)
     descriptor = {r: TensorDescriptor(rows, [2 * L, D], [D, 1], [r, D],
                                       gl.NVMMASharedLayout.get_default_for([r, D], gl.bfloat16)) for r in (64, 128)}
-    for params, block_m, stages in ((SM90_BACKWARD_DKDV, 64, sm90_backward.DKDV_STAGES[D]),
-                                    (SM90_BACKWARD_DQ, 128, sm90_backward.DQ_STAGES[D])):
+    sums = TensorDescriptor(torch.empty(2 * L, D), [2 * L, D], [D, 1], [64, D], sm90_backward._dq_acc_layout())
+    # dK/dV with dQ added by the copy engine ([Note] dQ in the dK/dV kernel) and without, then dQ.
+    for params, block_m, stages, fused in ((SM90_BACKWARD_DKDV, 64, sm90_backward.DKDV_STAGES[D], True),
+                                           (SM90_BACKWARD_DKDV, 64, sm90_backward.DKDV_STAGES[D], False),
+                                           (SM90_BACKWARD_DQ, 128, sm90_backward.DQ_STAGES[D], None)):
         constexprs = dict(SPARSE_Z=1, SPARSE_HQ=1, GQA_GROUP=1, HEAD_DIM=D, SPARSE_Q_BLOCK_SIZE=128,
                           SPARSE_KV_BLOCK_SIZE=128, BLOCK_M=block_m, BLOCK_N=128, STAGES=stages,
                           CONSUMER_REGS=240, HAS_SCORE_MOD=False, SCALE_FIRST=False,
                           HAS_PARTIAL_BLOCKS=True, HAS_FULL_BLOCKS=True)
+        if fused is not None:
+            constexprs["FUSED_DQ"] = fused
         signature = {}
         for name in params.names():
             if name in constexprs:
                 signature[name] = "constexpr"
+            elif name == "DQ_ACC":
+                signature[name] = mangle_type(sums if fused else descriptor[64])
             elif name in ("Q", "DO", "DQ", "DK", "DV", "K", "V"):
                 signature[name] = mangle_type(descriptor[128 if name in ("K", "V") else 64])
             elif name in ("LSE", "DELTA"):
@@ -202,13 +226,24 @@ def compile_causal_offline():
                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
         assert len(re.findall(r"wgmma\.mma_async", compiled.asm["ptx"])) > 0
         assert compiled.metadata.shared <= 227 * 1024
+        assert ("cp.reduce.async.bulk.tensor" in compiled.asm["ptx"]) == bool(fused)
         print("compiled")
+
+
+def test_which_calls_add_dq_in_the_dkdv_kernel():
+    # [Note] dQ in the dK/dV kernel: head dim 64 with a score_mod or no mod, never deterministic.
+    fuses_dq = sm90_backward.fuses_dq
+    assert fuses_dq(64, False, True, True) and fuses_dq(64, False, True, False) and fuses_dq(64, False, False, False)
+    assert not fuses_dq(64, False, False, True)  # a mask_mod alone: measured no faster
+    assert not fuses_dq(128, False, True, False) and not fuses_dq(128, False, False, False)
+    assert not fuses_dq(64, True, True, False) and not fuses_dq(64, True, False, False)
 
 
 def test_a_plan_is_made_once_and_kept(monkeypatch):
     # The launch path without a GPU: _launch stands in for the kernels; the first call plans and
-    # keeps the plan, the second reuses it, a mask of other content gets its own.
-    kernel, instance = family("causal")
+    # keeps the plan, the second reuses it, a mask of other content gets its own. ALiBi (a score_mod
+    # and a causal mask) at head dim 64 adds dQ in the dK/dV kernel.
+    kernel, instance = family("alibi")
     q = bhnd()
     monkeypatch.setattr(sm90_backward, "problem_reason", lambda *args: None)
     launched = []
@@ -224,12 +259,16 @@ def test_a_plan_is_made_once_and_kept(monkeypatch):
         assert kernel(q, q, q, q, torch.zeros(1, 2, L), q, None, bm, 0.125, [], []) == "grads"
     assert launched[0] is launched[1] and len(kernel._plans) == 1
     assert sm90_backward.launches == before + 2 and kernel.last_plan is launched[0]
-    steps = launched[0].steps
-    assert steps["dkdv"].grid == (L // 128, 2, 1) and steps["dq"].grid == (L // 128, 2, 1)
-    assert steps["dkdv"].constexprs["BLOCK_M"] == 64 and steps["dq"].constexprs["BLOCK_M"] == 128
+    steps = launched[0].steps  # head dim 64: dQ is added in the dK/dV kernel, no dQ kernel
+    assert steps["dkdv"].grid == (L // 128, 2, 1) and "dq" not in steps and steps["dkdv"].constexprs["FUSED_DQ"]
+    assert steps["dkdv"].constexprs["BLOCK_M"] == 64
+    kernel(q, q, q, q, torch.zeros(1, 2, L), q, None, bm, 0.125, [], [], deterministic=True)
+    steps = kernel.last_plan.steps  # a deterministic call: the two kernels, each row one writer
+    assert len(kernel._plans) == 2 and not steps["dkdv"].constexprs["FUSED_DQ"]
+    assert steps["dq"].grid == (L // 128, 2, 1) and steps["dq"].constexprs["BLOCK_M"] == 128
     window = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (qi - ki < 64), None, None, L, L, device="cpu")
     kernel(q, q, q, q, torch.zeros(1, 2, L), q, None, window, 0.125, [], [])
-    assert len(kernel._plans) == 2
+    assert len(kernel._plans) == 3
 
 
 class _Recorder:
@@ -262,11 +301,19 @@ def test_the_launcher_packs_what_the_kernels_declare(monkeypatch):
     bm = instance.block_mask(B, H, L, L, "cpu")
     score_captured = trace_mod(instance.score_mod, "score_mod")[1]  # ALiBi's slopes
     assert len(score_captured) == 1
-    dq, dk, dv, captured = kernel(q, k, v, out, lse, grad_out, None, bm, 0.125, score_captured, [])
-    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and captured == [None]
-    plan = kernel.last_plan
+    # Head dim 64 adds dQ in the dK/dV kernel; a deterministic call runs the dQ kernel instead.
+    for deterministic in (False, True):
+        dq, dk, dv, captured = kernel(q, k, v, out, lse, grad_out, None, bm, 0.125, score_captured, [],
+                                      deterministic=deterministic)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and captured == [None]
+        assert dq.dtype == q.dtype
+    fused, two_pass = [plan for plan in kernel._plans.values()]
     assert [(params, grid) for params, grid, _, _ in calls] == [
-        (SM90_BACKWARD_DKDV, plan.steps["dkdv"].grid), (SM90_BACKWARD_DQ, plan.steps["dq"].grid)]
+        (SM90_BACKWARD_DKDV, fused.steps["dkdv"].grid),
+        (SM90_BACKWARD_DKDV, two_pass.steps["dkdv"].grid), (SM90_BACKWARD_DQ, two_pass.steps["dq"].grid)]
+    sums = calls[0][2][SM90_BACKWARD_DKDV.names().index("DQ_ACC")]
+    assert sums.shape == [B * H * L, E] and sums.block_shape == [64, E] and sums.base.dtype == torch.float32
+    assert calls[0][3]["FUSED_DQ"] and not calls[1][3]["FUSED_DQ"]
     mods = len(kernel.compiled(None).spec.score_grad.kernel_params)  # the slopes and their stride
     for params, _, args, constexprs in calls:
         assert len(args) == params.argument_count(mods)

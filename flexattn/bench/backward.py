@@ -252,6 +252,11 @@ def _run_case(name: str, B: int, H: int, L: int, D: int, dtype, device, options,
         pinned = lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,  # noqa: E731
                                                  kernel_options=portable)
         results["flexattn_portable"] = _measure("flexattn_portable", pinned, q, k, v, dout, row, bench, device)
+    if args.two_pass:  # the Gluon backward's deterministic form: a separate dQ kernel, no atomics
+        two_pass = {**options, "DETERMINISTIC": True}
+        pinned = lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,  # noqa: E731
+                                                 kernel_options=two_pass)
+        results["flexattn_two_pass"] = _measure("flexattn_two_pass", pinned, q, k, v, dout, row, bench, device)
     if torch_flex is not None:
         from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
@@ -299,6 +304,8 @@ def _run_case(name: str, B: int, H: int, L: int, D: int, dtype, device, options,
             row[f"{phase}_ratio_vs_torch_flash"] = _ratio(row.get(f"torch_flash_{phase}_ms"), ours_ms)
         if f"flexattn_portable_{phase}_ms" in row:
             row[f"{phase}_ratio_vs_portable"] = _ratio(row.get(f"flexattn_portable_{phase}_ms"), ours_ms)
+        if f"flexattn_two_pass_{phase}_ms" in row:
+            row[f"{phase}_ratio_vs_two_pass"] = _ratio(row.get(f"flexattn_two_pass_{phase}_ms"), ours_ms)
     problems = _check(row, args)
     row["grad_check"] = "ok" if not problems else problems
     for problem in problems:
@@ -322,7 +329,7 @@ def _markdown(rows: list[dict]) -> str:
         "| SDPA cuDNN bwd ms | flexattn / cuDNN bwd | fwd+bwd | SDPA flash bwd ms | max grad rel err vs torch | check |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    flash = any("torch_flash_bwd_ms" in r or "flexattn_portable_bwd_ms" in r for r in rows)
+    flash = any(f"{impl}_bwd_ms" in r for r in rows for impl in ("torch_flash", "flexattn_portable", "flexattn_two_pass"))
     for r in rows:
         err = r.get("grad_max_rel_err_vs_torch_flex")
         lines.append(
@@ -335,17 +342,18 @@ def _markdown(rows: list[dict]) -> str:
             f"| {ms(r.get('sdpa_flash_bwd_ms'))} | {f'{err:.1e}' if err is not None else '-'} "
             f"| {'ok' if r['grad_check'] == 'ok' else 'MISMATCH'} |"
         )
-    if flash:  # --portable / --torch-flash: the backward's paths side by side
+    if flash:  # --portable / --two-pass / --torch-flash: the backward's paths side by side
         lines += [
             "",
-            "| variant | d | flexattn bwd (path) TFLOP/s | portable bwd TFLOP/s | torch FLASH bwd TFLOP/s "
-            "| x portable | x torch FLASH | x cuDNN |",
-            "|---|---|---|---|---|---|---|---|",
+            "| variant | d | flexattn bwd (path) TFLOP/s | two-pass bwd TFLOP/s | portable bwd TFLOP/s "
+            "| torch FLASH bwd TFLOP/s | x two-pass | x portable | x torch FLASH | x cuDNN |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             lines.append(
                 f"| {r['variant']} | {r['D']} | {tf(r.get('flexattn_bwd_tflops'))} ({r.get('flexattn_bwd_backend', '-')}) "
-                f"| {tf(r.get('flexattn_portable_bwd_tflops'))} | {tf(r.get('torch_flash_bwd_tflops'))} "
+                f"| {tf(r.get('flexattn_two_pass_bwd_tflops'))} | {tf(r.get('flexattn_portable_bwd_tflops'))} "
+                f"| {tf(r.get('torch_flash_bwd_tflops'))} | {ratio(r.get('bwd_ratio_vs_two_pass'))} "
                 f"| {ratio(r.get('bwd_ratio_vs_portable'))} | {ratio(r.get('bwd_ratio_vs_torch_flash'))} "
                 f"| {ratio(r.get('bwd_ratio_vs_cudnn'))} |"
             )
@@ -388,6 +396,8 @@ def main(argv=None) -> int:
                           help="skip the float32 oracle on one (batch, head) slice")
     parser.add_argument("--portable", action="store_true",
                         help="also time flexattn pinned to its portable Triton kernels (BACKEND TRITON)")
+    parser.add_argument("--two-pass", action="store_true",
+                        help="also time flexattn with DETERMINISTIC (on Hopper: the Gluon backward's separate dQ kernel)")
     parser.add_argument("--torch-flash", action="store_true",
                         help="also time torch's flex_attention with BACKEND FLASH (FlashAttention-4 wheels needed)")
     parser.add_argument("--smoke", action="store_true",

@@ -43,7 +43,9 @@ def explain(score_mod: Optional[Callable], mask_mod: Optional[Callable], B: int,
     import torch
 
     from flexattn.dispatch import Call, choose_decode, pick_backend, sm90_backward_choice, sm90_forward_choice
+    from flexattn.kernels.sm90_backward import fuses_dq
     from flexattn.masks import create_block_mask
+    from flexattn.options import deterministic
 
     q = torch.randn(B, H, Q_LEN, head_dim, dtype=dtype, device=device)
     k, v = (torch.randn(B, H, KV_LEN, head_dim, dtype=dtype, device=device) for _ in range(2))
@@ -64,7 +66,11 @@ def explain(score_mod: Optional[Callable], mask_mod: Optional[Callable], B: int,
                                   ("backward", sm90_backward_choice(call, q, k, v), "backward_sm90")):
         _, reason = choice
         if reason is None:
-            lines.append((stage, f"Gluon Hopper kernels (templates/{family}.py.jinja)"))
+            form = ""
+            if stage == "backward":
+                fused = fuses_dq(head_dim, deterministic(None), score is not None, mask is not None)
+                form = "; dQ added in the dK/dV kernel, no dQ kernel" if fused else "; dK/dV and dQ kernels"
+            lines.append((stage, f"Gluon Hopper kernels (templates/{family}.py.jinja){form}"))
         else:
             portable = family.split("_")[0]
             lines.append((stage, f"portable Triton kernels (templates/{portable}.py.jinja); not Gluon: {reason}"))

@@ -276,6 +276,7 @@ _SM90_TILES = _constexprs("HEAD_DIM", "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SI
 
 SM90_BACKWARD_DKDV = KernelParams("flex_attention_backward_dkdv_sm90", [
     _tensors("Q", "K", "V", "DO", "DK", "DV", doc="2-D tensor descriptors over each tensor's storage"),
+    _tensors("DQ_ACC", doc="FUSED_DQ: a float32 [batch * query heads * Q_LEN, HEAD_DIM] descriptor the kernel adds dQ into"),
     _tensors("LSE", "DELTA"),
     _tensors("Q_NUM_BLKS", "Q_IDX", "FULL_Q_NUM_BLKS", "FULL_Q_IDX", doc="the transposed tables"),
     _scalars("row_qz", "row_qh", "col_qh", "row_kz", "row_kh", "col_kh", "row_vz", "row_vh", "col_vh",
@@ -287,6 +288,7 @@ SM90_BACKWARD_DKDV = KernelParams("flex_attention_backward_dkdv_sm90", [
     _SPARSE_LAYOUT,
     _SM90_TILES,
     _MOD_FLAGS,
+    _constexprs("FUSED_DQ", doc="dQ added into DQ_ACC by the copy engine here, so no dQ kernel runs"),
 ], doc="Hopper, Gluon: one program per 128 keys of one key/value head, a loader warp and two consumer warpgroups")
 
 SM90_BACKWARD_DQ = KernelParams("flex_attention_backward_dq_sm90", [
@@ -415,16 +417,19 @@ SM90_FORWARD_HELPERS = _by_name(
 _SM90_VIEWS = ("row_qz", "row_qh", "col_qh", "row_kz", "row_kh", "col_kh", "row_vz", "row_vh", "col_vh",
                "row_doz", "row_doh", "col_doh")
 SM90_BACKWARD_HELPERS = _by_name(
-    _values("dkdv_ring", "q_smem", "do_smem", "k_smem", "v_smem", "lse_smem", "delta_smem", "kv_bar", "ready", "empty",
-            doc="dK/dV: the key tiles, the query-side ring (Q, dO, LSE, DELTA per slot) and its mbarriers"),
-    _values("dkdv_views", "Q", "K", "V", "DO", "DK", "DV", "LSE", "DELTA", *_SM90_VIEWS, "row_dkz", "row_dkh", "col_dkh",
+    _values("dkdv_ring", "q_smem", "do_smem", "k_smem", "v_smem", "lse_smem", "delta_smem", "ds_smem", "dq_smem",
+            "ds_ready", "ds_free", "kv_bar", "ready", "empty",
+            doc="dK/dV: the key tiles, the query-side ring (Q, dO, LSE, DELTA per slot) and its mbarriers; "
+                "with FUSED_DQ each consumer's dS^T and dQ tiles"),
+    _values("dkdv_views", "Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "LSE", "DELTA", *_SM90_VIEWS, "row_dkz", "row_dkh",
+            "col_dkh",
             doc="dK/dV: the descriptors and where a (batch, head) starts in them"),
     _values("dkdv_tables", "off_z", "off_hkv", "start_n", "Q_NUM_BLKS", "Q_IDX", "FULL_Q_NUM_BLKS", "FULL_Q_IDX",
             "SPARSE_COLS", "IDX_ROWS", "FULL_IDX_ROWS",
             doc="dK/dV: the program's batch, head and key block, and the transposed tables"),
     _values("dkdv_flags", "SM_SCALE", "Q_LEN", "HAS_SCORE_MOD", "SCALE_FIRST", "HAS_PARTIAL_BLOCKS",
             "HAS_FULL_BLOCKS", "SPARSE_Z", "SPARSE_HQ", "GQA_GROUP", "SPARSE_Q_BLOCK_SIZE", "BLOCK_M", "BLOCK_N",
-            "HEAD_DIM", "STAGES", doc="dK/dV: the scale, the query length, which mods run, the tiles"),
+            "HEAD_DIM", "STAGES", "FUSED_DQ", doc="dK/dV: the scale, the query length, which mods run, the tiles"),
     _values("dq_ring", "q_bufs", "do_bufs", "k_smem", "v_smem", "q_bar", "k_ready", "v_ready", "k_empty", "v_empty",
             doc="dQ: the Q and dO buffers, the K/V ring and their mbarriers"),
     _values("dq_views", "Q", "K", "V", "DO", "DQ", "LSE", "DELTA", *_SM90_VIEWS,

@@ -63,14 +63,16 @@ _environment.filters["gluon_spelling"] = gluon_spelling
 # the first release of a spelling, and holds until the next entry:
 # - 3.7: gl.thread_barrier -> gl.barrier (the same barrier within a CTA; 3.7 drops the old name);
 # - 3.8: tma.async_copy_global_to_shared -> tma.async_load and tma.async_copy_shared_to_global ->
-#   tma.async_store (3.8 keeps the old names as aliases; 3.9 removes them).
+#   tma.async_store (3.8 keeps the old names as aliases; 3.9 removes them), and the copy engine's
+#   reduce-add, which 3.6's builder has without a Gluon name (the template's tma_reduce_add), becomes
+#   tma.async_atomic_add.
 # Only Triton 3.6 is validated on a GPU (kernels/sm90.py GLUON_TRITON_VERSIONS, the runtime guard);
 # the later releases of kernels/sm90.py GLUON_COMPILES_ON are compiled offline for sm90, not run.
 _GLUON_API = (
     ((3, 6), dict(tma_load="tma.async_copy_global_to_shared", tma_store="tma.async_copy_shared_to_global",
-                  thread_barrier="gl.thread_barrier")),
+                  thread_barrier="gl.thread_barrier", tma_reduce_add="tma_reduce_add")),
     ((3, 7), dict(thread_barrier="gl.barrier")),
-    ((3, 8), dict(tma_load="tma.async_load", tma_store="tma.async_store")),
+    ((3, 8), dict(tma_load="tma.async_load", tma_store="tma.async_store", tma_reduce_add="tma.async_atomic_add")),
 )
 
 

@@ -5,8 +5,10 @@ launches.
 Warp-specialised like the sm90 forward (kernels/sm90.py): a loader warp feeds two consumer
 warpgroups through an mbarrier ring. dK/dV walks the BlockMask's transposed tables and dQ its
 forward tables, the same tables the portable backward walks (kernels/tables.py), with the same
-lowered mods and the score_mod's lowered gradient. Each output row is written by one program, no
-atomics, so the result does not depend on scheduling (bit-identical from run to run).
+lowered mods and the score_mod's lowered gradient. At head dim 64, with a score_mod or no mod, the
+dK/dV kernel also adds dQ into a float32 buffer and no dQ kernel runs ([Note] dQ in the dK/dV
+kernel). Otherwise, and always for a deterministic call, each output row is written by one program,
+no atomics, so the result does not depend on scheduling (bit-identical from run to run).
 
 It covers the common case; :func:`problem_reason` and ``Sm90BackwardKernel.unsupported_reason`` say
 why a call is outside it (learnable captured tensors, a broadcast key/value batch, context
@@ -16,6 +18,7 @@ portable backward, or raises when ``BACKEND='GLUON'`` pinned this one.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Optional
@@ -34,7 +37,8 @@ from .sm90 import BLOCK, CONSUMER_REGS, GluonFamily, Sm90Unavailable, shared_lay
 from .sm90 import problem_reason as forward_problem_reason
 from .tables import backward_tables, launch_tables
 
-__all__ = ["Sm90BackwardKernel", "Sm90Unavailable", "sm90_backward_kernel", "problem_reason", "auto_reason", "launches"]
+__all__ = ["Sm90BackwardKernel", "Sm90Unavailable", "sm90_backward_kernel", "problem_reason", "auto_reason", "fuses_dq",
+           "launches"]
 
 launches = 0  # backward calls run by this family (tests check the Gluon path really ran)
 QUERY_TILE = 64  # dK/dV walks each listed 128-row query block as two tiles of 64 rows
@@ -44,6 +48,41 @@ QUERY_TILE = 64  # dK/dV walks each listed 128-row query block as two tiles of 6
 DKDV_STAGES = {64: 3, 128: 2}
 DQ_STAGES = {64: 4, 128: 2}
 PREPROCESS_ROWS = 64
+# [Note] dQ in the dK/dV kernel. FlashAttention-3's backward forms dQ's part of each (key block,
+# query tile) pair where dS is formed, in the dK/dV kernel, and has the copy engine add it into a
+# float32 buffer (cp.reduce.async.bulk.tensor .add): five matrix products a pair instead of seven,
+# since a separate dQ kernel must form S and dP (and run the mods) again. Here the two consumers
+# publish their halves of the tile's dS^T in shared memory and take turns (even tiles consumer 0,
+# odd tiles consumer 1) multiplying the whole of it by K and adding the 64-row result: one
+# reduce a tile, not one per consumer, which halves the float32 traffic into L2.
+# Measured on the H100 (bf16, 16k tokens, docs/benchmarks.md), against the two kernels:
+# - turn-taking, d=64: 1.05-1.06x without mods, 1.12-1.15x with ALiBi and soft-cap (the dQ kernel
+#   ran the score_mod and its gradient again); with a mask_mod alone 1.00-1.05x causal and 1.01x
+#   sliding window and prefix LM, and a causal 12-layer model trained 2% slower (kernel bench B4 H16,
+#   model B1 H12: the dK/dV programs' uneven work under a causal mask grows with the dQ products);
+# - turn-taking, d=128: 1.04x without a mask but 0.78x causal, where the kernel spills (dK and dV
+#   hold 128 registers a thread, and shared memory is full at 226 KB);
+# - one reduce per consumer (each adding its 64 keys' part): 0.92-0.97x at d=64 without a score_mod,
+#   0.72-0.91x at d=128: the doubled traffic costs more than the products saved.
+# So dQ joins the dK/dV kernel at head dim 64, with a score_mod or without any mod. The order of the
+# additions depends on scheduling, so those sums are not bit-identical from run to run: a
+# deterministic call (options.deterministic) keeps the two kernels, whose every output row has one
+# writer.
+FUSED_DQ_HEAD_DIMS = (64,)
+
+
+def fuses_dq(head_dim: int, deterministic: bool, has_score_mod: bool, has_mask_mod: bool) -> bool:
+    """Whether dQ is added in the dK/dV kernel ([Note] dQ in the dK/dV kernel) rather than by its own."""
+    return head_dim in FUSED_DQ_HEAD_DIMS and not deterministic and (has_score_mod or not has_mask_mod)
+
+
+@functools.lru_cache(maxsize=None)
+def _dq_acc_layout():
+    """The shared layout of the float32 dQ tiles (built on first use: Gluon's layouts need Triton)."""
+    from triton.experimental.gluon import language as gl
+
+    # Rows of HEAD_DIM float32 are 256 or 512 bytes, wider than any swizzle: the tile goes unswizzled.
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
 def problem_reason(q, k, v, block_mask, float32_kv_grads: bool = False,
@@ -112,13 +151,16 @@ class Sm90BackwardKernel(GluonFamily):
         return None
 
     def __call__(self, q, k, v, out, lse, grad_out, grad_lse, block_mask, scale: float, score_captured,
-                 mask_captured):
+                 mask_captured, deterministic: bool = False):
         """``(dq, dk, dv, [None for each captured tensor])``; raises Sm90Unavailable when the kernels of
-        these mods do not compile (the caller checked ``unsupported_reason`` first, for everything else)."""
+        these mods do not compile (the caller checked ``unsupported_reason`` first, for everything else).
+        ``deterministic``: the two-kernel backward, whose every output row has one writer; otherwise
+        dQ may be added in the dK/dV kernel (``fuses_dq``)."""
         global launches
         tables = launch_tables(block_mask)
+        fused_dq = fuses_dq(q.shape[-1], deterministic, self.has_score_mod, self.has_mask_mod)
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), grad_out.stride(), out.stride(),
-               q.dtype, q.device, tables.plan_key, scale > 0, grad_lse is not None)
+               q.dtype, q.device, tables.plan_key, scale > 0, grad_lse is not None, fused_dq)
 
         def launch(plan: Plan):
             return self._launch(plan, q, k, v, out, lse, grad_out, grad_lse, block_mask, tables, scale,
@@ -126,15 +168,15 @@ class Sm90BackwardKernel(GluonFamily):
 
         plan = self._plans.get(key)
         if plan is None:
-            plan, result = self._first_launch(key, q, k, lambda: self._plan(q, k, tables, scale, grad_lse is not None),
-                                              launch)
+            plan, result = self._first_launch(
+                key, q, k, lambda: self._plan(q, k, tables, scale, grad_lse is not None, fused_dq), launch)
         else:
             result = launch(plan)
         launches += 1
         self.last_plan = plan
         return result
 
-    def _plan(self, q, k, tables, scale, has_dlse) -> Plan:
+    def _plan(self, q, k, tables, scale, has_dlse, fused_dq: bool) -> Plan:
         B, Hq, L, E = q.shape
         Hkv, S = k.shape[1], k.shape[2]
         compiled = self.compiled(index_bounds(B, Hq, L, S))
@@ -147,7 +189,7 @@ class Sm90BackwardKernel(GluonFamily):
             HAS_PARTIAL_BLOCKS=self.has_mask_mod, HAS_FULL_BLOCKS=tables.has_full,
             num_warps=4,  # the default partition: consumer warpgroup 0
         )
-        dkdv = dict(common, BLOCK_M=QUERY_TILE, BLOCK_N=BLOCK, STAGES=DKDV_STAGES[E])
+        dkdv = dict(common, BLOCK_M=QUERY_TILE, BLOCK_N=BLOCK, STAGES=DKDV_STAGES[E], FUSED_DQ=fused_dq)
         dq = dict(common, BLOCK_M=BLOCK, BLOCK_N=BLOCK, STAGES=DQ_STAGES[E])
         SM90_BACKWARD_DKDV.check_constexprs(dkdv)
         SM90_BACKWARD_DQ.check_constexprs(dq)
@@ -155,8 +197,9 @@ class Sm90BackwardKernel(GluonFamily):
         steps = {
             "preprocess": Step(BACKWARD_PREPROCESS, (cdiv(L, PREPROCESS_ROWS), Hq, B), preprocess),
             "dkdv": Step(SM90_BACKWARD_DKDV, (S // BLOCK, Hkv, B), dkdv),
-            "dq": Step(SM90_BACKWARD_DQ, (L // BLOCK, Hq, B), dq),
         }
+        if not fused_dq:
+            steps["dq"] = Step(SM90_BACKWARD_DQ, (L // BLOCK, Hq, B), dq)
         return Plan(compiled, steps, (L, S), q.element_size())
 
     def _launch(self, plan: Plan, q, k, v, out, lse, grad_out, grad_lse, block_mask, tables, scale, score_captured,
@@ -171,7 +214,7 @@ class Sm90BackwardKernel(GluonFamily):
         lse = lse.contiguous()
 
         # -- 2-D views and descriptors ([Note] 2-D views in templates/forward_sm90.py.jinja) ----
-        dq = empty_output((B, Hq, L, E), q.dtype, q.device)
+        fused_dq = "dq" not in plan.steps
         dk = empty_output((B, Hkv, S, E), k.dtype, q.device)
         dv = empty_output((B, Hkv, S, E), v.dtype, q.device)
         k_strides, v_strides = kv_strides(k, v, B)
@@ -187,7 +230,6 @@ class Sm90BackwardKernel(GluonFamily):
         dov, do_rows = described(grad_out, grad_out.stride(), QUERY_TILE, half)
         dkv, dk_rows = described(dk, dk.stride(), QUERY_TILE, half)
         _, dv_rows = described(dv, dv.stride(), QUERY_TILE, half)
-        _, dq_rows = described(dq, dq.stride(), QUERY_TILE, half)
         views = dict(row_qz=qv.row_z, row_qh=qv.row_h, col_qh=qv.col_h, row_kz=kv.row_z, row_kh=kv.row_h,
                      col_kh=kv.col_h, row_vz=vv.row_z, row_vh=vv.row_h, col_vh=vv.col_h, row_doz=dov.row_z,
                      row_doh=dov.row_h, col_doh=dov.col_h)
@@ -195,17 +237,27 @@ class Sm90BackwardKernel(GluonFamily):
                                mask_captured if self.has_mask_mod else ())
 
         # -- dK/dV: the transposed tables ----
+        if fused_dq:  # float32 sums the dK/dV programs add into: rows (batch, query head, query)
+            dq_acc = torch.zeros((B * Hq * L, E), dtype=torch.float32, device=q.device)
+            dq_acc_rows = TensorDescriptor(dq_acc, [B * Hq * L, E], [E, 1], [QUERY_TILE, E], _dq_acc_layout())
+        else:
+            dq_acc_rows = dk_rows  # not read
         bwd = backward_tables(block_mask)
         step = plan.steps["dkdv"]
         module.kernel(SM90_BACKWARD_DKDV)[step.grid](*SM90_BACKWARD_DKDV.pack(
-            Q=q_rows, K=k_tile, V=v_tile, DO=do_rows, DK=dk_rows, DV=dv_rows, LSE=lse, DELTA=delta,
+            Q=q_rows, K=k_tile, V=v_tile, DO=do_rows, DK=dk_rows, DV=dv_rows, DQ_ACC=dq_acc_rows, LSE=lse, DELTA=delta,
             Q_NUM_BLKS=bwd.q_num_blocks, Q_IDX=bwd.q_indices, FULL_Q_NUM_BLKS=bwd.full_q_num_blocks,
             FULL_Q_IDX=bwd.full_q_indices, **views, row_dkz=dkv.row_z, row_dkh=dkv.row_h, col_dkh=dkv.col_h,
             SPARSE_COLS=bwd.q_num_blocks.shape[2], IDX_ROWS=bwd.q_indices.shape[3],
             FULL_IDX_ROWS=bwd.full_q_indices.shape[3], Q_LEN=L, SM_SCALE=scale, mods=mods,
         ), **step.constexprs)
 
+        if fused_dq:
+            return dq_acc.view(B, Hq, L, E).to(q.dtype), dk, dv, [None] * len(score_captured)
+
         # -- dQ: the forward tables ----
+        dq = empty_output((B, Hq, L, E), q.dtype, q.device)
+        _, dq_rows = described(dq, dq.stride(), QUERY_TILE, half)
         step = plan.steps["dq"]
         module.kernel(SM90_BACKWARD_DQ)[step.grid](*SM90_BACKWARD_DQ.pack(
             Q=q_rows, K=k_tile, V=v_tile, DO=do_rows, DQ=dq_rows, LSE=lse, DELTA=delta,
