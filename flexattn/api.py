@@ -308,7 +308,7 @@ def flex_attention(
         backend = choose_decode(backend, options, query, block_mask, needs_grad, need_max)
     call = Call(backend, block_mask, scale, score, mask, mask_captured, options, wide)
     if needs_grad:
-        prepare_backward(call, query, key)
+        prepare_backward(call, query, key, value, score_captured)
         out, lse, mx = FlexAttentionFunction.apply(query, key, value, call, need_max, *score_captured)
     else:
         out, lse, mx = run_forward(call, query, key, value, score_captured, need_lse, need_max)

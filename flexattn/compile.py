@@ -25,7 +25,7 @@ compiled layer into 19 graphs. Under Dynamo a call takes another route, in three
    same way in both, so the i-th tensor noted under Dynamo is the i-th noted eagerly. The probes are
    empty, so the probe's ops read nothing at run time (and are dead code the compiler drops).
 3. **One custom op per pass.** ``flexattn::flex_attention`` and ``flexattn::flex_attention_backward``
-   (``torch.library.custom_op``) take the query, key, value, the BlockMask's tables, the captured
+   (defined with ``torch.library``, [Note] The ops' registration) take the query, key, value, the BlockMask's tables, the captured
    tensors and the key. Their fake implementations give the real outputs' shapes, dtypes and
    strides; the forward's autograd formula calls the backward op. Inductor calls them as extern
    kernels, and CUDA graphs capture their launches.
@@ -56,9 +56,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from .dispatch import Call, choose_decode, pick_backend, prepare_backward, run_backward, run_forward
+from .dispatch import Call, choose_decode, compile_ahead, pick_backend, prepare_backward, run_backward, run_forward
 from .errors import InvalidInputError
 from .graphs import may_keep_allocations
+from .kernels import ahead
 from .kernels.tables import (
     BACKWARD_TABLES, RowStats, assume_groups_differ, checked_launch_tables, preset_row_stats,
 )
@@ -302,12 +303,18 @@ def _all_captured(traced: Optional[TracedMod], given: list, device: torch.device
     return [next(given) if c.walk_index is not None else f for c, f in zip(traced.captured, fixed)]
 
 
-def _block_mask(query, key, tables, block_size, seq_lengths, group: int) -> BlockMask:
+def _block_mask(query, key, tables, block_size, seq_lengths, group: int, stats: Optional[RowStats] = None) -> BlockMask:
+    """The op's tables as a BlockMask, with what earlier calls derived from them; ``stats``: row
+    statistics to assume instead (for stand-in tables, whose contents mean nothing)."""
     L, S = query.shape[2], key.shape[2]
     if tables[0] is None:
         return dense_block_mask(L, S, query.device)
     tables = [None if t is None else t.contiguous() for t in tables]
     mask = BlockMask.from_launch_tables(tuple(seq_lengths), *tables, BLOCK_SIZE=tuple(block_size))
+    if stats is not None:
+        preset_row_stats(mask, stats)
+        assume_groups_differ(mask, group)
+        return mask
     kept = _kept(mask) or _checked(mask)
     if kept is not None:
         if kept.stats is not None:
@@ -393,10 +400,11 @@ def _keep_backward_tables(mask: BlockMask) -> None:
     kept.backward = tables
 
 
-def _call(key: str, query, key_t, tables, block_size, seq_lengths, mask_captured, scale, needs_grad, need_max):
+def _call(key: str, query, key_t, tables, block_size, seq_lengths, mask_captured, scale, needs_grad, need_max,
+          stats: Optional[RowStats] = None):
     registered = registered_call(key)
     options = registered.options
-    block_mask = _block_mask(query, key_t, tables, block_size, seq_lengths, query.shape[1] // key_t.shape[1])
+    block_mask = _block_mask(query, key_t, tables, block_size, seq_lengths, query.shape[1] // key_t.shape[1], stats)
     backend = pick_backend(query, options)
     B, Hq, L, _ = query.shape
     S = key_t.shape[2]
@@ -408,14 +416,26 @@ def _call(key: str, query, key_t, tables, block_size, seq_lengths, mask_captured
     return Call(backend, block_mask, scale, registered.score, registered.mask, mask_captured, options, wide)
 
 
-@torch.library.custom_op("flexattn::flex_attention", mutates_args=())
-def flex_attention_op(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    kv_num_blocks: Optional[torch.Tensor], kv_indices: Optional[torch.Tensor],
-    full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
-    score_captured: list[torch.Tensor], mask_captured: list[torch.Tensor],
-    call_key: str, block_size: list[int], seq_lengths: list[int], scale: float, needs_grad: bool, need_max: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# [Note] The ops' registration. The ops are defined with torch.library.Library and their bodies
+# registered for CompositeExplicitAutograd directly, not through torch.library.custom_op: that
+# wraps each body in a Dynamo-disabling context and an aliasing check, about 200 us a call on the
+# H200 machine's host (an op body is 130 us), paid by every layer's forward and backward of a
+# compiled step. The bodies return fresh tensors only, which is what that check checks.
+_LIBRARY = torch.library.Library("flexattn", "DEF")
+_LIBRARY.define(
+    "flex_attention(Tensor query, Tensor key, Tensor value, Tensor? kv_num_blocks, Tensor? kv_indices, "
+    "Tensor? full_kv_num_blocks, Tensor? full_kv_indices, Tensor[] score_captured, Tensor[] mask_captured, "
+    "str call_key, SymInt[] block_size, SymInt[] seq_lengths, float scale, bool needs_grad, bool need_max) "
+    "-> (Tensor, Tensor, Tensor)")
+_LIBRARY.define(
+    "flex_attention_backward(Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, Tensor grad_out, "
+    "Tensor? grad_lse, Tensor? kv_num_blocks, Tensor? kv_indices, Tensor? full_kv_num_blocks, "
+    "Tensor? full_kv_indices, Tensor[] score_captured, Tensor[] mask_captured, str call_key, SymInt[] block_size, "
+    "SymInt[] seq_lengths, float scale, bool[] captured_grads) -> (Tensor, Tensor, Tensor, Tensor[])")
+
+
+def _forward_body(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, score_captured,
+                  mask_captured, call_key, block_size, seq_lengths, scale, needs_grad, need_max):
     """``(out, lse, max_scores)``; max_scores is empty unless asked for."""
     with _as_kernel():
         return _forward(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
@@ -426,17 +446,23 @@ def _forward(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, f
              mask_captured, call_key, block_size, seq_lengths, scale, needs_grad, need_max):
     tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     call = _call(call_key, query, key, tables, block_size, seq_lengths, mask_captured, scale, needs_grad, need_max)
-    if needs_grad:
-        prepare_backward(call, query, key)
     score = _all_captured(call.score, list(score_captured), query.device)
+    if needs_grad:
+        prepare_backward(call, query, key, value, score)
     out, lse, mx = run_forward(call, query, key, value, score, True, need_max)
     mx = mx.contiguous() if need_max else query.new_empty(0, dtype=torch.float32)
     return out.contiguous(), lse.contiguous(), mx
 
 
-@flex_attention_op.register_fake
+_LIBRARY.impl("flex_attention", _forward_body, "CompositeExplicitAutograd")
+flex_attention_op = torch.ops.flexattn.flex_attention
+
+
+@torch.library.register_fake("flexattn::flex_attention", lib=_LIBRARY)
 def _(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, score_captured,
       mask_captured, call_key, block_size, seq_lengths, scale, needs_grad, need_max):
+    _compile_ahead_while_tracing(query, key, value, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices),
+                                 score_captured, mask_captured, call_key, block_size, seq_lengths, scale, needs_grad)
     B, Hq, L, _ = query.shape
     out = query.new_empty((B, Hq, L, value.shape[3]))
     lse = query.new_empty((B, Hq, L), dtype=torch.float32)
@@ -444,15 +470,57 @@ def _(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_
     return out, lse, mx
 
 
-@torch.library.custom_op("flexattn::flex_attention_backward", mutates_args=())
-def flex_attention_backward_op(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
-    kv_num_blocks: Optional[torch.Tensor], kv_indices: Optional[torch.Tensor],
-    full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
-    score_captured: list[torch.Tensor], mask_captured: list[torch.Tensor],
-    call_key: str, block_size: list[int], seq_lengths: list[int], scale: float, captured_grads: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+# [Note] Kernels compiled while the graph is traced. The fake implementation is the first place a
+# compiled call's shapes are known: Dynamo calls it while tracing, seconds before Inductor has
+# compiled the graph and the op first runs. There, once per problem, the op's forward and backward
+# run on stand-ins with their launches recorded ([Note] Kernels compiled ahead in kernels/ahead.py),
+# so that worker processes compile the kernels while Inductor works. The stand-ins: empty q, k, v
+# with the real sizes, strides and dtype (allocated for that moment: the kernels' choices read
+# their layout and alignment), zero tables of the real shapes with the row statistics assumed of
+# tables whose contents are not known (every row visits every listed column), and zero captured
+# tensors. A guess that differs from the real call (the real tables' statistics choose other
+# kernels) costs a worker's time, never a result: the real call compiles what it launches.
+_TRACED_AHEAD: set = set()
+
+
+def _compile_ahead_while_tracing(query, key, value, tables, score_captured, mask_captured, call_key, block_size,
+                                 seq_lengths, scale, needs_grad) -> None:
+    if query.device.type != "cuda" or not ahead.enabled():
+        return
+    given = [query, key, value, *[t for t in tables if t is not None], *score_captured, *mask_captured]
+    if not all(isinstance(s, int) for t in given for s in (*t.shape, *t.stride())):  # dynamic shapes
+        return
+    problem = (call_key, tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad) for t in given),
+               tuple(t is None for t in tables), tuple(block_size), tuple(seq_lengths), scale > 0, needs_grad,
+               query.device)
+    if problem in _TRACED_AHEAD:
+        return
+    if len(_TRACED_AHEAD) >= 1024:
+        _TRACED_AHEAD.clear()
+    _TRACED_AHEAD.add(problem)
+    try:
+        with _as_kernel(), torch.no_grad():
+            def like(t):
+                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+
+            def zeros(t):
+                return None if t is None else torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+
+            q, k, v = like(query), like(key), like(value)
+            stand_in = [zeros(t) for t in tables]
+            stats = None if tables[1] is None else RowStats(float(tables[1].shape[-1]), False, False)
+            call = _call(call_key, q, k, stand_in, block_size, seq_lengths,
+                         [zeros(t) for t in mask_captured], scale, needs_grad, False, stats)
+            score = _all_captured(call.score, [zeros(t).requires_grad_(t.requires_grad) for t in score_captured],
+                                  q.device)
+            compile_ahead(call, q, k, v, score, forward=True, backward=needs_grad)
+    except Exception:  # noqa: BLE001 - only the head start is lost (an out-of-memory GPU, a mod's probe)
+        return
+
+
+def _backward_body(query, key, value, out, lse, grad_out, grad_lse, kv_num_blocks, kv_indices, full_kv_num_blocks,
+                   full_kv_indices, score_captured, mask_captured, call_key, block_size, seq_lengths, scale,
+                   captured_grads):
     """``(dq, dk, dv, [gradient of each score_mod tensor marked in captured_grads])``."""
     with _as_kernel():
         return _backward_impl(query, key, value, out, lse, grad_out, grad_lse, kv_num_blocks, kv_indices,
@@ -489,7 +557,11 @@ def _gradient_like(grad: Optional[torch.Tensor], tensor: torch.Tensor) -> torch.
     return grad.to(tensor.dtype).reshape(tensor.shape).contiguous()
 
 
-@flex_attention_backward_op.register_fake
+_LIBRARY.impl("flex_attention_backward", _backward_body, "CompositeExplicitAutograd")
+flex_attention_backward_op = torch.ops.flexattn.flex_attention_backward
+
+
+@torch.library.register_fake("flexattn::flex_attention_backward", lib=_LIBRARY)
 def _(query, key, value, out, lse, grad_out, grad_lse, kv_num_blocks, kv_indices, full_kv_num_blocks,
       full_kv_indices, score_captured, mask_captured, call_key, block_size, seq_lengths, scale, captured_grads):
     d_captured = [t.new_empty(t.shape) for t, wanted in zip(score_captured, captured_grads) if wanted]

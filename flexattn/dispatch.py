@@ -18,6 +18,7 @@ and it imports neither.
 from __future__ import annotations
 
 import sys
+from collections import OrderedDict
 from typing import NamedTuple, Optional
 
 import torch
@@ -25,6 +26,7 @@ import torch
 from .blockwise import Q_TILE_MAX, TILE_ELEMENTS, blockwise_backward, blockwise_forward
 from .codegen import debug_enabled
 from .errors import BackendUnavailableError, InvalidInputError
+from .kernels import ahead
 from .kernels import (
     MAX_AUTO_QUERY_LEN, Sm90Unavailable, backward_kernel, decode_kernel, forward_kernel, interpreter_enabled,
     sm90_auto_reason, sm90_backward_auto_reason, sm90_backward_kernel, sm90_forward_kernel, unsupported_reason,
@@ -156,6 +158,8 @@ def _shape(t: torch.Tensor) -> str:
 
 def _debug_report(stage: str, call: Call, q, k, v, plan: str) -> None:
     """One line on stderr per forward or backward (FLEXATTN_DEBUG=1): the backend and what it ran."""
+    if ahead.recording():  # a run whose launches were only recorded
+        return
     q_block, kv_block = call.block_mask.BLOCK_SIZE
     print(
         f"[flexattn] {stage} {call.backend}: q {_shape(q)} k {_shape(k)} v {_shape(v)} "
@@ -290,12 +294,55 @@ def _sm90_backward(call: Call, q, k, v, out, lse, grad_out, grad_lse, score_capt
     return _run_gluon("backward", call, q, k, v, sm90_backward_choice(call, q, k, v, float32_kv_grads, grad_out), run)
 
 
-def prepare_backward(call: Call, q, k) -> None:
-    """Lower the score_mod's gradient now, at the forward: a mod whose gradient cannot be lowered
-    fails here, before any kernel runs, not in the middle of loss.backward()."""
+def prepare_backward(call: Call, q, k, v=None, score_captured=None) -> None:
+    """At the forward of a call that needs gradients: lower the score_mod's gradient now (a mod whose
+    gradient cannot be lowered fails here, before any kernel runs, not in the middle of
+    loss.backward()), and, given the call's v and captured tensors, have the backward's kernels
+    compiled ahead, while the forward runs."""
     if call.backend == "TRITON":
         backward_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options)).prepare(
             q, k, call.block_mask)
+        if v is not None:
+            compile_ahead(call, q, k, v, score_captured or [], forward=False, backward=True)
+
+
+# The problems whose launches were recorded once ([Note] Kernels compiled ahead in kernels/ahead.py);
+# the key holds the TracedMods themselves ([Note] Cache keys in kernels/family.py).
+_AHEAD_DONE: "OrderedDict[tuple, bool]" = OrderedDict()
+_AHEAD_KEPT = 256
+
+
+def compile_ahead(call: Call, q, k, v, score_captured, *, forward: bool, backward: bool) -> None:
+    """Run this problem's forward and/or backward once with launches recorded, not run, so that worker
+    processes compile their kernels while this process goes on ([Note] Kernels compiled ahead in
+    kernels/ahead.py). Once per problem; never raises: a failure here only means that the kernels
+    compile where they launch, as they would without it."""
+    if call.backend != "TRITON" or not q.is_cuda or interpreter_enabled() or call.options.get("AUTOTUNE"):
+        return
+    mask = call.block_mask
+    key = (call.score, call.mask, repr(sorted(call.options.items())), forward, backward, q.shape, q.stride(),
+           k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, tuple(mask.kv_num_blocks.shape),
+           mask.full_kv_num_blocks is not None, tuple(mask.BLOCK_SIZE), tuple(mask.seq_lengths), call.scale > 0,
+           tuple((t.shape, t.dtype, t.requires_grad) for t in score_captured))
+    if key in _AHEAD_DONE or torch.cuda.is_current_stream_capturing() or not ahead.enabled():
+        return
+    _AHEAD_DONE[key] = True
+    if len(_AHEAD_DONE) > _AHEAD_KEPT:
+        _AHEAD_DONE.popitem(last=False)
+    try:
+        with ahead.compiling_ahead():
+            if forward:
+                run_forward(call, q, k, v, score_captured, True, False)
+            if backward:
+                # The forward's outputs and the output's gradient as the backward will see them
+                # (run_backward makes the gradient contiguous): shapes, dtypes and strides only.
+                B, Hq, L, _ = q.shape
+                out = torch.empty((B, Hq, L, v.shape[-1]), dtype=q.dtype, device="meta")
+                lse = torch.empty((B, Hq, L), dtype=torch.float32, device="meta")
+                run_backward(call, q, k, v, out, lse, torch.empty_like(out), None, score_captured)
+    except Exception as err:  # noqa: BLE001 - only the head start is lost
+        if _DEBUG:
+            print(f"[flexattn] kernels not compiled ahead ({type(err).__name__}: {err})", file=sys.stderr)
 
 
 def run_backward(call: Call, q, k, v, out, lse, grad_out, grad_lse, score_captured, float32_kv_grads: bool = False):

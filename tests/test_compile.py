@@ -507,6 +507,21 @@ def test_the_model_benchmark_runs_its_smoke_sizes(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["host_ms"] > 0 for r in report["results"])
 
 
+def test_the_model_benchmark_runs_a_cold_case_in_a_fresh_process(tmp_path):
+    # --cold: each case in a process of its own with empty caches (what a user's first run pays).
+    import json
+
+    from flexattn.bench import run_mode
+
+    out = tmp_path / "model.json"
+    assert run_mode("model", ["--smoke", "--cold", "--impls", "flexattn", "--modes", "eager", "--masks", "causal",
+                              "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["cold"] is True
+    (row,) = report["results"]
+    assert row["cold"] is True and row["impl"] == "flexattn" and row["tokens_per_s"] > 0
+
+
 def test_a_masks_checked_row_statistics_follow_its_tables(monkeypatch):
     # The first mask of a shape is checked once and its row statistics kept (the forward's
     # consecutive-block path); a new mask of that shape, or a table changed in place, is not read back

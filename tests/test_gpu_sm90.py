@@ -139,6 +139,32 @@ def test_two_masks_of_one_shape_reuse_no_stale_tables():
         assert rel_err(out, gold) < 1e-2, f"window {w}"
 
 
+def test_direct_launches_follow_new_tensors_and_layouts():
+    # After the first call, the Gluon kernels launch directly (kernels/launch.py: their descriptors
+    # are specialised on dtype, block shape and layout only). Each later call, with new tensors, a
+    # transposed layout of the same shape, and a new mask, must read its own inputs.
+    B, H, L, E = 2, 4, 1024, 64
+    mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, L, L, device=DEVICE)
+    before = launch_module.fast_launches
+    for transposed in (False, False, True, False, True):
+        shape = (B, L, H, E) if transposed else (B, H, L, E)
+        q, k, v = (torch.randn(shape, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+        if transposed:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        for t in (q, k, v):
+            t.requires_grad_(True)
+        out = flex_attention(q, k, v, block_mask=mask, kernel_options=GLUON)
+        grad = torch.randn_like(out)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+        leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+        gold, _, _ = reference_attention(*leaves, mask_mod=lambda b, h, qi, ki: qi >= ki)
+        gold_grads = torch.autograd.grad(gold, leaves, grad.double())
+        assert rel_err(out, gold) < 1e-2, f"out (transposed={transposed})"
+        for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), gold_grads):
+            assert rel_err(got, want) < 2e-2, f"{name} (transposed={transposed})"
+    assert launch_module.fast_launches > before, "the Gluon kernels never launched directly"
+
+
 @pytest.mark.parametrize("variant, head_dim, gqa", [("causal", 128, False), ("document_mask", 64, False),
                                                     ("noop", 128, True)])
 def test_backward_after_the_gluon_forward(variant, head_dim, gqa):

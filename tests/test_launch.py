@@ -1,6 +1,7 @@
 """flexattn.kernels.launch: the facts that key its direct launches, and the interpreter's ordinary path. The
 direct path itself needs a GPU (tests/test_gpu.py runs it with changing alignment and tensors)."""
 
+import pytest
 import torch
 
 import flexattn.kernels.launch as launch_module
@@ -18,6 +19,34 @@ def test_facts_tell_apart_what_triton_specialises_on():
     assert _facts((True,)) != _facts((False,)) and _facts((True,)) != _facts((1,))
     assert _facts((48, 0.5)) == _facts((16, 2.0))  # same facts: the same compiled kernel serves both
     assert _facts((aligned, object())) is None  # anything else takes Triton's own launch
+
+
+def test_gluon_descriptors_are_told_apart_as_triton_specialises_them():
+    """Triton 3.6 to 3.9 specialise a Gluon tensor descriptor on its dtype, block shape and shared
+    layout only (its shape, strides and base address are launch-time values): the facts cover those
+    and match Triton's own key wherever they match."""
+    gluon = pytest.importorskip("triton.experimental.gluon.language")
+    from triton.backends import BaseBackend
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import native_specialize_impl
+
+    rows = torch.empty(4096, 64, dtype=torch.bfloat16)
+    wide = gluon.NVMMASharedLayout.get_default_for([64, 64], gluon.bfloat16)
+    narrow = gluon.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    descriptors = [
+        TensorDescriptor(rows, [4096, 64], [64, 1], [64, 64], wide),
+        TensorDescriptor(rows[8:], [1000, 64], [128, 1], [64, 64], wide),  # other shape, strides, base
+        TensorDescriptor(rows, [4096, 64], [64, 1], [128, 64], wide),  # block shape
+        TensorDescriptor(rows, [4096, 64], [64, 1], [64, 64], narrow),  # layout
+        TensorDescriptor(rows.to(torch.float16), [4096, 64], [64, 1], [64, 64], wide),  # dtype
+    ]
+    for a in descriptors:
+        for b in descriptors:
+            same_facts = _facts((a,)) == _facts((b,))
+            triton_key = [native_specialize_impl(BaseBackend, d, False, True, True) for d in (a, b)]
+            assert same_facts <= (triton_key[0] == triton_key[1])  # never one kernel for two of Triton's
+    assert _facts((descriptors[0],)) == _facts((descriptors[1],))
+    assert len({_facts((d,)) for d in descriptors}) == 4
 
 
 def test_interpreted_kernels_take_the_ordinary_launch(monkeypatch):

@@ -26,14 +26,21 @@ Per case: tokens/s (tokens of a step over its wall time, steps run back to back 
 end), GPU time per step (CUDA events around each step), host time per step (the wall time of the
 Python call of a step, the GPU not waited on), and compile time (the first two steps' wall time
 less two steady steps). Writes a table and a JSON with the device and versions (``--out``).
+
+In one process the implementations share what the first one warmed: Inductor's imports and worker
+pool, and any kernel a cache already holds. ``--cold`` measures what a user's first run pays
+instead: each case runs in a process of its own with empty caches (Triton's, Inductor's and
+flexattn's, in a temporary directory).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -197,6 +204,26 @@ def run_case(impl, mode, mask, batch, seq, cfg, device, backend, scope="blocks")
     return result
 
 
+def run_cold(impl: str, mode: str, mask: str, shape: str, args) -> dict:
+    """One case in a fresh process whose Triton, Inductor and flexattn caches start empty."""
+    with tempfile.TemporaryDirectory(prefix="flexattn-cold-") as tmp:
+        env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(tmp, "triton"),
+                   TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"), FLEXATTN_CACHE_DIR=os.path.join(tmp, "flexattn"))
+        out = os.path.join(tmp, "case.json")
+        argv = [sys.executable, "-m", "flexattn.bench", "--mode", "model", "--impls", impl, "--modes", mode,
+                "--masks", mask, "--seq", shape, "--layers", str(args.layers), "--dim", str(args.dim),
+                "--heads", str(args.heads), "--vocab", str(args.vocab), "--scope", args.scope, "--out", out]
+        argv += ["--quick"] if args.quick else []
+        argv += ["--smoke"] if args.smoke else []
+        done = subprocess.run(argv, env=env, capture_output=True, text=True)
+        if not os.path.exists(out):
+            raise RuntimeError(f"the case's process failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+        (result,) = json.loads(Path(out).read_text())["results"]
+    if "error" in result:
+        raise RuntimeError(result["error"])
+    return dict(result, cold=True)
+
+
 def environment(device) -> dict:
     import triton
 
@@ -237,6 +264,8 @@ def main(argv=None) -> int:
                         help="what the compiled modes compile: each block (default) or the model's forward whole")
     parser.add_argument("--quick", action="store_true", help="fewer warm-up and timed steps (2 and 4)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on any device: the code paths only")
+    parser.add_argument("--cold", action="store_true",
+                        help="each case in a fresh process with empty kernel and compile caches (first-run compile time)")
     parser.add_argument("--out", default="bench_model.json")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -266,7 +295,10 @@ def main(argv=None) -> int:
                     continue  # SDPA has no document mask (a dense one would time another kernel)
                 for mode in modes:
                     try:
-                        r = run_case(impl, mode, mask, batch, seq, cfg, device, backend, args.scope)
+                        if args.cold:
+                            r = run_cold(impl, mode, mask, shape, args)
+                        else:
+                            r = run_case(impl, mode, mask, batch, seq, cfg, device, backend, args.scope)
                     except Exception as err:  # one failing case must not lose the others' numbers
                         r = {"impl": impl, "mode": mode, "mask": mask, "batch": batch, "seq": seq,
                              "error": f"{type(err).__name__}: {err}".splitlines()[0]}
@@ -274,7 +306,7 @@ def main(argv=None) -> int:
                     print(table([r]).splitlines()[-1], flush=True)
     print()
     print(table(results))
-    cfg["scope"] = args.scope
+    cfg.update(scope=args.scope, cold=args.cold)
     Path(args.out).write_text(json.dumps({"env": environment(device), "config": cfg, "results": results}, indent=1))
     print(f"\nwritten: {args.out}")
     return 1 if any("error" in r for r in results) else 0

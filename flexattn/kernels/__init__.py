@@ -1,7 +1,8 @@
 """Kernels: compile, plan and launch the generated Triton kernels (stage 4: trace -> lowering ->
 codegen -> kernels).
 
-``launch`` (the direct launch, output buffers) and ``tma`` (tensor descriptors) are the floor;
+``launch`` (the direct launch, output buffers) and ``tma`` (tensor descriptors) are the floor, with
+``ahead`` (launches recorded, not run, and compiled in ``compile_worker`` processes beforehand);
 ``configs`` (tiles, warps and stages per GPU, autotuning's store) and ``tables`` (what the kernels
 read from a BlockMask) stand on it; ``family`` is what every kernel family shares (compiled
 sources, plans, the launch loop with its resource fallback and replan rule); ``forward``,

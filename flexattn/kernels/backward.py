@@ -41,6 +41,7 @@ from .configs import (
     BACKWARD_TILE_KEYS, BackwardConfig, backward_pinned, backward_shared_memory_bytes, fit_backward,
     input_precision, max_shared_memory, next_pow2, pinned_backward_config, select_backward_config, tuned_configs,
 )
+from .ahead import recording
 from .family import KernelFamily, Plan, Step, TileRoles, cached_kernel, with_tiles
 from .launch import empty_output, interpreter_enabled, kv_strides, launch, mod_launch_args
 from .tables import backward_tables, launch_tables
@@ -115,7 +116,8 @@ class BackwardKernel(KernelFamily):
                                 score_captured, mask_captured, float32_kv_grads)
 
         grads = self._run(key, make_plan, for_call, run, options)
-        launches += 1
+        if not recording():
+            launches += 1
         return grads
 
     def _launch(self, plan: Plan, q, k, v, out, lse, grad_out, grad_lse, tables, bwd_tables, scale, score_captured,

@@ -27,8 +27,10 @@ flags, options), the device copies of a mod's own constants (on the TracedMod, p
 tables derived from a BlockMask (on the mask, kernels/tables.py), ``codegen.source._loaded`` (source
 digest), the autotune store (source digest, device, shape class, Triton version; kernels/configs.py),
 ``masks.create._dense_masks`` (lengths, device), ``lowering.ranges._VARIANTS`` and ``_WIDE``
-(TracedMods, bounds), and the direct launches of kernels/launch.py (on each Triton kernel: device,
-specialisation facts, constexprs).
+(TracedMods, bounds), the direct launches of kernels/launch.py (on each Triton kernel: device,
+specialisation facts, constexprs), and what was compiled ahead (dispatch._AHEAD_DONE,
+compile._TRACED_AHEAD, kernels/ahead.py's sent specialisations: problems and specialisations only,
+never read by a launch).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from ..lowering import LoweredMod, lower, lowering_variants
 from ..masks.layout import cdiv
 from ..options import deterministic as requested_determinism
 from ..trace import TracedMod
+from .ahead import recording
 from .launch import interpreter_enabled, is_out_of_resources, shared_bytes, spilled_bytes
 
 __all__ = [
@@ -212,6 +215,8 @@ class KernelFamily:
         call that ran the plan itself; a deterministic call (options.deterministic) runs again until
         its plan has settled, so that its first result has the same bits as every later one's."""
         plan = self._plans.get(key)
+        if recording():  # [Note] Kernels compiled ahead: no plan kept, nothing learnt from compiling
+            return launch(for_call(plan or make_plan()))[0]
         if plan is None:
             plan = self._remember_plan(key, make_plan())
         settle = requested_determinism(options)

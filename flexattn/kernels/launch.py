@@ -11,7 +11,9 @@ of a warm forward call (flexattn's own Python: about 40 us).
 
 ``launch`` keeps, per kernel, the compiled kernel that Triton's own launch chose, under the facts
 Triton specialises on (each tensor's dtype and 16-byte alignment; each int's divisibility by 16,
-whether it is 1, whether it fits in 32 bits), the constexprs and the launch options. A later call
+whether it is 1, whether it fits in 32 bits; a Gluon tensor descriptor's dtype, block shape, shared
+layout and padding, its only specialisation on Triton 3.6 to 3.9, tests/test_launch.py), the
+constexprs and the launch options. A later call
 with the same facts calls the compiled kernel's launcher directly, without launch metadata or the
 (empty) launch hooks; any other call, any argument of another kind (a host tensor descriptor), a
 launch hook that is set (a profiler) or the interpreter takes Triton's own path. The facts are a
@@ -26,8 +28,10 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import ahead
+
 __all__ = [
-    "launch", "fast_launches", "interpreter_enabled", "empty_output", "mod_launch_args", "kv_strides",
+    "launch", "fast_launches", "interpreter_enabled", "empty_output", "zeroed_output", "mod_launch_args", "kv_strides",
     "is_out_of_resources", "spilled_bytes", "shared_bytes",
 ]
 
@@ -51,6 +55,9 @@ def _facts(args) -> Optional[tuple]:
             append((a.dtype, a.data_ptr() & 15 == 0))
         elif kind is bool:
             append((bool, a))
+        elif kind.__name__ == "TensorDescriptor" and kind.__module__.startswith("triton.experimental.gluon"):
+            # The Gluon kernels' descriptors (1 to 7 a launch): ~100 us of Triton's own launch each call.
+            append((kind, a.base.dtype, tuple(a.block_shape), a.layout, getattr(a, "padding", None), len(a.shape)))
         else:
             return None
     return tuple(facts)
@@ -81,10 +88,17 @@ _AVAILABLE = _knobs is not None
 def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict):
     """``jit_fn[grid](*args, **constexprs)``, directly through the compiled kernel's launcher when a
     launch with the same specialisation facts already went through Triton. Returns the compiled
-    kernel that ran (None under the interpreter), whose ``n_spills`` callers may read."""
+    kernel that ran (None under the interpreter, and when recording: [Note] Kernels compiled ahead in
+    kernels/ahead.py), whose ``n_spills`` callers may read."""
     global fast_launches
     if not _AVAILABLE or not hasattr(jit_fn, "device_caches"):  # the interpreter's function, or an old Triton
         return jit_fn[grid](*args, **constexprs)
+    if ahead.pending:
+        if ahead.recording():
+            return ahead.record(jit_fn, grid, args, constexprs)
+        ahead.wait_for(jit_fn)
+    elif ahead.recording():
+        return ahead.record(jit_fn, grid, args, constexprs)
     runtime = _knobs.runtime
     if not (_idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook)) or runtime.debug:
         return jit_fn[grid](*args, **constexprs)
@@ -128,10 +142,18 @@ _POISON_OUTPUTS = os.environ.get("FLEXATTN_POISON_OUTPUTS", "0") not in ("", "0"
 
 
 def empty_output(shape, dtype, device) -> torch.Tensor:
-    """A buffer every element of which a kernel writes (NaN-filled under FLEXATTN_POISON_OUTPUTS)."""
+    """A buffer every element of which a kernel writes (NaN-filled under FLEXATTN_POISON_OUTPUTS; on
+    the meta device while launches are recorded, see kernels/ahead.py)."""
+    if ahead.recording():
+        return torch.empty(shape, dtype=dtype, device="meta")
     if _POISON_OUTPUTS:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def zeroed_output(shape, dtype, device) -> torch.Tensor:
+    """A buffer kernels add into, zero-filled (on the meta device while launches are recorded)."""
+    return torch.zeros(shape, dtype=dtype, device="meta" if ahead.recording() else device)
 
 
 def mod_launch_args(*captured: Sequence[torch.Tensor]) -> list:

@@ -21,8 +21,9 @@ from ..codegen.params import SM90_FORWARD
 from ..errors import BackendUnavailableError
 from ..lowering import index_bounds, lowering_variants
 from ..trace import TracedMod
+from .ahead import recording
 from .family import KernelFamily, Plan, Step, cached_kernel
-from .launch import empty_output, interpreter_enabled, kv_strides, mod_launch_args
+from .launch import empty_output, interpreter_enabled, kv_strides, launch, mod_launch_args
 from .tables import launch_tables
 
 __all__ = ["Sm90ForwardKernel", "GluonFamily", "Sm90Unavailable", "sm90_forward_kernel", "problem_reason",
@@ -182,6 +183,8 @@ class GluonFamily(KernelFamily):
         """``(plan, launch(plan))`` for a problem seen for the first time; the plan is kept once its
         launch (which compiles) succeeded. Raises Sm90Unavailable, and remembers why, when it fails."""
         plan = make_plan()
+        if recording():  # [Note] Kernels compiled ahead: the real first launch keeps the plan
+            return plan, launch(plan)
         try:
             result = launch(plan)
         except Exception as err:
@@ -222,8 +225,9 @@ class Sm90ForwardKernel(GluonFamily):
             plan, result = self._first_launch(key, q, k, lambda: self._plan(q, k, v, tables, scale, need_lse), launch)
         else:
             result = launch(plan)
-        launches += 1
-        self.last_plan = plan
+        if not recording():
+            launches += 1
+            self.last_plan = plan
         return result
 
     def _plan(self, q, k, v, tables, scale, need_lse) -> Plan:
@@ -273,7 +277,7 @@ class Sm90ForwardKernel(GluonFamily):
             mods=mod_launch_args(score_captured if self.has_score_mod else (),
                                  mask_captured if self.has_mask_mod else ()),
         )
-        plan.compiled.kernel(SM90_FORWARD)[step.grid](*args, **step.constexprs)
+        launch(plan.compiled.kernel(SM90_FORWARD), step.grid, args, step.constexprs)
         return out, (lse if need_lse else None)
 
 

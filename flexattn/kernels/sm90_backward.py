@@ -30,9 +30,10 @@ from ..codegen.params import BACKWARD_PREPROCESS, SM90_BACKWARD_DKDV, SM90_BACKW
 from ..lowering import index_bounds, lower_score_grad
 from ..masks.layout import cdiv
 from ..trace import TracedMod
+from .ahead import recording
 from .family import Plan, Step, cached_kernel
 from .backward import preprocess_delta
-from .launch import empty_output, kv_strides, mod_launch_args
+from .launch import empty_output, kv_strides, launch, mod_launch_args, zeroed_output
 from .sm90 import BLOCK, CONSUMER_REGS, GluonFamily, Sm90Unavailable, shared_layout, tensor_view
 from .sm90 import problem_reason as forward_problem_reason
 from .tables import backward_tables, launch_tables
@@ -172,8 +173,9 @@ class Sm90BackwardKernel(GluonFamily):
                 key, q, k, lambda: self._plan(q, k, tables, scale, grad_lse is not None, fused_dq), launch)
         else:
             result = launch(plan)
-        launches += 1
-        self.last_plan = plan
+        if not recording():
+            launches += 1
+            self.last_plan = plan
         return result
 
     def _plan(self, q, k, tables, scale, has_dlse, fused_dq: bool) -> Plan:
@@ -238,19 +240,19 @@ class Sm90BackwardKernel(GluonFamily):
 
         # -- dK/dV: the transposed tables ----
         if fused_dq:  # float32 sums the dK/dV programs add into: rows (batch, query head, query)
-            dq_acc = torch.zeros((B * Hq * L, E), dtype=torch.float32, device=q.device)
+            dq_acc = zeroed_output((B * Hq * L, E), torch.float32, q.device)
             dq_acc_rows = TensorDescriptor(dq_acc, [B * Hq * L, E], [E, 1], [QUERY_TILE, E], _dq_acc_layout())
         else:
             dq_acc_rows = dk_rows  # not read
         bwd = backward_tables(block_mask)
         step = plan.steps["dkdv"]
-        module.kernel(SM90_BACKWARD_DKDV)[step.grid](*SM90_BACKWARD_DKDV.pack(
+        launch(module.kernel(SM90_BACKWARD_DKDV), step.grid, SM90_BACKWARD_DKDV.pack(
             Q=q_rows, K=k_tile, V=v_tile, DO=do_rows, DK=dk_rows, DV=dv_rows, DQ_ACC=dq_acc_rows, LSE=lse, DELTA=delta,
             Q_NUM_BLKS=bwd.q_num_blocks, Q_IDX=bwd.q_indices, FULL_Q_NUM_BLKS=bwd.full_q_num_blocks,
             FULL_Q_IDX=bwd.full_q_indices, **views, row_dkz=dkv.row_z, row_dkh=dkv.row_h, col_dkh=dkv.col_h,
             SPARSE_COLS=bwd.q_num_blocks.shape[2], IDX_ROWS=bwd.q_indices.shape[3],
             FULL_IDX_ROWS=bwd.full_q_indices.shape[3], Q_LEN=L, SM_SCALE=scale, mods=mods,
-        ), **step.constexprs)
+        ), step.constexprs)
 
         if fused_dq:
             return dq_acc.view(B, Hq, L, E).to(q.dtype), dk, dv, [None] * len(score_captured)
@@ -259,13 +261,13 @@ class Sm90BackwardKernel(GluonFamily):
         dq = empty_output((B, Hq, L, E), q.dtype, q.device)
         _, dq_rows = described(dq, dq.stride(), QUERY_TILE, half)
         step = plan.steps["dq"]
-        module.kernel(SM90_BACKWARD_DQ)[step.grid](*SM90_BACKWARD_DQ.pack(
+        launch(module.kernel(SM90_BACKWARD_DQ), step.grid, SM90_BACKWARD_DQ.pack(
             Q=q_rows, K=k_tile, V=v_tile, DO=do_rows, DQ=dq_rows, LSE=lse, DELTA=delta,
             KV_NUM_BLKS=tables.kv_num_blocks, KV_IDX=tables.kv_indices, FULL_KV_NUM_BLKS=tables.full_kv_num_blocks,
             FULL_KV_IDX=tables.full_kv_indices, **views, SPARSE_ROWS=tables.kv_num_blocks.shape[2],
             IDX_COLS=tables.kv_indices.shape[3], FULL_IDX_COLS=tables.full_kv_indices.shape[3], Q_LEN=L,
             SM_SCALE=scale, mods=mods,
-        ), **step.constexprs)
+        ), step.constexprs)
         return dq, dk, dv, [None] * len(score_captured)
 
 
