@@ -17,6 +17,7 @@ and cached by Triton too), where this Triton builds one.
 """
 
 import importlib.util
+import os
 import pickle
 import struct
 import sys
@@ -80,8 +81,11 @@ def main() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
 
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # whatever a compiler prints must not corrupt the answers
+    # The answers get a descriptor of their own; descriptor 1 becomes stderr, so that whatever a
+    # compiler prints, from Python or from C, cannot corrupt them.
+    stdin, stdout = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     loaded: dict = {}
     while True:
         request = _read(stdin)
