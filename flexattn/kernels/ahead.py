@@ -2,9 +2,9 @@
 
 [Note] Kernels compiled ahead. A cold first call compiles each kernel it launches where it launches
 it, one after the other, in the caller's process: on the H200 machine a compiled 12-layer model's
-first step spent 5.4 s in the four Gluon kernels of its attention (forward 2.1 s, dK/dV 1.5 s, dQ
-1.6 s, preprocess 0.2 s) plus their launchers, one after the other, while torch's compiled
-flex_attention had Inductor's worker processes compile its kernels side by side.
+first step spent 5.4 s in the four kernels of its attention (the Gluon forward 2.1 s, dK/dV 1.5 s
+and dQ 1.6 s, the preprocess 0.2 s) plus their launchers, while torch's compiled flex_attention had
+Inductor's worker processes compile its kernels side by side.
 
 So dispatch.py (``compile_ahead``) runs a problem's launches once in *recording* mode, before they
 are needed: the backward's at the forward, and, under torch.compile, the forward's and the
@@ -154,7 +154,7 @@ class _Worker:
         env.pop("TRITON_INTERPRET", None)  # a worker compiles for the GPU, whatever this process runs
         self.process = subprocess.Popen([sys.executable, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         close_fds=True, env=env)
-        self.jobs: dict = {}  # job -> (event, description)
+        self.jobs: dict = {}  # job -> (event, kernel name, id of the kernel in ``pending``)
         self.reader = threading.Thread(target=self._answers, name="flexattn-compile-answers", daemon=True)
         self.reader.start()
 
@@ -224,8 +224,8 @@ def _worker(job: int) -> Optional[_Worker]:
         except OSError as err:
             _debug(f"no compile worker ({err})")
             break
-    alive = [w for w in _workers if w.alive()]
-    return alive[job % len(alive)] if alive else None
+    _workers[:] = [w for w in _workers if w.alive()]  # a worker that died is replaced next time
+    return _workers[job % len(_workers)] if _workers else None
 
 
 def _close_workers() -> None:
