@@ -311,12 +311,10 @@ def _block_mask(query, key, tables, block_size, seq_lengths, group: int, stats: 
         return dense_block_mask(L, S, query.device)
     tables = [None if t is None else t.contiguous() for t in tables]
     mask = BlockMask.from_launch_tables(tuple(seq_lengths), *tables, BLOCK_SIZE=tuple(block_size))
+    kept = None if stats is not None else _kept(mask) or _checked(mask)
     if stats is not None:
         preset_row_stats(mask, stats)
-        assume_groups_differ(mask, group)
-        return mask
-    kept = _kept(mask) or _checked(mask)
-    if kept is not None:
+    elif kept is not None:
         if kept.stats is not None:
             preset_row_stats(mask, kept.stats)
         if kept.backward is not None:

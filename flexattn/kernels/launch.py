@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import ahead
+from .ahead import pending, record, recording, wait_for
 
 __all__ = [
     "launch", "fast_launches", "interpreter_enabled", "empty_output", "zeroed_output", "mod_launch_args", "kv_strides",
@@ -93,12 +93,12 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict):
     global fast_launches
     if not _AVAILABLE or not hasattr(jit_fn, "device_caches"):  # the interpreter's function, or an old Triton
         return jit_fn[grid](*args, **constexprs)
-    if ahead.pending:
-        if ahead.recording():
-            return ahead.record(jit_fn, grid, args, constexprs)
-        ahead.wait_for(jit_fn)
-    elif ahead.recording():
-        return ahead.record(jit_fn, grid, args, constexprs)
+    if pending:  # kernels the compile workers still hold (kernels/ahead.py)
+        if recording():
+            return record(jit_fn, grid, args, constexprs)
+        wait_for(jit_fn)
+    elif recording():
+        return record(jit_fn, grid, args, constexprs)
     runtime = _knobs.runtime
     if not (_idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook)) or runtime.debug:
         return jit_fn[grid](*args, **constexprs)
@@ -144,7 +144,7 @@ _POISON_OUTPUTS = os.environ.get("FLEXATTN_POISON_OUTPUTS", "0") not in ("", "0"
 def empty_output(shape, dtype, device) -> torch.Tensor:
     """A buffer every element of which a kernel writes (NaN-filled under FLEXATTN_POISON_OUTPUTS; on
     the meta device while launches are recorded, see kernels/ahead.py)."""
-    if ahead.recording():
+    if recording():
         return torch.empty(shape, dtype=dtype, device="meta")
     if _POISON_OUTPUTS:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
@@ -153,7 +153,7 @@ def empty_output(shape, dtype, device) -> torch.Tensor:
 
 def zeroed_output(shape, dtype, device) -> torch.Tensor:
     """A buffer kernels add into, zero-filled (on the meta device while launches are recorded)."""
-    return torch.zeros(shape, dtype=dtype, device="meta" if ahead.recording() else device)
+    return torch.zeros(shape, dtype=dtype, device="meta" if recording() else device)
 
 
 def mod_launch_args(*captured: Sequence[torch.Tensor]) -> list:
