@@ -245,7 +245,10 @@ def flex_attention(
 
     Returns:
         ``out`` [B, Hq, L, Ev] in the query's dtype; with ``return_aux``, ``(out, AuxOutput)``; with
-        ``return_lse``, ``(out, lse)``. Rows with nothing kept give 0 and an LSE of -inf.
+        ``return_lse``, ``(out, lse)``. Rows with nothing kept give 0 and an LSE of -inf. ``out`` is
+        stored as the query is: when the query is a transposed view of [B, L, Hq, E] storage (q cut
+        from one projection), ``out.transpose(1, 2)`` is contiguous, so merging the heads back into
+        [B, L, Hq * Ev] is a view; otherwise ``out`` is contiguous.
 
     Example::
 

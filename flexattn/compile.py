@@ -59,7 +59,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from .dispatch import Call, choose_decode, compile_ahead, pick_backend, prepare_backward, run_backward, run_forward
 from .errors import InvalidInputError
 from .graphs import may_keep_allocations
-from .kernels import ahead
+from .kernels import ahead, in_output_layout, output_layout
 from .kernels.tables import (
     BACKWARD_TABLES, RowStats, assume_groups_differ, checked_launch_tables, preset_row_stats,
 )
@@ -239,6 +239,15 @@ def _captured_order(fn: Callable, kind: str, traced: TracedMod, values: list, de
     return tuple(order)
 
 
+# [Note] Stale compiled graphs. Inductor and AOTAutograd keep compiled graphs on disk, keyed by the
+# graph's code, not by the code of the ops in it: a graph compiled under an older flexattn would come
+# back with that version's idea of the op's outputs (Inductor checks each output's strides against
+# the fake implementation's, so a changed layout fails there, e.g. when the output took the query's
+# layout). The call key is a constant of every graph that calls the op, so it carries this number:
+# bump it whenever what the ops' fake implementations return changes, and old entries stop matching.
+OP_CONTRACT = 2
+
+
 def register_call(score_mod: Optional[Callable], mask_mod: Optional[Callable], options: dict,
                   device: torch.device) -> tuple:
     """Trace the mods with flexattn's tracer and register them: ``(key, score order, mask order)``.
@@ -258,7 +267,7 @@ def register_call(score_mod: Optional[Callable], mask_mod: Optional[Callable], o
         traced_pair.append(traced)
         orders.append(_captured_order(fn, kind, traced, values, device))
         parts.append(_content_key(traced))
-    key = "|".join(parts + [repr(sorted(options.items()))])
+    key = "|".join([f"v{OP_CONTRACT}"] + parts + [repr(sorted(options.items()))])
     _CALLS.setdefault(key, RegisteredCall(traced_pair[0], traced_pair[1], dict(options)))
     return (key, orders[0], orders[1])
 
@@ -449,7 +458,7 @@ def _forward(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, f
         prepare_backward(call, query, key, value, score)
     out, lse, mx = run_forward(call, query, key, value, score, True, need_max)
     mx = mx.contiguous() if need_max else query.new_empty(0, dtype=torch.float32)
-    return out.contiguous(), lse.contiguous(), mx
+    return in_output_layout(out, query), lse.contiguous(), mx
 
 
 _LIBRARY.impl("flex_attention", _forward_body, "CompositeExplicitAutograd")
@@ -462,7 +471,8 @@ def _(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_
     _compile_ahead_while_tracing(query, key, value, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices),
                                  score_captured, mask_captured, call_key, block_size, seq_lengths, scale, needs_grad)
     B, Hq, L, _ = query.shape
-    out = query.new_empty((B, Hq, L, value.shape[3]))
+    shape, dims = output_layout(query, value.shape[3])  # the layout the kernels write, strides and all
+    out = query.new_empty(shape).permute(dims)
     lse = query.new_empty((B, Hq, L), dtype=torch.float32)
     mx = query.new_empty((B, Hq, L) if need_max else (0,), dtype=torch.float32)
     return out, lse, mx

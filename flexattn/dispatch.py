@@ -28,8 +28,8 @@ from .codegen import debug_enabled
 from .errors import BackendUnavailableError, InvalidInputError
 from .kernels import ahead
 from .kernels import (
-    MAX_AUTO_QUERY_LEN, Sm90Unavailable, backward_kernel, decode_kernel, forward_kernel, interpreter_enabled,
-    sm90_auto_reason, sm90_backward_auto_reason, sm90_backward_kernel, sm90_forward_kernel, unsupported_reason,
+    MAX_AUTO_QUERY_LEN, Sm90Unavailable, backward_kernel, decode_kernel, descriptor_ready, forward_kernel,
+    in_output_layout, interpreter_enabled, output_layout, sm90_auto_reason, sm90_backward_auto_reason, sm90_backward_kernel, sm90_forward_kernel, unsupported_reason,
 )
 from .masks import BlockMask
 from .options import deterministic, resolve_backend_name
@@ -197,12 +197,13 @@ def run_forward(call: Call, q, k, v, score_captured, need_lse, need_max):
         return result
     if _DEBUG:
         _debug_report("forward", call, q, k, v, _blockwise_plan(call))
-    return blockwise_forward(
+    out, lse, mx = blockwise_forward(
         q, k, v, call.block_mask, call.scale,
         call.score.graph_module_on(q.device) if call.score else None, score_captured,
         call.mask.graph_module_on(q.device) if call.mask else None, call.mask_captured,
         need_max=need_max, index_dtype=call.index_dtype,
     )
+    return in_output_layout(out, q), lse, mx
 
 
 # Options that tune the portable forward's launch: a call that sets one means that kernel.
@@ -335,11 +336,13 @@ def compile_ahead(call: Call, q, k, v, score_captured, *, forward: bool, backwar
                 run_forward(call, q, k, v, score_captured, True, False)
             if backward:
                 # The forward's outputs and the output's gradient as the backward will see them
-                # (run_backward makes the gradient contiguous): shapes, dtypes and strides only.
-                B, Hq, L, _ = q.shape
-                out = torch.empty((B, Hq, L, v.shape[-1]), dtype=q.dtype, device="meta")
-                lse = torch.empty((B, Hq, L), dtype=torch.float32, device="meta")
-                run_backward(call, q, k, v, out, lse, torch.empty_like(out), None, score_captured)
+                # (the gradient in the output's layout, as a model's usually is): shapes, dtypes and
+                # strides only.
+                shape, dims = output_layout(q, v.shape[-1])
+                out = torch.empty(shape, dtype=q.dtype, device="meta").permute(dims)
+                lse = torch.empty(q.shape[:3], dtype=torch.float32, device="meta")
+                run_backward(call, q, k, v, out, lse, torch.empty(shape, dtype=q.dtype, device="meta").permute(dims),
+                             None, score_captured)
     except Exception as err:  # noqa: BLE001 - only the head start is lost
         if _DEBUG:
             print(f"[flexattn] kernels not compiled ahead ({type(err).__name__}: {err})", file=sys.stderr)
@@ -351,7 +354,11 @@ def run_backward(call: Call, q, k, v, out, lse, grad_out, grad_lse, score_captur
     PyTorch backward (the oracle the tests compare with) everywhere else. ``float32_kv_grads``:
     dk and dv in float32 (unrounded partial sums, for a caller that adds several)."""
     if call.backend == "TRITON":
-        grad_out = grad_out.contiguous()
+        # The kernels read the gradient as it comes when one tensor descriptor can (both layouts of
+        # [Note] The output's layout in kernels/launch.py); others, such as the expanded gradient
+        # of a sum, are copied.
+        if not descriptor_ready(grad_out):
+            grad_out = grad_out.contiguous()
         gluon_note = ""
         if q.is_cuda:
             grads, gluon_note = _sm90_backward(call, q, k, v, out, lse, grad_out, grad_lse, score_captured,

@@ -35,7 +35,7 @@ class FlexKernelOptions(TypedDict, total=False):
     query and key lengths that are multiples of 128, a BlockMask ``BLOCK_SIZE`` of 128, and mods
     Gluon compiles; the forward no ``max_scores``; the backward no learnable captured tensors and no
     broadcast key/value batch. AUTO takes them for such calls except where measured slower: the
-    forward at head dim 64 with a score_mod or on rows that visit fewer than 16 key blocks, the
+    forward at head dim 64 with a score_mod or on rows that visit fewer than 24 key blocks, the
     backward at head dim 64 on rows of fewer than 6; and not when a tile option of the portable
     kernel (``BLOCK_M``, ``BLOCK_M1``, ``num_warps``, ...) is set. ``flexattn kernel NAME --explain``
     says which a call takes and why.

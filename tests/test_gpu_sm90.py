@@ -154,7 +154,11 @@ def test_direct_launches_follow_new_tensors_and_layouts():
         for t in (q, k, v):
             t.requires_grad_(True)
         out = flex_attention(q, k, v, block_mask=mask, kernel_options=GLUON)
+        # The output is stored as q is ([Note] The output's layout), and so is its gradient here
+        # (randn_like keeps the strides), which the Gluon backward reads as it is.
+        assert out.transpose(1, 2).is_contiguous() if transposed else out.is_contiguous(), out.stride()
         grad = torch.randn_like(out)
+        assert grad.stride() == out.stride()
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
         leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
         gold, _, _ = reference_attention(*leaves, mask_mod=lambda b, h, qi, ki: qi >= ki)

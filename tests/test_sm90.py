@@ -124,6 +124,8 @@ def test_auto_rule_keeps_few_block_rows_at_head_dim_64_portable():
     assert sm90.auto_reason(bhnd(N=1024, D=128), dense) is None
     long = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, None, None, 4096, 4096, device="cpu")
     assert sm90.auto_reason(bhnd(N=4096), long) is None  # 32 blocks a row
+    causal = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 4096, 4096, device="cpu")
+    assert "few key blocks (16.5" in sm90.auto_reason(bhnd(N=4096), causal)  # measured faster portable
     assert "score_mod" in sm90.auto_reason(bhnd(N=4096), long, has_score_mod=True)
     assert sm90.auto_reason(bhnd(N=4096, D=128), long, has_score_mod=True) is None
 

@@ -36,7 +36,7 @@ from ..masks.layout import cdiv
 from ..trace import TracedMod
 from .configs import input_precision, next_pow2, select_decode_config
 from .family import KernelFamily, Plan, Step, cached_kernel
-from .launch import empty_output, interpreter_enabled, kv_strides, launch, mod_launch_args
+from .launch import empty_attention_output, empty_output, interpreter_enabled, kv_strides, launch, mod_launch_args
 from .tables import groups_share_tables, launch_tables
 
 __all__ = ["DecodeKernel", "decode_kernel", "unsupported_reason", "launches", "balanced_splits",
@@ -150,7 +150,7 @@ class DecodeKernel(KernelFamily):
         Ev = v.shape[3]
         partial = plan.steps["partial"]
         merge = plan.steps.get("merge")
-        out = empty_output((B, Hq, L, Ev), q.dtype, q.device)
+        out = empty_attention_output(q, Ev)
         lse = empty_output((B, Hq, L), torch.float32, q.device) if need_lse else out
         if merge is None:
             acc_s = m_s = l_s = out  # unused: one split writes the output directly

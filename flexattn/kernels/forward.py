@@ -23,7 +23,7 @@ from .configs import (
     shared_memory_bytes, tuned_configs,
 )
 from .family import KernelFamily, Plan, Step, TileRoles, cached_kernel, with_tiles
-from .launch import empty_output, interpreter_enabled, kv_strides, launch, mod_launch_args
+from .launch import empty_attention_output, empty_output, interpreter_enabled, kv_strides, launch, mod_launch_args
 from .tables import launch_tables
 from .tma import host_descriptors, host_descriptors_ok, install_tma_allocator, tma_layout_ok
 
@@ -74,7 +74,7 @@ class ForwardKernel(KernelFamily):
         constexprs = step.constexprs
         if constexprs["USE_TMA"]:
             install_tma_allocator()  # per call: plans are shared by threads, allocators are not
-        out = empty_output((B, Hq, L, v.shape[3]), q.dtype, q.device)
+        out = empty_attention_output(q, v.shape[3])
         lse = empty_output((B, Hq, L), torch.float32, q.device) if need_lse else out
         mx = empty_output((B, Hq, L), torch.float32, q.device) if need_max else out
         k_strides, v_strides = kv_strides(k, v, B)

@@ -31,7 +31,8 @@ import torch
 from .ahead import pending, record, recording, wait_for
 
 __all__ = [
-    "launch", "fast_launches", "interpreter_enabled", "empty_output", "zeroed_output", "mod_launch_args", "kv_strides",
+    "launch", "fast_launches", "interpreter_enabled", "empty_output", "zeroed_output", "output_layout",
+    "empty_attention_output", "in_output_layout", "mod_launch_args", "kv_strides",
     "is_out_of_resources", "spilled_bytes", "shared_bytes",
 ]
 
@@ -149,6 +150,40 @@ def empty_output(shape, dtype, device) -> torch.Tensor:
     if _POISON_OUTPUTS:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def output_layout(q: torch.Tensor, value_dim: int) -> tuple:
+    """``(storage shape, dims)``: attention's output [B, H, L, value_dim] for query ``q`` is
+    ``storage.permute(dims)``.
+
+    [Note] The output's layout. The output is stored as q is: [B, L, H, Ev] storage (each row holds
+    every head) when q is a transposed view of such storage, as a model's q cut from one projection
+    is; [B, H, L, Ev] otherwise. The model's next step, ``out.transpose(1, 2).reshape(B, L, H * Ev)``,
+    is then a view rather than a copy, and its gradient reaches the backward in that layout too,
+    which the kernels read as it is. torch's flex_attention keeps the query's layout as well. The op's
+    fake implementation (compile.py) asks this function, so compiled graphs see the same strides."""
+    B, H, L = q.shape[:3]
+    if q.stride(1) < q.stride(2):
+        return (B, L, H, value_dim), (0, 2, 1, 3)
+    return (B, H, L, value_dim), (0, 1, 2, 3)
+
+
+def empty_attention_output(q: torch.Tensor, value_dim: int) -> torch.Tensor:
+    """An ``empty_output`` for attention's output, in the layout of [Note] The output's layout."""
+    shape, dims = output_layout(q, value_dim)
+    return empty_output(shape, q.dtype, q.device).permute(dims)
+
+
+def in_output_layout(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``out`` with exactly the strides of [Note] The output's layout: itself when it has them (the
+    kernels allocate it so), else a copy (a path that computed it with PyTorch ops)."""
+    shape, dims = output_layout(q, out.shape[-1])
+    stride, step = [0] * 4, 1
+    for d in reversed(range(4)):
+        stride[d], step = step, step * shape[d]
+    if tuple(out.stride()) == tuple(stride[d] for d in dims):
+        return out
+    return torch.empty(shape, dtype=out.dtype, device=out.device).permute(dims).copy_(out)
 
 
 def zeroed_output(shape, dtype, device) -> torch.Tensor:

@@ -23,10 +23,11 @@ from ..lowering import index_bounds, lowering_variants
 from ..trace import TracedMod
 from .ahead import recording
 from .family import KernelFamily, Plan, Step, cached_kernel
-from .launch import empty_output, interpreter_enabled, kv_strides, launch, mod_launch_args
+from .launch import empty_attention_output, empty_output, interpreter_enabled, kv_strides, launch, mod_launch_args
 from .tables import launch_tables
 
 __all__ = ["Sm90ForwardKernel", "GluonFamily", "Sm90Unavailable", "sm90_forward_kernel", "problem_reason",
+           "descriptor_ready",
            "device_reason", "shape_reason", "auto_reason", "GLUON_TRITON_VERSIONS", "GLUON_COMPILES_ON",
            "launches"]
 
@@ -52,7 +53,10 @@ launches = 0  # kernels launched by this family (tests check the Gluon path real
 # noop 472 vs 472, causal 470 vs 459, prefix LM 474 vs 454. At head dim 128 Gluon won all seven
 # paper variants: noop 681 vs 585, causal 630 vs 532, ALiBi 512 vs 454, soft-cap 506 vs 482,
 # sliding window 500 vs 402, prefix LM 627 vs 517, documents 379 vs 344 (docs/benchmarks.md).
-AUTO_MIN_BLOCKS_D64 = 16
+# The threshold between 8.7 and 64 blocks: causal at the 12-layer model's shapes (H200, B x L = 16k
+# tokens, H12, [B, L, 3, H, D] storage), forward us Gluon vs portable: 1k (4.5 blocks a row) 159 vs
+# 116, 2k (8.5) 167 vs 173, 4k (16.5) 309 vs 259, 8k (32.5) 497 vs 498, 16k (64.5) 904 vs 1004.
+AUTO_MIN_BLOCKS_D64 = 24
 
 
 class Sm90Unavailable(BackendUnavailableError):
@@ -105,6 +109,13 @@ def tensor_view(t: torch.Tensor, strides: tuple) -> Optional[View]:
     return None
 
 
+def descriptor_ready(t: torch.Tensor, strides: Optional[tuple] = None) -> bool:
+    """Whether ``t`` (with ``strides``, by default its own) can be read through one 2-D tensor
+    descriptor: a ``tensor_view``, with 16-byte aligned base and rows."""
+    view = tensor_view(t, t.stride() if strides is None else strides)
+    return view is not None and t.data_ptr() % 16 == 0 and (view.row_stride * t.element_size()) % 16 == 0
+
+
 def problem_reason(q, k, v, block_mask, need_max: bool) -> Optional[str]:
     """Why the sm90 kernel cannot run this problem (None: it can), whatever the mods."""
     if not q.is_cuda:
@@ -142,8 +153,7 @@ def shape_reason(q, k, v, block_mask, need_max: bool) -> Optional[str]:
         return "the Gluon kernel does not write max_scores"
     k_strides, v_strides = kv_strides(k, v, q.shape[0])
     for name, t, strides in (("q", q, q.stride()), ("k", k, k_strides), ("v", v, v_strides)):
-        view = tensor_view(t, strides)
-        if view is None or t.data_ptr() % 16 or (view.row_stride * t.element_size()) % 16:
+        if not descriptor_ready(t, strides):
             return (f"{name} cannot be read through one 2-D tensor descriptor (it needs a unit last stride, 16-byte "
                     "aligned rows and base, and [B, H, N, D] or [B, N, H, D] storage)")
     return None
@@ -254,7 +264,7 @@ class Sm90ForwardKernel(GluonFamily):
 
         B, Hq, L, E = q.shape
         step = plan.steps["forward"]
-        out = empty_output((B, Hq, L, E), q.dtype, q.device)
+        out = empty_attention_output(q, E)
         lse = empty_output((B, Hq, L), torch.float32, q.device) if need_lse else out
         k_strides, v_strides = kv_strides(k, v, B)
         half, tile = shared_layout(64, E, q.dtype), shared_layout(BLOCK, E, q.dtype)
@@ -265,13 +275,13 @@ class Sm90ForwardKernel(GluonFamily):
             view = tensor_view(t, strides)
             views.append(view)
             descriptors.append(TensorDescriptor(t, list(view.shape), [view.row_stride, 1], [rows, E], layout))
-        qv, kv, vv = views[:3]
+        qv, kv, vv, ov = views
         args = SM90_FORWARD.pack(
             Q=descriptors[0], K=descriptors[1], V=descriptors[2], OUT=descriptors[3], LSE=lse,
             KV_NUM_BLKS=tables.kv_num_blocks, KV_IDX=tables.kv_indices,
             FULL_KV_NUM_BLKS=tables.full_kv_num_blocks, FULL_KV_IDX=tables.full_kv_indices,
             row_qz=qv.row_z, row_qh=qv.row_h, col_qh=qv.col_h, row_kz=kv.row_z, row_kh=kv.row_h, col_kh=kv.col_h,
-            row_vz=vv.row_z, row_vh=vv.row_h, col_vh=vv.col_h,
+            row_vz=vv.row_z, row_vh=vv.row_h, col_vh=vv.col_h, row_oz=ov.row_z, row_oh=ov.row_h, col_oh=ov.col_h,
             SPARSE_ROWS=tables.kv_num_blocks.shape[2], IDX_COLS=tables.kv_indices.shape[3],
             FULL_IDX_COLS=tables.full_kv_indices.shape[3], Q_LEN=L, SM_SCALE=scale,
             mods=mod_launch_args(score_captured if self.has_score_mod else (),

@@ -14,7 +14,8 @@ __all__ = ["tma_layout_ok", "tma_compatible", "host_descriptors_ok", "host_descr
 
 
 def tma_layout_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Q, K, V and the output (contiguous, V's head dim) can all go through tensor descriptors."""
+    """Q, K, V and the output (V's head dim, in either layout of [Note] The output's layout in
+    launch.py) can all go through tensor descriptors."""
     return tma_compatible(q, k, v) and (v.shape[-1] * q.element_size()) % 16 == 0
 
 
