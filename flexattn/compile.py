@@ -59,7 +59,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from .dispatch import Call, choose_decode, compile_ahead, pick_backend, prepare_backward, run_backward, run_forward
 from .errors import InvalidInputError
 from .graphs import may_keep_allocations
-from .kernels import ahead, in_output_layout, output_layout
+from .kernels import ahead, output_layout
 from .kernels.tables import (
     BACKWARD_TABLES, RowStats, assume_groups_differ, checked_launch_tables, preset_row_stats,
 )
@@ -458,7 +458,7 @@ def _forward(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, f
         prepare_backward(call, query, key, value, score)
     out, lse, mx = run_forward(call, query, key, value, score, True, need_max)
     mx = mx.contiguous() if need_max else query.new_empty(0, dtype=torch.float32)
-    return in_output_layout(out, query), lse.contiguous(), mx
+    return out, lse.contiguous(), mx  # out already in its layout (run_forward)
 
 
 _LIBRARY.impl("flex_attention", _forward_body, "CompositeExplicitAutograd")

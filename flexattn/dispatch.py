@@ -29,7 +29,8 @@ from .errors import BackendUnavailableError, InvalidInputError
 from .kernels import ahead
 from .kernels import (
     MAX_AUTO_QUERY_LEN, Sm90Unavailable, backward_kernel, decode_kernel, descriptor_ready, forward_kernel,
-    in_output_layout, interpreter_enabled, output_layout, sm90_auto_reason, sm90_backward_auto_reason, sm90_backward_kernel, sm90_forward_kernel, unsupported_reason,
+    in_output_layout, interpreter_enabled, output_layout, sm90_auto_reason, sm90_backward_auto_reason,
+    sm90_backward_kernel, sm90_forward_kernel, unsupported_reason,
 )
 from .masks import BlockMask
 from .options import deterministic, resolve_backend_name
@@ -173,7 +174,8 @@ def _debug_report(stage: str, call: Call, q, k, v, plan: str) -> None:
 
 
 def run_forward(call: Call, q, k, v, score_captured, need_lse, need_max):
-    """``(out, lse or None, max_scores or None)`` from the call's backend."""
+    """``(out, lse or None, max_scores or None)`` from the call's backend; ``out`` in the layout of
+    [Note] The output's layout (kernels/launch.py), which the op's fake implementation promises."""
     if call.backend == "TRITON_DECODE":
         kernel = decode_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
         out, lse = kernel(q, k, v, call.block_mask, call.scale, score_captured, call.mask_captured,
@@ -341,8 +343,7 @@ def compile_ahead(call: Call, q, k, v, score_captured, *, forward: bool, backwar
                 shape, dims = output_layout(q, v.shape[-1])
                 out = torch.empty(shape, dtype=q.dtype, device="meta").permute(dims)
                 lse = torch.empty(q.shape[:3], dtype=torch.float32, device="meta")
-                run_backward(call, q, k, v, out, lse, torch.empty(shape, dtype=q.dtype, device="meta").permute(dims),
-                             None, score_captured)
+                run_backward(call, q, k, v, out, lse, torch.empty_like(out), None, score_captured)
     except Exception as err:  # noqa: BLE001 - only the head start is lost
         if _DEBUG:
             print(f"[flexattn] kernels not compiled ahead ({type(err).__name__}: {err})", file=sys.stderr)

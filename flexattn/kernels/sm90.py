@@ -27,8 +27,7 @@ from .launch import empty_attention_output, empty_output, interpreter_enabled, k
 from .tables import launch_tables
 
 __all__ = ["Sm90ForwardKernel", "GluonFamily", "Sm90Unavailable", "sm90_forward_kernel", "problem_reason",
-           "descriptor_ready",
-           "device_reason", "shape_reason", "auto_reason", "GLUON_TRITON_VERSIONS", "GLUON_COMPILES_ON",
+           "descriptor_ready", "device_reason", "shape_reason", "auto_reason", "GLUON_TRITON_VERSIONS", "GLUON_COMPILES_ON",
            "launches"]
 
 # The Triton releases whose Gluon API (warp_specialize's signature, the Hopper copy and mbarrier
