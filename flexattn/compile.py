@@ -328,6 +328,10 @@ def _block_mask(query, key, tables, block_size, seq_lengths, group: int, stats: 
             preset_row_stats(mask, kept.stats)
         if kept.backward is not None:
             mask.preset_derived(BACKWARD_TABLES, kept.backward)
+    else:
+        hint = _DENSITY_HINTS.get(_shape_of(mask))
+        if hint is not None:  # see [Note] What a compiled call's mask derives, kept
+            preset_row_stats(mask, RowStats(hint, False, False))
     assume_groups_differ(mask, group)
     return mask
 
@@ -343,9 +347,14 @@ def _block_mask(query, key, tables, block_size, seq_lengths, group: int, stats: 
 #   a shape already met (one rebuilt every step) takes the trusted plan, without the forward's
 #   consecutive-block path, so a step never waits for the GPU for its mask;
 # * the backward's transposed tables (computed on the device), kept after a backward outside a
-#   capture (inside one, they are written only when the graph replays).
+#   capture (inside one, they are written only when the graph replays);
+# * per table shape, the mean row length of the first mask checked: the density that the launch
+#   choices (AUTO's Gluon or portable kernel, tile sizes) assume for a mask of that shape whose
+#   contents the host does not know (one rebuilt every step, or the static copy a CUDA-graph capture
+#   reads). Only speed depends on it: the consecutive-block flags, on which results depend, stay off.
 _KEPT = WeakTensorKeyDictionary()  # kv_num_blocks -> _Kept
 _SHAPES_CHECKED: set = set()
+_DENSITY_HINTS: dict = {}  # table shape -> mean key blocks a row visits, of the first mask checked
 
 
 class _Kept:
@@ -377,15 +386,23 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def _shape_of(mask: BlockMask) -> tuple:
+    nb = mask.kv_num_blocks
+    return (tuple(nb.shape), tuple(mask.kv_indices.shape), mask.full_kv_num_blocks is not None, nb.device,
+            mask.BLOCK_SIZE, mask.seq_lengths)
+
+
 def _checked(mask: BlockMask) -> Optional[_Kept]:
     """The first mask of its table shape: checked now (one host sync) and kept, row statistics and all."""
     nb = mask.kv_num_blocks
-    shape = (tuple(nb.shape), tuple(mask.kv_indices.shape), mask.full_kv_num_blocks is not None, nb.device,
-             mask.BLOCK_SIZE, mask.seq_lengths)
+    shape = _shape_of(mask)
     if shape in _SHAPES_CHECKED or _capturing(nb):
         return None
     _SHAPES_CHECKED.add(shape)
     checked = checked_launch_tables(mask)  # raises on tables out of range
+    if len(_DENSITY_HINTS) >= 1024:
+        _DENSITY_HINTS.clear()
+    _DENSITY_HINTS[shape] = checked.stats.mean_blocks
     same = (checked.kv_num_blocks is nb and checked.kv_indices is mask.kv_indices
             and (mask.full_kv_num_blocks is None or (checked.full_kv_num_blocks is mask.full_kv_num_blocks
                                                      and checked.full_kv_indices is mask.full_kv_indices)))

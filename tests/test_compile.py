@@ -554,6 +554,33 @@ def test_a_masks_checked_row_statistics_follow_its_tables(monkeypatch):
     assert len(checks) == 1
 
 
+def test_a_new_mask_of_a_checked_shape_is_assumed_as_dense_as_the_first(monkeypatch):
+    # A mask whose contents the host does not read (a new one of a shape already checked, or the
+    # static copy a CUDA-graph capture sees) takes the first checked mask's mean row length for the
+    # launch choices, never its consecutive-block flags (on which results depend).
+    import flexattn.compile as compiled_module
+    from flexattn.kernels.tables import launch_tables
+
+    monkeypatch.setattr(compiled_module, "_SHAPES_CHECKED", set())
+    monkeypatch.setattr(compiled_module, "_DENSITY_HINTS", {})
+    q, k, _ = qkv(L=512, S=512)
+
+    def op_mask(bm):
+        tables = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+        return compiled_module._block_mask(q, k, tables, bm.BLOCK_SIZE, bm.seq_lengths, 1)
+
+    first = create_block_mask(causal, 1, 1, 512, 512, device="cpu", BLOCK_SIZE=64)
+    checked = launch_tables(op_mask(first)).stats
+    assert checked.mean_blocks == 4.5 and checked.consecutive_partial and checked.consecutive_full
+    other = create_block_mask(causal, 1, 1, 512, 512, device="cpu", BLOCK_SIZE=64)
+    assumed = launch_tables(op_mask(other)).stats
+    assert assumed == (4.5, False, False)  # not the table's width (8), and no consecutive path
+    narrow = create_block_mask(causal, 1, 1, 256, 256, device="cpu", BLOCK_SIZE=64)
+    narrow_new = create_block_mask(causal, 1, 1, 256, 256, device="cpu", BLOCK_SIZE=64)
+    op_mask(narrow)
+    assert launch_tables(op_mask(narrow_new)).stats == (2.5, False, False)  # per shape
+
+
 def test_the_backward_tables_of_a_mask_are_derived_once_for_its_layers(monkeypatch):
     # Every layer's call makes a new BlockMask on the same tables: the transposed tables the Triton
     # backward walks are kept per table object (stamped), not derived again per layer.

@@ -407,6 +407,30 @@ def test_direct_launches_stay_correct_when_alignment_and_captured_tensors_change
     assert flexattn.kernels.launch.fast_launches > before  # the direct path ran
 
 
+def test_direct_launches_with_host_descriptors_follow_new_tensors(monkeypatch):
+    # The portable forward reads Q, K, V and writes the output through host tensor descriptors on
+    # Hopper; launches with the same facts go straight to the launcher, which encodes each call's
+    # descriptors from that call's tensors (new addresses every step here).
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("host tensor descriptors need Hopper")
+    import flexattn.kernels.forward as forward_module
+    import flexattn.kernels.launch
+
+    described = []
+    real = forward_module.host_descriptors
+    monkeypatch.setattr(forward_module, "host_descriptors", lambda *a: described.append(1) or real(*a))
+    B, H, L, D = 2, 4, 1024, 64
+    mask = create_block_mask(causal_mask, None, None, L, L, device="cuda")
+    before = flexattn.kernels.launch.fast_launches
+    for step in range(4):
+        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        out = flex_attention(q, k, v, block_mask=mask, kernel_options={"USE_TMA": True, "HOST_DESCRIPTORS": True})
+        ref = reference_attention(q.double(), k.double(), v.double(), mask_mod=causal_mask)[0]
+        assert rel_err(out, ref) < 1e-2, f"step {step}"
+    assert len(described) == 4, "the portable forward did not take host descriptors"
+    assert flexattn.kernels.launch.fast_launches >= before + 3  # every launch after the first
+
+
 @pytest.mark.parametrize("variant, head_dim", [("longformer", 64), ("graphormer", 64), ("graphormer", 128), ("t5_bias", 128)])
 def test_default_tiles_the_compiler_made_costly_are_replaced(variant, head_dim):
     """[Note] Tiles the compiler made costly: after the first call of a problem, a default plan whose

@@ -49,6 +49,33 @@ def test_gluon_descriptors_are_told_apart_as_triton_specialises_them():
     assert len({_facts((d,)) for d in descriptors}) == 4
 
 
+def test_host_descriptors_are_told_apart_as_triton_specialises_them():
+    """The portable forward's host descriptors (triton.tools.tensor_descriptor): Triton 3.6 to 3.9
+    specialise them on dtype and block shape only; the facts never join two of Triton's keys."""
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    from triton.backends import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = torch.empty(4096, 64, dtype=torch.bfloat16)
+    descriptors = [
+        TensorDescriptor(rows, [4096, 64], [64, 1], [64, 64]),
+        TensorDescriptor(rows[8:], [1000, 64], [128, 1], [64, 64]),  # other shape, strides, base
+        TensorDescriptor(rows, [4096, 64], [64, 1], [128, 64]),  # block shape
+        TensorDescriptor(rows.to(torch.float16), [4096, 64], [64, 1], [64, 64]),  # dtype
+        TensorDescriptor(rows.view(4, 1024, 64), [4, 1024, 64], [65536, 64, 1], [1, 64, 64]),  # rank
+        TensorDescriptor(rows, [4096, 64], [64, 1], [64, 64], padding="nan"),  # padding
+    ]
+    for a in descriptors:
+        for b in descriptors:
+            same_facts = _facts((a,)) == _facts((b,))
+            triton_key = [native_specialize_impl(BaseBackend, d, False, True, True) for d in (a, b)]
+            assert same_facts <= (triton_key[0] == triton_key[1])
+    assert _facts((descriptors[0],)) == _facts((descriptors[1],))  # one kernel serves both
+    assert len({_facts((d,)) for d in descriptors}) == 5
+    assert _facts((descriptors[0],)) != _facts((descriptors[5],))
+
+
 def test_interpreted_kernels_take_the_ordinary_launch(monkeypatch):
     calls = []
 

@@ -12,11 +12,11 @@ of a warm forward call (flexattn's own Python: about 40 us).
 ``launch`` keeps, per kernel, the compiled kernel that Triton's own launch chose, under the facts
 Triton specialises on (each tensor's dtype and 16-byte alignment; each int's divisibility by 16,
 whether it is 1, whether it fits in 32 bits; a Gluon tensor descriptor's dtype, block shape, shared
-layout and padding, its only specialisation on Triton 3.6 to 3.9, tests/test_launch.py), the
-constexprs and the launch options. A later call
-with the same facts calls the compiled kernel's launcher directly, without launch metadata or the
-(empty) launch hooks; any other call, any argument of another kind (a host tensor descriptor), a
-launch hook that is set (a profiler) or the interpreter takes Triton's own path. The facts are a
+layout and padding; a host tensor descriptor's dtype and block shape: their only specialisation on
+Triton 3.6 to 3.9, tests/test_launch.py), the constexprs and the launch options. A later call with
+the same facts calls the compiled kernel's launcher directly, without launch metadata or the (empty)
+launch hooks; any other call, any argument of another kind, a launch hook that is set (a profiler)
+or the interpreter takes Triton's own path. The facts are a
 superset of what Triton keys its cache on, so a call can never reach a kernel compiled for another
 specialisation: that would be a wrong number, not a slow one.
 """
@@ -59,6 +59,12 @@ def _facts(args) -> Optional[tuple]:
         elif kind.__name__ == "TensorDescriptor" and kind.__module__.startswith("triton.experimental.gluon"):
             # The Gluon kernels' descriptors (1 to 7 a launch): ~100 us of Triton's own launch each call.
             append((kind, a.base.dtype, tuple(a.block_shape), a.layout, getattr(a, "padding", None), len(a.shape)))
+        elif kind.__name__ == "TensorDescriptor" and kind.__module__ == "triton.tools.tensor_descriptor":
+            # The portable forward's host descriptors (4 a launch, [Note] Host descriptors in the
+            # forward template): specialised on dtype and block shape only; padding and rounding kept
+            # too, though Triton reads them at launch.
+            append((kind, a.base.dtype, tuple(a.block_shape), a.padding, getattr(a, "round_f32_to_tf32", None),
+                    len(a.shape)))
         else:
             return None
     return tuple(facts)

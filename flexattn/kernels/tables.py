@@ -16,6 +16,7 @@ import torch
 from ..errors import InvalidInputError
 from ..masks import TABLES_IN_RANGE, BlockMask, DerivedKey
 from ..masks.layout import ascending, dense_to_ordered, ordered_to_dense
+from .ahead import recording
 
 __all__ = [
     "RowStats", "LaunchTables", "LAUNCH_TABLES", "launch_tables", "checked_launch_tables", "preset_row_stats",
@@ -190,6 +191,10 @@ def _compute_backward_tables(block_mask: BlockMask) -> BackwardTables:
     rows, cols = -(-q_len // q_block), -(-kv_len // kv_block)
 
     def transposed(num, idx):
+        if num.is_cuda and not recording():  # a recorded launch would not run: [Note] Kernels compiled ahead
+            from .transpose_tables import transposed_tables  # imports Triton: only where it runs
+
+            return transposed_tables(num, idx, rows, cols)
         dense = ordered_to_dense(num, idx, cols)[:, :, :rows]
         return dense_to_ordered(dense.transpose(-2, -1))
 
