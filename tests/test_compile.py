@@ -507,6 +507,15 @@ def test_the_model_benchmark_runs_its_smoke_sizes(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["host_ms"] > 0 for r in report["results"])
 
 
+def test_the_model_profile_needs_a_gpu_and_says_so(capsys):
+    from flexattn.bench import model_profile
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU it profiles (run on the device)")
+    assert model_profile.main(["--impl", "flexattn", "--mode", "compile"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
 def test_the_model_benchmark_runs_a_cold_case_in_a_fresh_process(tmp_path):
     # --cold: each case in a process of its own with empty caches (what a user's first run pays).
     import json
