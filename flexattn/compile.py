@@ -329,7 +329,7 @@ def _block_mask(query, key, tables, block_size, seq_lengths, group: int, stats: 
         if kept.backward is not None:
             mask.preset_derived(BACKWARD_TABLES, kept.backward)
     else:
-        hint = _DENSITY_HINTS.get(_shape_of(mask))
+        hint = _SHAPES_CHECKED.get(_shape_of(mask))
         if hint is not None:  # see [Note] What a compiled call's mask derives, kept
             preset_row_stats(mask, RowStats(hint, False, False))
     assume_groups_differ(mask, group)
@@ -353,8 +353,8 @@ def _block_mask(query, key, tables, block_size, seq_lengths, group: int, stats: 
 #   contents the host does not know (one rebuilt every step, or the static copy a CUDA-graph capture
 #   reads). Only speed depends on it: the consecutive-block flags, on which results depend, stay off.
 _KEPT = WeakTensorKeyDictionary()  # kv_num_blocks -> _Kept
-_SHAPES_CHECKED: set = set()
-_DENSITY_HINTS: dict = {}  # table shape -> mean key blocks a row visits, of the first mask checked
+# table shape -> mean key blocks a row visits, of the first mask checked (None: its check raised)
+_SHAPES_CHECKED: dict = {}
 
 
 class _Kept:
@@ -398,11 +398,9 @@ def _checked(mask: BlockMask) -> Optional[_Kept]:
     shape = _shape_of(mask)
     if shape in _SHAPES_CHECKED or _capturing(nb):
         return None
-    _SHAPES_CHECKED.add(shape)
+    _SHAPES_CHECKED[shape] = None
     checked = checked_launch_tables(mask)  # raises on tables out of range
-    if len(_DENSITY_HINTS) >= 1024:
-        _DENSITY_HINTS.clear()
-    _DENSITY_HINTS[shape] = checked.stats.mean_blocks
+    _SHAPES_CHECKED[shape] = checked.stats.mean_blocks
     same = (checked.kv_num_blocks is nb and checked.kv_indices is mask.kv_indices
             and (mask.full_kv_num_blocks is None or (checked.full_kv_num_blocks is mask.full_kv_num_blocks
                                                      and checked.full_kv_indices is mask.full_kv_indices)))

@@ -542,7 +542,7 @@ def test_a_masks_checked_row_statistics_follow_its_tables(monkeypatch):
     checks = []
     real_check = compiled_module.checked_launch_tables
     monkeypatch.setattr(compiled_module, "checked_launch_tables", lambda mask: checks.append(1) or real_check(mask))
-    monkeypatch.setattr(compiled_module, "_SHAPES_CHECKED", set())
+    monkeypatch.setattr(compiled_module, "_SHAPES_CHECKED", {})
     q, k, v = qkv(L=256, S=256)
     options = {"BACKEND": "TRITON"}
 
@@ -570,8 +570,7 @@ def test_a_new_mask_of_a_checked_shape_is_assumed_as_dense_as_the_first(monkeypa
     import flexattn.compile as compiled_module
     from flexattn.kernels.tables import launch_tables
 
-    monkeypatch.setattr(compiled_module, "_SHAPES_CHECKED", set())
-    monkeypatch.setattr(compiled_module, "_DENSITY_HINTS", {})
+    monkeypatch.setattr(compiled_module, "_SHAPES_CHECKED", {})
     q, k, _ = qkv(L=512, S=512)
 
     def op_mask(bm):

@@ -11,9 +11,9 @@ causal mask. It prints:
 * from ``torch.profiler`` (CUDA activity only, so the host is not slowed): the span of a step, the
   sum of its kernels' times, the GPU's idle time between kernels, the largest gaps (the kernels on
   either side) and the kernels that take the most time;
-* the host time of one compiled block's forward and of the flexattn op, measured while the GPU is
-  kept busy by a long sleep kernel: the host's own cost, which the GPU waits for whenever it
-  exceeds the GPU time of the work it launches (a step then is host-bound).
+* in compile mode, the host time of one compiled block's forward (grad mode and no_grad), measured
+  while the GPU is kept busy by a long sleep kernel: the host's own cost, which the GPU waits for
+  whenever it exceeds the GPU time of the work it launches (a step then is host-bound).
 """
 
 from __future__ import annotations
