@@ -163,6 +163,11 @@ def _constexprs(*names: str, doc: str = "") -> Group:
     return Group("constexprs", names, kind="constexprs", doc=doc)
 
 
+# [Note] Launch order (kernels/launch_order.py): how many of the grid's last (batch, head) pairs
+# interleave their programs, heaviest block first. Not specialised on (do_not_specialize): a new
+# value never compiles a kernel again.
+_LAUNCH_ORDER = _scalars("TAIL_PAIRS", doc="the grid's last (batch, head) pairs, whose programs interleave heaviest block first")
+
 _MODS = mods_group()  # a placeholder: each render fills in its mods' parameters
 
 # The BlockMask's geometry and the tiles of a launch, shared by the attention kernels.
@@ -179,6 +184,7 @@ FORWARD = KernelParams("flex_attention_forward", [
     _strides(o="zhmd"),
     _scalars("SPARSE_ROWS", "IDX_COLS", "FULL_IDX_COLS", doc="the tables' rows and widths"),
     _scalars("Q_LEN", "KV_LEN", "SM_SCALE"),
+    _LAUNCH_ORDER,
     _MODS,
     _SPARSE_LAYOUT,
     _HEAD_DIMS,
@@ -207,6 +213,7 @@ BACKWARD_DKDV = KernelParams("flex_attention_backward_dkdv", [
     _scalars("GRAD_SLOTS", "GRAD_SLOT_STRIDE", doc="DETERMINISTIC: the slots of each gradient buffer, their stride"),
     _scalars("SPARSE_COLS", "IDX_ROWS", "FULL_IDX_ROWS"),
     _scalars("Q_LEN", "KV_LEN", "SM_SCALE"),
+    _LAUNCH_ORDER,
     _MODS,
     _SPARSE_LAYOUT,
     _HEAD_DIMS,
@@ -222,6 +229,7 @@ BACKWARD_DQ = KernelParams("flex_attention_backward_dq", [
     _strides(dq="zhmd"),
     _scalars("SPARSE_ROWS", "IDX_COLS", "FULL_IDX_COLS"),
     _scalars("Q_LEN", "KV_LEN", "SM_SCALE"),
+    _LAUNCH_ORDER,
     _MODS,
     _SPARSE_LAYOUT,
     _HEAD_DIMS,
@@ -264,6 +272,7 @@ SM90_FORWARD = KernelParams("flex_attention_forward_sm90", [
              doc="where a (batch, head)'s rows start in each descriptor: rows per batch and head, columns per head"),
     _scalars("SPARSE_ROWS", "IDX_COLS", "FULL_IDX_COLS", doc="the tables' rows and widths"),
     _scalars("Q_LEN", "SM_SCALE"),
+    _LAUNCH_ORDER,
     _MODS,
     _SPARSE_LAYOUT,
     _constexprs("HEAD_DIM", "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "STAGES",
@@ -285,6 +294,7 @@ SM90_BACKWARD_DKDV = KernelParams("flex_attention_backward_dkdv_sm90", [
              doc="where a (batch, head)'s rows start in each descriptor (DK and DV share one layout)"),
     _scalars("SPARSE_COLS", "IDX_ROWS", "FULL_IDX_ROWS"),
     _scalars("Q_LEN", "SM_SCALE"),
+    _LAUNCH_ORDER,
     _MODS,
     _SPARSE_LAYOUT,
     _SM90_TILES,
@@ -300,6 +310,7 @@ SM90_BACKWARD_DQ = KernelParams("flex_attention_backward_dq_sm90", [
              "row_doz", "row_doh", "col_doh", doc="where a (batch, head)'s rows start in each descriptor"),
     _scalars("SPARSE_ROWS", "IDX_COLS", "FULL_IDX_COLS"),
     _scalars("Q_LEN", "SM_SCALE"),
+    _LAUNCH_ORDER,
     _MODS,
     _SPARSE_LAYOUT,
     _SM90_TILES,

@@ -44,6 +44,7 @@ from .configs import (
 from .ahead import recording
 from .family import KernelFamily, Plan, Step, TileRoles, cached_kernel, with_tiles
 from .launch import empty_output, interpreter_enabled, kv_strides, launch, mod_launch_args
+from .launch_order import rows_alike, tail_pairs
 from .tables import backward_tables, launch_tables
 from .tma import install_tma_allocator, tma_compatible
 
@@ -145,6 +146,7 @@ class BackwardKernel(KernelFamily):
                             for i in trainable]
             turns = delta  # not read
         mods = mod_launch_args(score_captured) + grad_buffers + mod_launch_args(mask_captured)
+        alike = rows_alike(tables, S, plan.constexprs("dkdv")["SPARSE_KV_BLOCK_SIZE"])
 
         k_strides, v_strides = kv_strides(k, v, B)
         broadcast_kv = Bk == 1 and B > 1
@@ -167,7 +169,7 @@ class BackwardKernel(KernelFamily):
             stride_q=q.stride(), stride_k=k_strides, stride_v=v_strides, stride_do=grad_out.stride(),
             stride_dk=dk.stride(), stride_dv=dv.stride(), GRAD_TURNS=turns, GRAD_SLOTS=slots, GRAD_SLOT_STRIDE=stride,
             SPARSE_COLS=qn.shape[2], IDX_ROWS=qi.shape[3], FULL_IDX_ROWS=fqi.shape[3],
-            Q_LEN=L, KV_LEN=S, SM_SCALE=scale, mods=mods,
+            Q_LEN=L, KV_LEN=S, SM_SCALE=scale, TAIL_PAIRS=tail_pairs(dkdv.grid, q.device, alike), mods=mods,
         ), dkdv.constexprs)
         dq_step = plan.steps["dq"]
         nb, idx, fnb, fidx = tables.kv_num_blocks, tables.kv_indices, tables.full_kv_num_blocks, tables.full_kv_indices
@@ -177,7 +179,7 @@ class BackwardKernel(KernelFamily):
             stride_q=q.stride(), stride_k=k_strides, stride_v=v_strides, stride_do=grad_out.stride(),
             stride_dq=dq.stride(),
             SPARSE_ROWS=nb.shape[2], IDX_COLS=idx.shape[3], FULL_IDX_COLS=fidx.shape[3],
-            Q_LEN=L, KV_LEN=S, SM_SCALE=scale, mods=mods,
+            Q_LEN=L, KV_LEN=S, SM_SCALE=scale, TAIL_PAIRS=tail_pairs(dq_step.grid, q.device, alike), mods=mods,
         ), dq_step.constexprs)
 
         if broadcast_kv:

@@ -24,6 +24,7 @@ from .configs import (
 )
 from .family import KernelFamily, Plan, Step, TileRoles, cached_kernel, with_tiles
 from .launch import empty_attention_output, empty_output, interpreter_enabled, kv_strides, launch, mod_launch_args
+from .launch_order import rows_alike, tail_pairs
 from .tables import launch_tables
 from .tma import host_descriptors, host_descriptors_ok, install_tma_allocator, tma_layout_ok
 
@@ -87,7 +88,7 @@ class ForwardKernel(KernelFamily):
             KV_NUM_BLKS=nb, KV_IDX=idx, FULL_KV_NUM_BLKS=fnb, FULL_KV_IDX=fidx,
             stride_q=q.stride(), stride_k=k_strides, stride_v=v_strides, stride_o=out.stride(),
             SPARSE_ROWS=nb.shape[2], IDX_COLS=idx.shape[3], FULL_IDX_COLS=fidx.shape[3],
-            Q_LEN=L, KV_LEN=k.shape[2], SM_SCALE=scale,
+            Q_LEN=L, KV_LEN=k.shape[2], SM_SCALE=scale, TAIL_PAIRS=tail_pairs(step.grid, q.device, rows_alike(tables, k.shape[2], constexprs["SPARSE_KV_BLOCK_SIZE"])),
             mods=mod_launch_args(score_captured if self.has_score_mod else (),
                                  mask_captured if self.has_mask_mod else ()),
         )

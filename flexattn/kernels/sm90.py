@@ -24,6 +24,7 @@ from ..trace import TracedMod
 from .ahead import recording
 from .family import KernelFamily, Plan, Step, cached_kernel
 from .launch import empty_attention_output, empty_output, interpreter_enabled, kv_strides, launch, mod_launch_args
+from .launch_order import rows_alike, tail_pairs
 from .tables import launch_tables
 
 __all__ = ["Sm90ForwardKernel", "GluonFamily", "Sm90Unavailable", "sm90_forward_kernel", "problem_reason",
@@ -283,6 +284,7 @@ class Sm90ForwardKernel(GluonFamily):
             row_vz=vv.row_z, row_vh=vv.row_h, col_vh=vv.col_h, row_oz=ov.row_z, row_oh=ov.row_h, col_oh=ov.col_h,
             SPARSE_ROWS=tables.kv_num_blocks.shape[2], IDX_COLS=tables.kv_indices.shape[3],
             FULL_IDX_COLS=tables.full_kv_indices.shape[3], Q_LEN=L, SM_SCALE=scale,
+            TAIL_PAIRS=tail_pairs(step.grid, q.device, rows_alike(tables, k.shape[2], BLOCK)),
             mods=mod_launch_args(score_captured if self.has_score_mod else (),
                                  mask_captured if self.has_mask_mod else ()),
         )

@@ -34,6 +34,7 @@ from .ahead import recording
 from .family import Plan, Step, cached_kernel
 from .backward import preprocess_delta
 from .launch import empty_output, kv_strides, launch, mod_launch_args, zeroed_output
+from .launch_order import rows_alike, tail_pairs
 from .sm90 import BLOCK, CONSUMER_REGS, GluonFamily, Sm90Unavailable, shared_layout, tensor_view
 from .sm90 import problem_reason as forward_problem_reason
 from .tables import backward_tables, launch_tables
@@ -237,6 +238,7 @@ class Sm90BackwardKernel(GluonFamily):
                      row_doh=dov.row_h, col_doh=dov.col_h)
         mods = mod_launch_args(score_captured if self.has_score_mod else (),
                                mask_captured if self.has_mask_mod else ())
+        alike = rows_alike(tables, S, BLOCK)
 
         # -- dK/dV: the transposed tables ----
         if fused_dq:  # float32 sums the dK/dV programs add into: rows (batch, query head, query)
@@ -251,7 +253,8 @@ class Sm90BackwardKernel(GluonFamily):
             Q_NUM_BLKS=bwd.q_num_blocks, Q_IDX=bwd.q_indices, FULL_Q_NUM_BLKS=bwd.full_q_num_blocks,
             FULL_Q_IDX=bwd.full_q_indices, **views, row_dkz=dkv.row_z, row_dkh=dkv.row_h, col_dkh=dkv.col_h,
             SPARSE_COLS=bwd.q_num_blocks.shape[2], IDX_ROWS=bwd.q_indices.shape[3],
-            FULL_IDX_ROWS=bwd.full_q_indices.shape[3], Q_LEN=L, SM_SCALE=scale, mods=mods,
+            FULL_IDX_ROWS=bwd.full_q_indices.shape[3], Q_LEN=L, SM_SCALE=scale,
+            TAIL_PAIRS=tail_pairs(step.grid, q.device, alike), mods=mods,
         ), step.constexprs)
 
         if fused_dq:
@@ -266,7 +269,7 @@ class Sm90BackwardKernel(GluonFamily):
             KV_NUM_BLKS=tables.kv_num_blocks, KV_IDX=tables.kv_indices, FULL_KV_NUM_BLKS=tables.full_kv_num_blocks,
             FULL_KV_IDX=tables.full_kv_indices, **views, SPARSE_ROWS=tables.kv_num_blocks.shape[2],
             IDX_COLS=tables.kv_indices.shape[3], FULL_IDX_COLS=tables.full_kv_indices.shape[3], Q_LEN=L,
-            SM_SCALE=scale, mods=mods,
+            SM_SCALE=scale, TAIL_PAIRS=tail_pairs(step.grid, q.device, alike), mods=mods,
         ), step.constexprs)
         return dq, dk, dv, [None] * len(score_captured)
 
