@@ -13,17 +13,19 @@ list scheduling (132 SMs, one program each, a program's cost its number of block
 launch of 48 pairs of 32 blocks (4 x 4k tokens, 12 heads) at 1.09x the shortest possible.
 
 So the last TAIL_PAIRS pairs interleave: their programs take rank 0 (the heaviest block) of each of
-those pairs, then rank 1, and so on, and the light blocks of many pairs end the launch. Only the
-tail is reordered because the pairs before it keep their programs side by side: those read one
-pair's keys and values (or queries) at about the same time, which L2 then serves once. Interleaving
-every pair in groups cost up to 3% on dense masks at 16k tokens on the H200, for nothing to gain
-there. The tail holds at least PROGRAMS_PER_SM programs an SM, so its heavy blocks start early
-enough to fill the GPU with the rest of the launch behind them.
+those pairs, then rank 1, and so on, and the light blocks of many pairs end the launch. The tail
+holds at least PROGRAMS_PER_SM programs an SM, so its heavy blocks start early enough to fill the
+GPU with the rest of the launch behind them. The pairs before it keep the grid's order, so their
+programs still run side by side, reading one pair's keys and values (or queries) at about the same
+time from L2.
 
-Measured on an H200 (bf16, GPU time with L2 flushed before each call, against the old order;
-docs/benchmarks.md): causal 2k to 8k tokens 1.02-1.07x forward and 1.03-1.08x backward, for tails
-of one, two and four programs an SM four was the best; 16k tokens within the noise (1-3%); a mask
-without a mask_mod, whose rows are all alike, keeps the old order.
+Measured on an H200 (bf16, GPU time with L2 flushed before each call, against the grid's order;
+``python -m flexattn.bench.launch_order``, docs/benchmarks.md): causal masks at 2k to 8k tokens
+1.02-1.07x in the forward and 1.03-1.08x in the backward; documents and a sliding window at 4k
+1.03x and 1.03-1.08x; 16k tokens within that measurement's noise. Tails of one, two and four
+programs an SM, and interleaving every pair in groups of the rule's size, were measured too: four
+an SM was the best, or level with the best, in every case under 16k tokens. A mask whose rows all visit every block
+(no mask_mod) keeps the grid's order: no block is heavier than another.
 
 ``tail_pairs`` works TAIL_PAIRS out on the host from the grid, the device and whether the mask's
 rows are alike; the kernels' shared ``launch_order`` helper (templates/common.py.jinja) maps a

@@ -66,6 +66,9 @@ PREPROCESS_ROWS = 64
 #   hold 128 registers a thread, and shared memory is full at 226 KB);
 # - one reduce per consumer (each adding its 64 keys' part): 0.92-0.97x at d=64 without a score_mod,
 #   0.72-0.91x at d=128: the doubled traffic costs more than the products saved.
+# - turn-taking with a mask_mod alone, again after [Note] Launch order evened out the dK/dV programs
+#   (H200, 2026-11-27): causal 0.95-0.99x at 4k to 16k; documents 1.08x at 4k and 1.01x at 16k,
+#   a 1024 sliding window 1.01x at 4k: not enough to change the rule.
 # So dQ joins the dK/dV kernel at head dim 64, with a score_mod or without any mod. The order of the
 # additions depends on scheduling, so those sums are not bit-identical from run to run: a
 # deterministic call (options.deterministic) keeps the two kernels, whose every output row has one
