@@ -65,7 +65,8 @@ def test_the_grid_order_leaves_a_tail_at_four_thousand_tokens():
 
 def test_tail_pairs_reads_the_grid_the_device_and_the_rows():
     cpu = torch.device("cpu")
-    assert launch_order.tail_pairs((4, 3, 2), cpu, rows_alike=False) == launch_order._tail(4, 6, launch_order.INTERPRETER_SMS)
+    expected = launch_order._tail(4, 6, launch_order.INTERPRETER_SMS)
+    assert launch_order.tail_pairs((4, 3, 2), cpu, rows_alike=False) == expected
     assert launch_order.tail_pairs((4, 3, 2), cpu, rows_alike=True) == 1  # no block is heavier than another
     assert launch_order.tail_pairs((64, 1, 1), cpu, rows_alike=False) == 1  # one pair: nothing to interleave
 

@@ -102,7 +102,8 @@ def run_case(name: str, flush: torch.Tensor) -> dict:
             forward_before, backward_before = sm90.launches, sm90_backward.launches
             out = flex_attention(q, k, v, **kwargs)
             bits[order] = [out] + list(torch.autograd.grad(out, (q, k, v), dout))
-            result["gluon forward, backward"] = [sm90.launches > forward_before, sm90_backward.launches > backward_before]
+            result["gluon forward, backward"] = [sm90.launches > forward_before,
+                                                 sm90_backward.launches > backward_before]
         result["same bits (out, dq, dk, dv)"] = [torch.equal(a, b) for a, b in zip(bits["grid"], bits["rule"])]
         out = flex_attention(q, k, v, **kwargs)
         timed = {"forward": lambda: flex_attention(q, k, v, **kwargs),
@@ -133,7 +134,8 @@ def main(argv=None) -> int:
 
     flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")  # larger than any L2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}, bf16")
-    print("| case | tail pairs | forward ms (grid order / rule) | x | backward ms (grid order / rule) | x | same bits |")
+    print("| case | tail pairs | forward ms (grid order / rule) | x | backward ms (grid order / rule) | x "
+          "| same bits |")
     print("|---|---|---|---|---|---|---|")
     results = []
     for name in args.cases:

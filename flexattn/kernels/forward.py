@@ -83,12 +83,13 @@ class ForwardKernel(KernelFamily):
         if constexprs["HOST_DESCRIPTORS"]:
             q_arg, k_arg, v_arg, out_arg = host_descriptors(q, k, v, out, constexprs)
         nb, idx, fnb, fidx = tables.kv_num_blocks, tables.kv_indices, tables.full_kv_num_blocks, tables.full_kv_indices
+        alike = rows_alike(tables, k.shape[2], constexprs["SPARSE_KV_BLOCK_SIZE"])
         args = FORWARD.pack(
             Q=q_arg, K=k_arg, V=v_arg, OUT=out_arg, LSE=lse, MAX_SCORES=mx,
             KV_NUM_BLKS=nb, KV_IDX=idx, FULL_KV_NUM_BLKS=fnb, FULL_KV_IDX=fidx,
             stride_q=q.stride(), stride_k=k_strides, stride_v=v_strides, stride_o=out.stride(),
             SPARSE_ROWS=nb.shape[2], IDX_COLS=idx.shape[3], FULL_IDX_COLS=fidx.shape[3],
-            Q_LEN=L, KV_LEN=k.shape[2], SM_SCALE=scale, TAIL_PAIRS=tail_pairs(step.grid, q.device, rows_alike(tables, k.shape[2], constexprs["SPARSE_KV_BLOCK_SIZE"])),
+            Q_LEN=L, KV_LEN=k.shape[2], SM_SCALE=scale, TAIL_PAIRS=tail_pairs(step.grid, q.device, alike),
             mods=mod_launch_args(score_captured if self.has_score_mod else (),
                                  mask_captured if self.has_mask_mod else ()),
         )
