@@ -29,7 +29,8 @@ def _interpreter_cannot_run_them() -> str:
     return ""
 
 
-pytestmark = pytest.mark.skipif(bool(_interpreter_cannot_run_them()), reason=_interpreter_cannot_run_them() or "-")
+_WHY_NOT = _interpreter_cannot_run_them()
+pytestmark = pytest.mark.skipif(bool(_WHY_NOT), reason=_WHY_NOT or "-")
 
 
 def by_torch_ops(num, idx, rows, cols):
