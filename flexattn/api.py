@@ -17,6 +17,7 @@ from .autograd import FlexAttentionFunction
 from .compile import described, flex_attention_op, read_by, register_call
 from .dispatch import Call, choose_decode, pick_backend, prepare_backward, run_forward
 from .errors import InvalidInputError
+from .kernels.launch import FLOAT8_DTYPES
 from .lowering import check_indices, index_bounds, index_dtype
 from .masks import (
     BlockMask, arity_mistake, as_block_mask, dense_block_mask, noop_mask, sliced_rows_mask_mod, torch_counterpart,
@@ -26,7 +27,7 @@ from .trace import TracedMod, trace_mod
 
 __all__ = ["flex_attention"]
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64) + FLOAT8_DTYPES
 
 
 # ------------------------------------------------------------------------------------ validation
@@ -45,12 +46,10 @@ def _validate_tensors(query, key, value, enable_gqa: bool) -> None:
                 f"{name} must be 4-D [batch, heads, seq_len, head_dim], got shape {_shape(t)}"
             )
         if t.dtype not in _FLOAT_DTYPES:
-            raise InvalidInputError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
-    if not (query.dtype == key.dtype == value.dtype):
-        raise InvalidInputError(
-            f"query, key and value must have one dtype, got {query.dtype}, {key.dtype} and {value.dtype}; "
-            f"{_dtype_fix(query, key, value)}"
-        )
+            raise InvalidInputError(
+                f"{name} must be float16, bfloat16, float32, float64, float8_e4m3fn or float8_e5m2 (FP8: forward "
+                f"only), got {t.dtype}"
+            )
     if not (query.device == key.device == value.device):
         raise InvalidInputError(
             f"query, key and value must be on one device, got {query.device}, {key.device} and {value.device}"
@@ -84,6 +83,29 @@ def _validate_tensors(query, key, value, enable_gqa: bool) -> None:
     if min(L, S, E, Ev) == 0:
         raise InvalidInputError(
             f"empty inputs are not supported: query {_shape(query)}, key {_shape(key)}, value {_shape(value)}"
+        )
+
+
+def _check_dtypes(query, key, value, needs_grad: bool) -> None:
+    """[Note] Mixed and FP8 dtypes. As in torch, the forward takes a key and value of another dtype than
+    the query's (an FP8 cache with a bfloat16 query, say): the kernels convert them to the query's
+    dtype as they load them, and the output is in the query's dtype. With an FP8 query, key and
+    value both products run in FP8 (P is rounded to it too) and the output is FP8, as torch's is;
+    per-tensor scales fold into ``scale`` (the query's and key's) and into the output (the value's).
+    A gradient needs one dtype, and one that is not FP8: there is no FP8 backward, here or in torch."""
+    if not needs_grad:
+        return
+    if query.dtype in FLOAT8_DTYPES or key.dtype in FLOAT8_DTYPES or value.dtype in FLOAT8_DTYPES:
+        raise InvalidInputError(
+            f"FP8 inputs are forward-only (query {query.dtype}, key {key.dtype}, value {value.dtype}) and a gradient "
+            "was asked for: run the call under torch.no_grad() or torch.inference_mode(), or pass bfloat16 or "
+            "float16 tensors to train"
+        )
+    if not (query.dtype == key.dtype == value.dtype):
+        raise InvalidInputError(
+            f"query, key and value must have one dtype when a gradient is needed, got {query.dtype}, {key.dtype} "
+            f"and {value.dtype}; {_dtype_fix(query, key, value)} (without gradients, key and value may have "
+            "another dtype, which the kernels convert to the query's)"
         )
 
 
@@ -227,7 +249,10 @@ def flex_attention(
     Same signature and semantics as ``torch.nn.attention.flex_attention.flex_attention``.
 
     Args:
-        query: [B, Hq, L, E]. key: [B or 1, Hkv, S, E]. value: [B or 1, Hkv, S, Ev].
+        query: [B, Hq, L, E]. key: [B or 1, Hkv, S, E]. value: [B or 1, Hkv, S, Ev]. float16,
+            bfloat16, float32, float64, or FP8 (e4m3fn, e5m2) without gradients. Without gradients
+            key and value may have another dtype than the query (an FP8 cache, say): they are
+            converted to the query's (docs/fp8.md).
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to ``scale * q @ k^T``
             before the softmax; ``h`` is the query head. Tensors it closes over are read in the kernel.
         block_mask: from ``create_block_mask(mask_mod, B, H, L, S)`` (flexattn's or torch's: a torch
@@ -310,6 +335,7 @@ def flex_attention(
     if backend in ("TRITON", "TRITON_DECODE"):
         backend = choose_decode(backend, options, query, block_mask, needs_grad, need_max)
     call = Call(backend, block_mask, scale, score, mask, mask_captured, options, wide)
+    _check_dtypes(query, key, value, needs_grad)
     if needs_grad:
         prepare_backward(call, query, key, value, score_captured)
         out, lse, mx = FlexAttentionFunction.apply(query, key, value, call, need_max, *score_captured)
@@ -373,6 +399,7 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, return_lse, 
         query.requires_grad or key.requires_grad or value.requires_grad
         or any(t.requires_grad for t in score_captured)
     )
+    _check_dtypes(query, key, value, needs_grad)
     out, lse, mx = flex_attention_op(
         query, key, value, *tables, score_captured, mask_captured, call_key, block_size, seq_lengths, scale,
         needs_grad, need_max,

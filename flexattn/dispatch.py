@@ -32,6 +32,7 @@ from .kernels import (
     in_output_layout, interpreter_enabled, output_layout, sm90_auto_reason, sm90_backward_auto_reason,
     sm90_backward_kernel, sm90_forward_kernel, unsupported_reason,
 )
+from .kernels.launch import FLOAT8_DTYPES
 from .masks import BlockMask
 from .options import deterministic, resolve_backend_name
 from .trace import TracedMod
@@ -119,9 +120,11 @@ def use_tanh_approx(q: torch.Tensor, options: dict) -> bool:
     choice = options.get("TANH_APPROX")
     if choice is not None:
         return bool(choice)
-    # Default: the hardware tanh for 16-bit inputs on NVIDIA GPUs, where its error (~2^-11
-    # relative) is below the inputs' own rounding (2^-8 for bf16, 2^-11 for fp16); exact otherwise.
-    return q.is_cuda and torch.version.cuda is not None and q.dtype in (torch.float16, torch.bfloat16)
+    # Default: the hardware tanh for 16-bit and FP8 inputs on NVIDIA GPUs, where its error (~2^-11
+    # relative) is below the inputs' own rounding (2^-8 for bf16, 2^-11 for fp16, 2^-4 for e4m3);
+    # exact otherwise.
+    return q.is_cuda and torch.version.cuda is not None and (
+        q.dtype in (torch.float16, torch.bfloat16) or q.dtype in FLOAT8_DTYPES)
 
 
 # ------------------------------------------------------------------------------------ FLEXATTN_DEBUG
@@ -176,6 +179,8 @@ def _debug_report(stage: str, call: Call, q, k, v, plan: str) -> None:
 def run_forward(call: Call, q, k, v, score_captured, need_lse, need_max):
     """``(out, lse or None, max_scores or None)`` from the call's backend; ``out`` in the layout of
     [Note] The output's layout (kernels/launch.py), which the op's fake implementation promises."""
+    if call.backend != "PYTORCH" and torch.float8_e4m3fn in (q.dtype, k.dtype, v.dtype) and q.is_cuda:
+        _check_e4m3_device(q)
     if call.backend == "TRITON_DECODE":
         kernel = decode_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
         out, lse = kernel(q, k, v, call.block_mask, call.scale, score_captured, call.mask_captured,
@@ -199,6 +204,9 @@ def run_forward(call: Call, q, k, v, score_captured, need_lse, need_max):
         return result
     if _DEBUG:
         _debug_report("forward", call, q, k, v, _blockwise_plan(call))
+    # Key and value in the query's dtype first, as the kernels convert them ([Note] Mixed and FP8
+    # dtypes in api.py), so that both paths round the same way.
+    k, v = k.to(q.dtype), v.to(q.dtype)
     out, lse, mx = blockwise_forward(
         q, k, v, call.block_mask, call.scale,
         call.score.graph_module_on(q.device) if call.score else None, score_captured,
@@ -206,6 +214,16 @@ def run_forward(call: Call, q, k, v, score_captured, need_lse, need_max):
         need_max=need_max, index_dtype=call.index_dtype,
     )
     return in_output_layout(out, q), lse, mx
+
+
+def _check_e4m3_device(q) -> None:
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if (major, minor) < (8, 9):
+        raise BackendUnavailableError(
+            f"float8_e4m3fn inputs need compute capability 8.9 or newer (Ada, Hopper) for the Triton kernels, and "
+            f"this GPU is {major}.{minor}: convert them to the query's 16-bit dtype, or run "
+            "kernel_options={'BACKEND': 'PYTORCH'}"
+        )
 
 
 # Options that tune the portable forward's launch: a call that sets one means that kernel.
@@ -324,8 +342,9 @@ def compile_ahead(call: Call, q, k, v, score_captured, *, forward: bool, backwar
         return
     mask = call.block_mask
     key = (call.score, call.mask, repr(sorted(call.options.items())), forward, backward, q.shape, q.stride(),
-           k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, tuple(mask.kv_num_blocks.shape),
-           mask.full_kv_num_blocks is not None, tuple(mask.BLOCK_SIZE), tuple(mask.seq_lengths), call.scale > 0,
+           k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+           tuple(mask.kv_num_blocks.shape), mask.full_kv_num_blocks is not None, tuple(mask.BLOCK_SIZE),
+           tuple(mask.seq_lengths), call.scale > 0,
            tuple((t.shape, t.dtype, t.requires_grad) for t in score_captured))
     if key in _AHEAD_DONE or torch.cuda.is_current_stream_capturing() or not ahead.enabled():
         return

@@ -88,7 +88,7 @@ class FlexKernelOptions(TypedDict, total=False):
 
     TANH_APPROX: bool
     """Lower ``torch.tanh`` in score_mods to the hardware ``tanh.approx.f32`` instruction on NVIDIA
-    GPUs (relative error about 2^-11). Default: on for float16/bfloat16 inputs on NVIDIA GPUs, where
+    GPUs (relative error about 2^-11). Default: on for float16/bfloat16/FP8 inputs on NVIDIA GPUs, where
     that error is below the inputs' own rounding; off (an exact tanh) for float32 and elsewhere."""
 
     DECODE_NUM_SPLITS: int

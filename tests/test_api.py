@@ -125,7 +125,10 @@ def test_error_query_not_4d():
 
 
 def test_error_dtypes_differ_names_the_conversion():
+    # A gradient needs one dtype; without one, key and value of another dtype are converted to the
+    # query's (tests/test_fp8.py).
     q, k, v = qkv()
+    q.requires_grad_()
     with pytest.raises(InvalidInputError, match=r"one dtype.*float32.*float64.*convert key, e.g. key.to\(torch.float32\)"):
         flex_attention(q, k.double(), v)
     # issue 19: a float32 query with bf16 keys and values: the query is the odd one out.
@@ -137,7 +140,7 @@ def test_error_dtypes_differ_names_the_conversion():
 
 def test_error_integer_dtype():
     q, k, v = qkv()
-    with pytest.raises(InvalidInputError, match="value must be float16, bfloat16, float32 or float64"):
+    with pytest.raises(InvalidInputError, match="value must be float16, bfloat16, float32, float64, float8_e4m3fn or"):
         flex_attention(q, k, v.long())
 
 

@@ -4,7 +4,8 @@ holds what they measured, with the device and versions of each run).
 ``python -m flexattn.bench --mode fwd|bwd|decode [ARGS]`` (also ``flexattn bench``) runs one of the
 paper benchmarks, side by side in one process with torch's compiled flex_attention and SDPA:
 ``forward``, ``backward`` (training) and ``decode``; ``model`` times a whole GPT-style training step
-(eager, compiled and in CUDA graphs). Beside them: ``learnable`` (the backward of
+(eager, compiled and in CUDA graphs); ``fp8`` the forward on FP8 inputs and decoding from an FP8
+cache. Beside them: ``learnable`` (the backward of
 variants with learnable tables), the launch-config sweeps ``sweep`` and ``sweep_backward``,
 ``tile_census`` (what the compiler made of every default kernel), ``startup`` (the first call
 and the host overhead), ``context_parallel`` (the ring's schedule on one GPU with streams for
@@ -23,6 +24,7 @@ MODES = {
     "bwd": "flexattn.bench.backward",
     "decode": "flexattn.bench.decode",
     "model": "flexattn.bench.model",
+    "fp8": "flexattn.bench.fp8",
 }
 
 

@@ -4,7 +4,7 @@ variant's mask, its generated Triton source, and the paper benchmark.
     flexattn gym [--device cpu|cuda] [--seq N] [--only NAME[,NAME]] [--out PATH]
     flexattn show NAME [--seq N] [--png PATH]
     flexattn kernel NAME [--backward | --decode] [--seq N]
-    flexattn bench [--mode fwd|bwd|decode] [-- BENCHMARK ARGS]
+    flexattn bench [--mode fwd|bwd|decode|model|fp8] [-- BENCHMARK ARGS]
     flexattn list
 
 Mistakes on the command line (an unknown variant, a bad length) get one line that names the
@@ -344,7 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
         "flex_attention and SDPA. Arguments after '--' go to the benchmark itself "
         "(e.g. flexattn bench --mode bwd -- --out bwd.json; '-- --help' lists them).")
     bench.add_argument("--mode", choices=tuple(BENCH_MODES), default="fwd",
-                       help="fwd: forward (default); bwd: forward and backward; decode: one query token")
+                       help="fwd: forward (default); bwd: forward and backward; decode: one query token; "
+                       "model: a GPT-style training step; fp8: FP8 forward and FP8-cache decoding")
     bench.set_defaults(run=_cmd_bench)
 
     listing = commands.add_parser("list", help="the catalogue's variants with their one-line summaries",

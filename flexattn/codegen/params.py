@@ -191,7 +191,7 @@ FORWARD = KernelParams("flex_attention_forward", [
     _TILES,
     _MOD_FLAGS,
     _constexprs("CONSECUTIVE_PARTIAL", "CONSECUTIVE_FULL", "OUTPUT_LSE", "OUTPUT_MAX"),
-    _constexprs("INPUT_PRECISION", "NUM_STAGES", "UPCAST_DOTS"),
+    _constexprs("INPUT_PRECISION", "NUM_STAGES", "UPCAST_DOTS", "KV_AS_FLOAT16"),
     _constexprs("USE_TMA", "HOST_DESCRIPTORS", "WARP_SPECIALIZE"),
 ], doc="one program per BLOCK_M queries of one query head")
 
@@ -252,7 +252,7 @@ DECODE_PARTIAL = KernelParams("flex_attention_decode_partial", [
     _HEAD_DIMS,
     _constexprs("SPARSE_KV_BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "EVEN_N"),
     _MOD_FLAGS,
-    _constexprs("OUTPUT_LSE", "INPUT_PRECISION", "NUM_STAGES", "UPCAST_DOTS"),
+    _constexprs("OUTPUT_LSE", "INPUT_PRECISION", "NUM_STAGES", "UPCAST_DOTS", "KV_AS_FLOAT16"),
 ], doc="one program per split of one group of query rows")
 
 DECODE_MERGE = KernelParams("flex_attention_decode_merge", [

@@ -40,6 +40,7 @@ from ..trace import TracedMod
 from .configs import (
     BACKWARD_TILE_KEYS, BackwardConfig, backward_pinned, backward_shared_memory_bytes, fit_backward,
     input_precision, max_shared_memory, next_pow2, pinned_backward_config, select_backward_config, tuned_configs,
+    upcast_dots,
 )
 from .ahead import recording
 from .family import KernelFamily, Plan, Step, TileRoles, cached_kernel, with_tiles
@@ -220,7 +221,7 @@ class BackwardKernel(KernelFamily):
             SCALE_FIRST=self.score is not None or scale <= 0,
             HAS_PARTIAL_BLOCKS=self.mask is not None, HAS_FULL_BLOCKS=tables.has_full,
             INPUT_PRECISION=input_precision(q.dtype),
-            UPCAST_DOTS=q.dtype == torch.bfloat16 and interpreter_enabled(),
+            UPCAST_DOTS=upcast_dots(q.dtype),
             USE_TMA=use_tma, DETERMINISTIC=deterministic,
         )
         # Each kernel checks bounds along its own tile (EVEN_* of its tile) and along the sparse

@@ -19,12 +19,12 @@ import torch
 
 from ..codegen import cache_dir
 from ..errors import InvalidInputError
-from .launch import interpreter_enabled
+from .launch import FLOAT8_DTYPES, interpreter_enabled
 
 __all__ = [
     "LaunchConfig", "select_config", "BackwardConfig", "select_backward_config", "DecodeConfig",
     "select_decode_config", "tuned_configs", "next_pow2", "input_precision", "max_shared_memory", "fit_tile",
-    "fit_to_mask", "check_int_option", "check_tile_option", "check_launch_sizes",
+    "fit_to_mask", "check_int_option", "check_tile_option", "check_launch_sizes", "upcast_dots", "kv_as_float16",
 ]
 
 
@@ -37,6 +37,19 @@ def input_precision(dtype: torch.dtype) -> str:
         return "ieee"
     # fp32 inputs use tf32 tensor cores only when torch's own matmul setting allows it.
     return "tf32" if torch.get_float32_matmul_precision() != "highest" else "ieee"
+
+
+def upcast_dots(dtype: torch.dtype) -> bool:
+    """Whether a kernel's products of ``dtype`` operands run in float32: only under Triton's
+    interpreter, which returns garbage from bfloat16 and FP8 dots ([Note] Interpreter dots in the
+    forward template). Compiled kernels never do."""
+    return interpreter_enabled() and (dtype == torch.bfloat16 or dtype in FLOAT8_DTYPES)
+
+
+def kv_as_float16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a kernel runs a bfloat16 query's products with an FP8 key and value in float16 ([Note]
+    An FP8 cache read by a bfloat16 query, templates/common.py.jinja)."""
+    return q.dtype == torch.bfloat16 and k.dtype in FLOAT8_DTYPES and v.dtype in FLOAT8_DTYPES
 
 
 def max_shared_memory(device: torch.device) -> int:
@@ -183,6 +196,11 @@ def select_config(
             base = LaunchConfig(64, 128, 4, 3) if bucket == 64 else LaunchConfig(64, 64, 4, 3)
         else:
             base = LaunchConfig(128, 128, 4, 3) if bucket == 64 else LaunchConfig(128, 128, 8, 3)
+    if elem == 1 and bucket in (64, 128):
+        # FP8 products (H200, 16k causal, V column-major, flexattn/bench/fp8.py): 128x128 tiles
+        # with 4 warps were the fastest of five at both head dims (565 and 775 TFLOP/s, against
+        # 547 and 749 with the 16-bit defaults). Pointer loads: no descriptors for FP8 yet.
+        base = LaunchConfig(128, 128, 4, 3)
     if tma_ok and elem == 2 and bucket in _HOPPER_TMA_DEFAULTS:
         # [Note] Descriptor set-up: a descriptor made in the kernel costs each program a write and
         # a fence before its first load. Rows that visit few blocks cannot hide that (document

@@ -34,9 +34,11 @@ from ..lowering import index_bounds
 from ..masks import BlockMask
 from ..masks.layout import cdiv
 from ..trace import TracedMod
-from .configs import input_precision, next_pow2, select_decode_config
+from .configs import input_precision, kv_as_float16, next_pow2, select_decode_config, upcast_dots
 from .family import KernelFamily, Plan, Step, cached_kernel
-from .launch import empty_attention_output, empty_output, interpreter_enabled, kv_strides, launch, mod_launch_args
+from .launch import (
+    empty_attention_output, empty_output, finished_output, interpreter_enabled, kv_strides, launch, mod_launch_args,
+)
 from .tables import groups_share_tables, launch_tables
 
 __all__ = ["DecodeKernel", "decode_kernel", "unsupported_reason", "launches", "balanced_splits",
@@ -128,7 +130,7 @@ class DecodeKernel(KernelFamily):
         group = q.shape[1] // k.shape[1]
         shared = groups_share_tables(block_mask, group)
         key = (
-            q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
+            q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
             block_mask.BLOCK_SIZE, tuple(tables.kv_num_blocks.shape), tables.kv_indices.shape[3],
             tables.full_kv_indices.shape[3], tables.has_full, shared,  # content, never id(block_mask)
             need_lse, scale > 0, tuple(sorted(options.items())) if options else (),
@@ -173,7 +175,7 @@ class DecodeKernel(KernelFamily):
             launch(plan.compiled.kernel(DECODE_MERGE), merge.grid, DECODE_MERGE.pack(
                 OUT=out, LSE=lse, ACC_SCRATCH=acc_s, M_SCRATCH=m_s, L_SCRATCH=l_s, stride_o=out.stride(),
             ), merge.constexprs)
-        return (out, (lse if need_lse else None)), {}
+        return (finished_output(out, q), (lse if need_lse else None)), {}
 
     def _plan(self, q, k, v, block_mask, tables, shared, scale, need_lse, options) -> Plan:
         B, Hq, L, E = q.shape
@@ -205,7 +207,8 @@ class DecodeKernel(KernelFamily):
             SCALE_FIRST=self.has_score_mod or scale <= 0,
             HAS_PARTIAL_BLOCKS=self.has_mask_mod, HAS_FULL_BLOCKS=tables.has_full, OUTPUT_LSE=need_lse,
             INPUT_PRECISION=input_precision(q.dtype), NUM_STAGES=cfg.num_stages,
-            UPCAST_DOTS=q.dtype == torch.bfloat16 and interpreter_enabled(),
+            UPCAST_DOTS=upcast_dots(q.dtype) and not kv_as_float16(q, k, v),
+            KV_AS_FLOAT16=kv_as_float16(q, k, v),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         DECODE_PARTIAL.check_constexprs(constexprs)

@@ -32,7 +32,7 @@ from .ahead import pending, record, recording, wait_for
 
 __all__ = [
     "launch", "fast_launches", "interpreter_enabled", "empty_output", "zeroed_output", "output_layout",
-    "empty_attention_output", "in_output_layout", "mod_launch_args", "kv_strides",
+    "empty_attention_output", "finished_output", "in_output_layout", "mod_launch_args", "kv_strides", "FLOAT8_DTYPES",
     "is_out_of_resources", "spilled_bytes", "shared_bytes",
 ]
 
@@ -174,10 +174,23 @@ def output_layout(q: torch.Tensor, value_dim: int) -> tuple:
     return (B, H, L, value_dim), (0, 1, 2, 3)
 
 
+# The FP8 formats the kernels read (torch's names; Triton's fp8e4nv and fp8e5).
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def empty_attention_output(q: torch.Tensor, value_dim: int) -> torch.Tensor:
-    """An ``empty_output`` for attention's output, in the layout of [Note] The output's layout."""
+    """An ``empty_output`` for attention's output, in the layout of [Note] The output's layout, and in
+    the query's dtype, but float32 for an FP8 query under the interpreter, whose float32 to FP8
+    conversion drops the carry into the exponent (1.97 becomes 1.0 in Triton 3.6 to 3.9): there
+    ``finished_output`` converts with torch."""
     shape, dims = output_layout(q, value_dim)
-    return empty_output(shape, q.dtype, q.device).permute(dims)
+    dtype = torch.float32 if q.dtype in FLOAT8_DTYPES and interpreter_enabled() else q.dtype
+    return empty_output(shape, dtype, q.device).permute(dims)
+
+
+def finished_output(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The output a kernel wrote into ``empty_attention_output(q, ...)``, in the query's dtype."""
+    return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
 def in_output_layout(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -138,8 +138,9 @@ def device_reason(device: torch.device) -> Optional[str]:
 
 def shape_reason(q, k, v, block_mask, need_max: bool) -> Optional[str]:
     """Why the kernel cannot take these inputs and this BlockMask (None: it can)."""
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"the Gluon kernel takes float16 or bfloat16, got {str(q.dtype).replace('torch.', '')}"
+    if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
+        dtypes = ", ".join(str(t.dtype).replace("torch.", "") for t in (q, k, v))
+        return f"the Gluon kernel takes a query, key and value of one dtype, float16 or bfloat16, got {dtypes}"
     E, Ev = q.shape[-1], v.shape[-1]
     if E != Ev or E not in HEAD_DIMS:
         return f"the Gluon kernel needs equal Q/K and V head dims of 64 or 128, got {E} and {Ev}"
@@ -224,7 +225,7 @@ class Sm90ForwardKernel(GluonFamily):
         (checked by the caller with ``unsupported_reason`` first, for everything else)."""
         global launches
         tables = launch_tables(block_mask)
-        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
+        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
                tables.plan_key, need_lse, scale > 0)
 
         def launch(plan: Plan):
