@@ -710,3 +710,34 @@ def test_causal_128k_build_stays_under_2_gib():
     assert result["peak_rss_mib"] < 2048, result
     # A generous guard against falling back to something quadratic in Python (about 15-20 s measured).
     assert result["seconds"] < 120, result
+
+
+@pytest.mark.parametrize("lengths", [(256, 256), (300, 1000), (1, 129)])
+def test_the_mask_of_a_call_without_one_is_built_without_reading_tables_back(monkeypatch, lengths):
+    # flex_attention(q, k, v) builds this mask; inside a CUDA-graph capture it is built anew and may
+    # not read anything back to the host. It must also equal the checked mask, and give the launch
+    # plan's row statistics the checks would compute.
+    from flexattn.kernels.tables import checked_launch_tables, launch_tables
+    from flexattn.masks import create
+
+    L, S = lengths
+    monkeypatch.setattr(create, "_dense_masks", create.OrderedDict())
+    for name in ("tolist", "item", "__bool__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, _n=name: pytest.fail(f"Tensor.{_n} read the tables back"))
+    mask = create.dense_block_mask(L, S, torch.device("cpu"))
+    trusted = launch_tables(mask)
+    monkeypatch.undo()
+
+    rows, cols = -(-L // 128), -(-S // 128)
+    checked = BlockMask.from_kv_blocks(
+        torch.zeros(1, 1, rows, dtype=torch.int32), torch.zeros(1, 1, rows, 1, dtype=torch.int32),
+        torch.full((1, 1, rows), cols, dtype=torch.int32),
+        torch.arange(cols, dtype=torch.int32).expand(1, 1, rows, cols), seq_lengths=(L, S))
+    for prefix in ("kv", "full_kv", "q", "full_q"):  # counts and listed entries (padding may differ)
+        num, idx = getattr(mask, f"{prefix}_num_blocks"), getattr(mask, f"{prefix}_indices")
+        assert torch.equal(num, getattr(checked, f"{prefix}_num_blocks")), prefix
+        assert idx.shape == getattr(checked, f"{prefix}_indices").shape, prefix
+        listed = torch.arange(idx.shape[-1]) < num.unsqueeze(-1)
+        assert torch.equal(idx[listed], getattr(checked, f"{prefix}_indices")[listed]), prefix
+    assert mask.seq_lengths == (L, S)
+    assert trusted.stats == checked_launch_tables(checked).stats == checked_launch_tables(mask).stats

@@ -45,9 +45,13 @@ __all__ = ["Sm90BackwardKernel", "Sm90Unavailable", "sm90_backward_kernel", "pro
 launches = 0  # backward calls run by this family (tests check the Gluon path really ran)
 QUERY_TILE = 64  # dK/dV walks each listed 128-row query block as two tiles of 64 rows
 # Ring depths: dK/dV holds K and V (128 rows) and STAGES slots of Q and dO (64 rows); dQ holds Q and
-# dO (128 rows) and STAGES slots of K and V (128 rows). Both fit in 228 KB with these depths; one more
-# dK/dV stage at d=64 was 3% faster with a causal mask and 2% slower without one (H100).
-DKDV_STAGES = {64: 3, 128: 2}
+# dO (128 rows) and STAGES slots of K and V (128 rows). Both fit in 228 KB with these depths.
+# dK/dV at d=64, backward us on an H200 (bf16, d=64, [B, L, 3, H, D] storage, GPU time; 2, 3, 4 and 5
+# stages): causal B1 H12 16k 2582, 2677, 2568, 2685; causal B4 H12 4k 964, 986, 961, 987; documents
+# B4 H16 16k 6728, 6749, 6567, 6717; a 1024 sliding window B4 H16 16k 3633, 3668, 3636, 3678; ALiBi
+# (dQ in the dK/dV kernel) B1 H12 16k 3068, 3054, 3021, 3025. An even depth was faster than an odd one
+# on every causal-like mask (docs/benchmarks.md), and 4 was the best or level with it.
+DKDV_STAGES = {64: 4, 128: 2}
 DQ_STAGES = {64: 4, 128: 2}
 PREPROCESS_ROWS = 64
 # [Note] dQ in the dK/dV kernel. FlashAttention-3's backward forms dQ's part of each (key block,

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import InvalidInputError
-from ..masks import TABLES_IN_RANGE, BlockMask, DerivedKey
+from ..masks import EVERY_BLOCK_FULL, TABLES_IN_RANGE, BlockMask, DerivedKey
 from ..masks.layout import ascending, dense_to_ordered, ordered_to_dense
 from .ahead import recording
 
@@ -157,11 +157,16 @@ def _trusted_launch_tables(block_mask: BlockMask) -> LaunchTables:
     construction), set without the checks' host sync, so a decoding step that builds its mask each
     step never waits for the GPU. The row statistics are fixed (no consecutive-block fast path,
     mean = the table's width), so the step's launch plan is the same at every step; they only steer
-    speed."""
+    speed. The mask of a call without one (EVERY_BLOCK_FULL) gets the statistics the checks would
+    compute, so its launch plan is the same whether it was checked or not."""
     nb, idx = block_mask.kv_num_blocks, block_mask.kv_indices
     fnb, fidx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
     has_full = fnb is not None
-    stats = RowStats(float(idx.shape[-1]), False, False)
+    if has_full and block_mask.peek_derived(EVERY_BLOCK_FULL):
+        # What the checks would find: every row visits all its blocks, listed in order.
+        stats = RowStats(float(fidx.shape[-1]), True, True)
+    else:
+        stats = RowStats(float(idx.shape[-1]), False, False)
     return LaunchTables(nb, idx, fnb if has_full else nb, fidx if has_full else idx, has_full, stats,
                         (tuple(nb.shape), has_full, stats))
 

@@ -58,7 +58,7 @@ from .layout import (
 )
 from .mods import MaskMod, check_mask_mod, mod_name, noop_mask
 
-__all__ = ["BlockMask", "DerivedKey", "TABLES_IN_RANGE", "as_block_mask", "torch_counterpart", "sliced_rows_mask_mod"]
+__all__ = ["BlockMask", "DerivedKey", "TABLES_IN_RANGE", "EVERY_BLOCK_FULL", "as_block_mask", "torch_counterpart", "sliced_rows_mask_mod"]
 
 
 class DerivedKey(NamedTuple):
@@ -76,6 +76,10 @@ class DerivedKey(NamedTuple):
 # their builders store True under this key, and the kernels' launch tables then skip the checks
 # that would read the tables back to the host (kernels/tables.py).
 TABLES_IN_RANGE = DerivedKey("tables ascending and in range by construction")
+# The mask of a call that passes none (masks/create.py dense_block_mask) also knows its rows: every
+# row lists every key block as full, in order. Stored True under this key beside TABLES_IN_RANGE,
+# it gives the launch tables the row statistics the checks would compute, without reading the tables.
+EVERY_BLOCK_FULL = DerivedKey("every row lists every key block as full, in order, by construction")
 
 
 def sliced_rows_mask_mod(b, h, q_idx, kv_idx):

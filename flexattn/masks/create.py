@@ -16,7 +16,7 @@ from ..errors import InvalidInputError
 from ..graphs import may_keep_allocations
 from ..lowering.ranges import mod_index_dtype
 from ..trace import GathersReadZero
-from .block_mask import BlockMask
+from .block_mask import EVERY_BLOCK_FULL, TABLES_IN_RANGE, BlockMask
 from .layout import DEFAULT_BLOCK_SIZE, INDEX_DTYPE, BlockSize, as_block_size, cdiv, device_argument, positive_int
 from .mods import MaskMod, check_mask_mod, mod_name
 
@@ -292,19 +292,31 @@ _DENSE_MASKS_KEPT = 64  # lengths that keep changing (decoding) must not pile up
 
 
 def dense_block_mask(L: int, S: int, device: torch.device) -> BlockMask:
-    """The mask used when none is given: every block full, so mask_mod never runs."""
+    """The mask used when none is given: every block full, so mask_mod never runs.
+
+    Built from fills on the device and marked valid by construction (no checks, so no host sync):
+    a call inside a CUDA-graph capture builds its own, since one made there cannot be kept, and a
+    capture may not read tables back to the host."""
     key = (L, S, device)
     mask = _dense_masks.get(key)
     if mask is None:
         block = DEFAULT_BLOCK_SIZE
         rows, cols = cdiv(L, block), cdiv(S, block)
-        full_num = torch.full((1, 1, rows), cols, dtype=torch.int32, device=device)
-        full_idx = torch.arange(cols, dtype=torch.int32, device=device).expand(1, 1, rows, cols).contiguous()
-        zeros = torch.zeros((1, 1, rows), dtype=torch.int32, device=device)
-        zero_idx = torch.zeros((1, 1, rows, 1), dtype=torch.int32, device=device)
-        mask = BlockMask.from_kv_blocks(
-            zeros, zero_idx, full_num, full_idx, BLOCK_SIZE=block, seq_lengths=(L, S)
-        )
+
+        def every_block(lines: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            # (partial counts, partial indices, full counts, full indices) of `lines` rows that each
+            # list all `width` blocks as full; the partial tables are zeros of the same width.
+            full_num = torch.full((1, 1, lines), width, dtype=INDEX_DTYPE, device=device)
+            full_idx = torch.arange(width, dtype=INDEX_DTYPE, device=device).expand(1, 1, lines, width).contiguous()
+            zeros = torch.zeros((1, 1, lines), dtype=INDEX_DTYPE, device=device)
+            return zeros, torch.zeros((1, 1, lines, width), dtype=INDEX_DTYPE, device=device), full_num, full_idx
+
+        kv_num, kv_idx, full_kv_num, full_kv_idx = every_block(rows, cols)
+        q_num, q_idx, full_q_num, full_q_idx = every_block(cols, rows)
+        mask = BlockMask((L, S), kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx,
+                         BLOCK_SIZE=(block, block))
+        mask.preset_derived(TABLES_IN_RANGE, True)
+        mask.preset_derived(EVERY_BLOCK_FULL, True)
         if not may_keep_allocations(device):  # a CUDA graph's pool: made for this call only
             return mask
         _dense_masks[key] = mask
