@@ -618,3 +618,53 @@ def test_the_backward_tables_of_a_mask_are_derived_once_for_its_layers(monkeypat
     bm.kv_num_blocks.add_(0)  # a new version: derived again
     compiled(q, k, v, bm).sum().backward()
     assert derived == [1, 1]
+
+
+def test_the_op_calls_its_body_directly_only_without_gradients_modes_or_subclasses(monkeypatch):
+    # [Note] The forward op's autograd kernel: the shortcut past the second dispatch is taken only
+    # when nothing between autograd and the device kernel could need the op's own dispatch.
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import flexattn.compile as compile_module
+    from flexattn.api import _registered_call
+
+    q, k, v = (t.detach() for t in qkv())
+    bm = create_block_mask(causal, 1, 1, L, L, device="cpu", BLOCK_SIZE=64)
+    key, _, _ = _registered_call(None, causal, None, q.device)
+    tables = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+    args = [q, k, v, *tables, [], [], key, [64, 64], [L, L], 0.25, True, False]
+    direct = []
+    body = compile_module._forward_body
+    monkeypatch.setattr(compile_module, "_forward_body", lambda *a: direct.append(1) or body(*a))
+    op = torch.ops.flexattn.flex_attention
+    expected = flex_attention(q, k, v, block_mask=bm, scale=0.25)
+
+    with torch.no_grad():
+        out = op(*args)[0]
+    assert len(direct) == 1 and torch.equal(out, expected)
+    out = op(*args)[0]  # grad mode on, but nothing requires grad
+    assert len(direct) == 2 and torch.equal(out, expected)
+
+    q_grad = q.clone().requires_grad_()
+    out = op(q_grad, *args[1:])[0]
+    assert len(direct) == 2 and out.grad_fn is not None
+    out.sum().backward()
+    assert q_grad.grad is not None and torch.isfinite(q_grad.grad).all()
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Seen() as seen:
+        out = op(*args)[0]
+    assert len(direct) == 2 and torch.ops.flexattn.flex_attention.default in seen.ops
+    assert torch.equal(out, expected)
+    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        fake = op(*args)[0]
+    assert len(direct) == 2 and fake.shape == expected.shape
