@@ -355,6 +355,7 @@ def _block_mask(query, key, tables, block_size, seq_lengths, group: int, stats: 
 _KEPT = WeakTensorKeyDictionary()  # kv_num_blocks -> _Kept
 # table shape -> mean key blocks a row visits, of the first mask checked (None: its check raised)
 _SHAPES_CHECKED: dict = {}
+_SHAPES_KEPT = 1024  # lengths that keep changing (a decoding loop) must not pile up entries
 
 
 class _Kept:
@@ -398,6 +399,8 @@ def _checked(mask: BlockMask) -> Optional[_Kept]:
     shape = _shape_of(mask)
     if shape in _SHAPES_CHECKED or _capturing(nb):
         return None
+    if len(_SHAPES_CHECKED) >= _SHAPES_KEPT:  # the oldest goes: a mask of its shape is checked again
+        del _SHAPES_CHECKED[next(iter(_SHAPES_CHECKED))]
     _SHAPES_CHECKED[shape] = None
     checked = checked_launch_tables(mask)  # raises on tables out of range
     _SHAPES_CHECKED[shape] = checked.stats.mean_blocks

@@ -344,3 +344,20 @@ def test_the_gpu_table_gives_speed_ups_and_says_why_a_baseline_is_missing():
     assert cells[1][10] == "n/a [1]" and notes[0].startswith("[1] torch's compiled flex_attention cannot run t5_bias")
     assert "captured buffers need grad" in notes[0] and any(note.startswith(DENSE_MARK) for note in notes)
     assert "| t5_bias | 50.0% |" in to_markdown(report)
+
+
+def test_the_benchmarks_commit_says_when_the_files_differ_from_it(tmp_path):
+    # A device copy of a working tree may carry an older commit's git metadata under newer files.
+    from flexattn.bench.backward import _git_commit
+
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "-C", str(tmp_path), "add", "a.py"], check=True)
+    subprocess.run([*git, "-C", str(tmp_path), "commit", "-q", "-m", "one"], check=True)
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert _git_commit(str(tmp_path)) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert _git_commit(str(tmp_path)) == head + "+changes"
+    assert _git_commit(str(tmp_path / "missing")) is None

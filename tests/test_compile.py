@@ -668,3 +668,18 @@ def test_the_op_calls_its_body_directly_only_without_gradients_modes_or_subclass
     with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
         fake = op(*args)[0]
     assert len(direct) == 2 and fake.shape == expected.shape
+
+
+def test_the_shapes_checked_are_bounded(monkeypatch):
+    # A decoding loop under torch.compile meets a new table shape at every length: the per-shape
+    # densities must not pile up. The oldest goes first; a mask of its shape is then checked again.
+    import flexattn.compile as compiled_module
+
+    monkeypatch.setattr(compiled_module, "_SHAPES_CHECKED", {})
+    monkeypatch.setattr(compiled_module, "_SHAPES_KEPT", 2)
+    q, k, _ = qkv(L=512, S=512)
+    for length in (128, 256, 384):
+        bm = create_block_mask(causal, 1, 1, length, length, device="cpu", BLOCK_SIZE=64)
+        tables = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+        compiled_module._block_mask(q[:, :, :length], k[:, :, :length], tables, bm.BLOCK_SIZE, bm.seq_lengths, 1)
+    assert [shape[-1] for shape in compiled_module._SHAPES_CHECKED] == [(256, 256), (384, 384)]

@@ -220,12 +220,18 @@ def _ratio(other_ms: Optional[float], ours_ms: Optional[float]) -> Optional[floa
     return round(other_ms / ours_ms, 3) if other_ms and ours_ms else None
 
 
-def _git_commit() -> Optional[str]:
+def _git_commit(where: Optional[str] = None) -> Optional[str]:
+    """The checkout's commit, with "+changes" when tracked files differ from it: a copy of a working
+    tree (the device's) may carry an older commit's git metadata under newer files."""
     try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
+        here = where or os.path.dirname(os.path.abspath(__file__))
+
+        def git(*args: str) -> str:
+            return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=10,
+                                  check=True).stdout.strip()
+
+        commit = git("rev-parse", "HEAD")
+        return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
     except Exception:
         return None
 
