@@ -39,14 +39,10 @@ def _decode_step_problem(B=4, Hq=16, Hkv=2, S=4096, D=64):
     return q, k, v, lengths, alibi, in_cache, block_mask
 
 
-def test_decode_step_replays_from_a_cuda_graph_like_eager():
-    torch.manual_seed(0)
-    q, k, v, lengths, alibi, in_cache, block_mask = _decode_step_problem()
-
-    def step():
-        return flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask, enable_gqa=True)
-
-    # Warm-up on a side stream (tracing, compilation and launch plans happen here, never in the capture).
+def _captured(step):
+    """``step`` warmed up on a side stream, then captured: the recipe of torch.cuda.graph's docs. A
+    call without a BlockMask builds its all-full mask during the capture (one made there cannot be
+    kept), with no read back to the host."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -55,7 +51,19 @@ def test_decode_step_replays_from_a_cuda_graph_like_eager():
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = step()
+        static = step()
+    return graph, static
+
+
+def test_decode_step_replays_from_a_cuda_graph_like_eager():
+    torch.manual_seed(0)
+    q, k, v, lengths, alibi, in_cache, block_mask = _decode_step_problem()
+
+    def step():
+        return flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask, enable_gqa=True)
+
+    # Warm-up on a side stream (tracing, compilation and launch plans happen here, never in the capture).
+    graph, static_out = _captured(step)
 
     for trial, new_length in enumerate((100, 1500, 4096)):
         # The next token: new query, new cache contents, longer sequences; all written in place.
@@ -72,22 +80,6 @@ def test_decode_step_replays_from_a_cuda_graph_like_eager():
         expected = reference_attention(q.double(), k.double(), v.double(), score_mod=alibi, mask_mod=in_cache,
                                        enable_gqa=True)[0]
         assert rel_err(static_out, expected) < 2e-2, f"trial {trial}"
-
-
-def _captured(step):
-    """``step`` warmed up on a side stream, then captured: the recipe of torch.cuda.graph's docs. A
-    call without a BlockMask builds its all-full mask during the capture (one made there cannot be
-    kept), with no read back to the host."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
-    return graph, static
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

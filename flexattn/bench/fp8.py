@@ -201,25 +201,25 @@ def _tables(forward, decode) -> None:
     def x(r, key):
         return f"{r[key]:.2f}x" if r.get(key) else "-"
 
+    def errors(r):
+        return (f"{r['flexattn_fp8_err']:.4f} / {r['flexattn_bf16_err']:.4f}"
+                if "flexattn_fp8_err" in r and "flexattn_bf16_err" in r else "-")
+
     print("\n| variant | D | density | flexattn FP8 | FP8, V row-major | flexattn bf16 | torch flex FP8 | torch flex bf16 "
           "| cuDNN bf16 | x flexattn bf16 | x torch FP8 | x cuDNN | error FP8 / bf16 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in forward:
-        errors = (f"{r['flexattn_fp8_err']:.4f} / {r['flexattn_bf16_err']:.4f}"
-                  if "flexattn_fp8_err" in r and "flexattn_bf16_err" in r else "-")
         print(f"| {r['variant']} | {r['D']} | {r['density']:.3f} | {tf(r, 'flexattn_fp8_tflops')} "
               f"| {tf(r, 'flexattn_fp8_rowv_tflops')} | {tf(r, 'flexattn_bf16_tflops')} | {tf(r, 'torch_flex_fp8_tflops')} "
               f"| {tf(r, 'torch_flex_bf16_tflops')} | {tf(r, 'sdpa_cudnn_bf16_tflops')} | {x(r, 'x_flexattn_bf16')} "
-              f"| {x(r, 'x_torch_flex_fp8')} | {x(r, 'x_sdpa_cudnn_bf16')} | {errors} |")
+              f"| {x(r, 'x_torch_flex_fp8')} | {x(r, 'x_sdpa_cudnn_bf16')} | {errors(r)} |")
     print("\n| B | Hq:Hkv | S | D | flexattn bf16 cache GB/s | flexattn FP8 cache | torch flex bf16 | torch flex FP8 "
           "| x flexattn bf16 | x torch FP8 | error FP8 / bf16 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in decode:
-        errors = (f"{r['flexattn_fp8_err']:.4f} / {r['flexattn_bf16_err']:.4f}"
-                  if "flexattn_fp8_err" in r and "flexattn_bf16_err" in r else "-")
         print(f"| {r['B']} | {r['Hq']}:{r['Hkv']} | {r['S']} | {r['D']} | {tf(r, 'flexattn_bf16_GBps')} "
               f"| {tf(r, 'flexattn_fp8_GBps')} | {tf(r, 'torch_flex_bf16_GBps')} | {tf(r, 'torch_flex_fp8_GBps')} "
-              f"| {x(r, 'x_flexattn_bf16')} | {x(r, 'x_torch_flex_fp8')} | {errors} |")
+              f"| {x(r, 'x_flexattn_bf16')} | {x(r, 'x_torch_flex_fp8')} | {errors(r)} |")
 
 
 def main(argv=None) -> int:
