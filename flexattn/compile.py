@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -56,15 +56,18 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from .dispatch import Call, choose_decode, compile_ahead, pick_backend, prepare_backward, run_backward, run_forward
+from .dispatch import (
+    Call, choose_decode, compile_ahead, forward_relaunch, pick_backend, prepare_backward, run_backward, run_forward,
+)
 from .errors import InvalidInputError
 from .graphs import may_keep_allocations
-from .kernels import ahead, output_layout
+from .kernels import ahead, interpreter_enabled, output_layout
 from .kernels.tables import (
-    BACKWARD_TABLES, RowStats, assume_groups_differ, checked_launch_tables, preset_row_stats,
+    BACKWARD_TABLES, LaunchTables, RowStats, assume_groups_differ, checked_launch_tables, launch_tables,
+    preset_row_stats,
 )
 from .lowering import index_bounds, index_dtype
-from .masks import FACTORY_ATTRIBUTE, BlockMask, dense_block_mask
+from .masks import FACTORY_ATTRIBUTE, BlockMask, dense_block_mask, version_of
 from .trace import TracedMod, trace_mod
 
 __all__ = ["register_call", "collected_tensors", "read_by", "described", "flex_attention_op", "registered_call"]
@@ -287,6 +290,12 @@ def registered_call(key: str) -> RegisteredCall:
 
 # The dispatch state of plain eager code, taken when flexattn is imported.
 _DISPATCH_STATE = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+_NOTHING_TO_ENTER = nullcontext()
+try:
+    from torch._ops import _len_torch_dispatch_stack_pre_dispatch as _pre_dispatch_modes
+except ImportError:  # pragma: no cover - every supported torch has it; without it, always enter
+    def _pre_dispatch_modes() -> int:
+        return 1
 
 
 def _as_kernel():
@@ -295,7 +304,12 @@ def _as_kernel():
     PyTorch backend's backward takes torch.autograd.grad of the score_mod, which needs autograd), and
     a dispatch mode calls ops with the functorch keys off (its torch.vmap fails; AOTAutograd wraps a
     graph's first run in such a mode, its check that a custom op's outputs do not alias its inputs).
-    Grad mode stays the caller's: the forward's body runs without grad."""
+    Grad mode stays the caller's: the forward's body runs without grad. Where that state holds
+    already (a compiled graph's call, on the steady state's path) nothing is entered."""
+    if (not torch._C._len_torch_dispatch_stack() and not _pre_dispatch_modes()
+            and torch._C._dispatch_tls_local_include_set() == _DISPATCH_STATE[0]
+            and torch._C._dispatch_tls_local_exclude_set() == _DISPATCH_STATE[1]):
+        return _NOTHING_TO_ENTER
     stack = ExitStack()
     stack.enter_context(torch.utils._python_dispatch._disable_current_modes())
     stack.enter_context(torch._C._ForceDispatchKeyGuard(*_DISPATCH_STATE))
@@ -370,7 +384,7 @@ class _Kept:
 
 def _stamp(mask: BlockMask) -> tuple:
     tables = (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices)
-    return tuple(-1 if t is None else t._version for t in tables), mask.BLOCK_SIZE, mask.seq_lengths
+    return tuple(-1 if t is None else version_of(t) for t in tables), mask.BLOCK_SIZE, mask.seq_lengths
 
 
 def _kept(mask: BlockMask) -> Optional[_Kept]:
@@ -470,13 +484,101 @@ def _forward_body(query, key, value, kv_num_blocks, kv_indices, full_kv_num_bloc
 def _forward(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, score_captured,
              mask_captured, call_key, block_size, seq_lengths, scale, needs_grad, need_max):
     tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    problem = None
+    if kv_num_blocks is not None:
+        problem = _warm_problem(query, key, value, tables, score_captured, mask_captured, call_key, block_size,
+                                seq_lengths, scale, needs_grad, need_max)
+        warm = None if problem is None else _WARM.get(problem)
+        if warm is not None and warm.holds(tables):
+            out, lse, mx = warm.run(query, key, value, tables, score_captured, mask_captured)
+            return _forward_outputs(query, out, lse, mx, need_max)
     call = _call(call_key, query, key, tables, block_size, seq_lengths, mask_captured, scale, needs_grad, need_max)
     score = _all_captured(call.score, list(score_captured), query.device)
     if needs_grad:
         prepare_backward(call, query, key, value, score)
     out, lse, mx = run_forward(call, query, key, value, score, True, need_max)
+    if problem is not None:
+        _remember_warm(problem, call, query, key, value, tables, need_max)
+    return _forward_outputs(query, out, lse, mx, need_max)
+
+
+def _forward_outputs(query, out, lse, mx, need_max: bool):
     mx = mx.contiguous() if need_max else query.new_empty(0, dtype=torch.float32)
     return out, lse.contiguous(), mx  # out already in its layout (run_forward)
+
+
+# [Note] Warm calls of the forward op. A compiled step calls the op once per layer with the same
+# problem: the same mods and options (the call key), the same shapes, strides and dtypes, the same
+# BlockMask tables. The first call decides (backend, Gluon or portable kernel, the plan) and prepares
+# the backward; in a real step that took 350 to 650 us of host time per call on the H200 machine,
+# where the GPU of a 16k-token layer needs about 1.5 ms and of a 4k one less, so the host fell behind
+# in the forward of the first layers. Later calls of that problem launch the kept plan directly: new
+# outputs, new descriptors, the launch. What a call's decisions read is its key (``_warm_problem``):
+# * everything the op passes but the tensors' contents: the call key, lengths, block sizes, scale,
+#   needs_grad and need_max, and for q, k, v and each captured tensor its shape, strides, dtype,
+#   device, requires_grad and whether its address is 16-byte aligned (tensor descriptors need it);
+# * the tables by identity, version counter, address, shape and strides: the launch's row
+#   statistics (the consecutive-block flags change the kernel's results) were found for those very
+#   tables at that version (kept or checked, [Note] What a compiled call's mask derives, kept). A
+#   table freed and another made at the same id() is told apart by a weak reference to the first
+#   (``_WarmForward.holds``); a table written in place has a new version: the call goes the long
+#   way, and makes its own entry;
+# * the process state the choices read: the interpreter switch, float32 matmul precision.
+# Only a call that launched one settled plan of the portable or Gluon forward is kept (forward_relaunch
+# in dispatch.py); the captured tensors' contents are read at launch, so new contents need no new entry.
+_WARM: dict = {}  # problem -> _WarmForward
+_WARM_KEPT = 512  # cleared when full: a new entry costs one call the long way
+
+
+class _WarmForward(NamedTuple):
+    tables: tuple  # weak references to the op's four tables (None where absent)
+    stats: RowStats
+    has_full: bool
+    plan_key: tuple
+    score: Optional[TracedMod]
+    mask: Optional[TracedMod]
+    relaunch: Callable
+
+    def holds(self, tables) -> bool:
+        return all((ref is None) == (t is None) and (ref is None or ref() is t) for ref, t in zip(self.tables, tables))
+
+    def run(self, query, key, value, tables, score_captured, mask_captured):
+        nb, idx, fnb, fidx = tables
+        launch = LaunchTables(nb, idx, fnb if self.has_full else nb, fidx if self.has_full else idx, self.has_full,
+                              self.stats, self.plan_key)
+        device = query.device
+        return self.relaunch(query, key, value, launch, _all_captured(self.score, list(score_captured), device),
+                             _all_captured(self.mask, list(mask_captured), device))
+
+
+def _warm_problem(query, key, value, tables, score_captured, mask_captured, call_key, block_size, seq_lengths,
+                  scale, needs_grad, need_max) -> Optional[tuple]:
+    """The key of [Note] Warm calls of the forward op; None for tables without a version counter."""
+    parts = [call_key, tuple(block_size), tuple(seq_lengths), scale, needs_grad, need_max, interpreter_enabled(),
+             torch.get_float32_matmul_precision()]
+    for t in (query, key, value, *score_captured, *mask_captured):
+        parts.append((t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() & 15))
+    for t in tables:
+        if t is not None and t.is_inference():
+            return None  # no version counter to follow (masks/block_mask.py version_of)
+        parts.append(None if t is None else (id(t), t._version, t.data_ptr(), t.shape, t.stride(), t.dtype, t.device))
+    return tuple(parts)
+
+
+def _remember_warm(problem: tuple, call: Call, query, key, value, tables, need_max: bool) -> None:
+    relaunch = forward_relaunch(call, query, key, value, need_max)
+    if relaunch is None:
+        return
+    launched = launch_tables(call.block_mask)  # derived by the launch that just ran
+    nb, idx, fnb, fidx = tables
+    if not (launched.kv_num_blocks is nb and launched.kv_indices is idx and launched.has_full == (fnb is not None)
+            and (fnb is None or (launched.full_kv_num_blocks is fnb and launched.full_kv_indices is fidx))):
+        return  # the launch read copies (tables made contiguous or reordered): not these tables
+    if len(_WARM) >= _WARM_KEPT:
+        _WARM.clear()
+    refs = tuple(None if t is None else weakref.ref(t) for t in tables)
+    _WARM[problem] = _WarmForward(refs, launched.stats, launched.has_full, launched.plan_key, call.score, call.mask,
+                                  relaunch)
 
 
 _LIBRARY.impl("flex_attention", _forward_body, "CompositeExplicitAutograd")

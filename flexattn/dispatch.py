@@ -37,8 +37,8 @@ from .masks import BlockMask
 from .options import deterministic, resolve_backend_name
 from .trace import TracedMod
 
-__all__ = ["Call", "pick_backend", "choose_decode", "use_tanh_approx", "run_forward", "prepare_backward", "run_backward",
-           "sm90_forward_choice", "sm90_backward_choice"]
+__all__ = ["Call", "pick_backend", "choose_decode", "use_tanh_approx", "run_forward", "forward_relaunch",
+           "prepare_backward", "run_backward", "sm90_forward_choice", "sm90_backward_choice"]
 
 
 class Call(NamedTuple):
@@ -214,6 +214,41 @@ def run_forward(call: Call, q, k, v, score_captured, need_lse, need_max):
         need_max=need_max, index_dtype=call.index_dtype,
     )
     return in_output_layout(out, q), lse, mx
+
+
+def forward_relaunch(call: Call, q, k, v, need_max: bool):
+    """After ``run_forward(call, q, k, v, score_captured, True, need_max)`` ran: the kernel launch it
+    made, as ``relaunch(q, k, v, launch_tables, score_captured, mask_captured) -> (out, lse, max or
+    None)`` for later calls of the same problem (same mods, options, shapes, strides, dtypes, 16-byte
+    alignment and table statistics; compile.py keys them, [Note] Warm calls of the forward op), or
+    None where there is no such single launch to repeat: another backend, FP8 or mixed dtypes, a
+    plan still settling, the debug report on."""
+    if _DEBUG or call.backend != "TRITON" or not q.dtype == k.dtype == v.dtype or q.dtype in FLOAT8_DTYPES:
+        return None
+    scale = call.scale
+    if q.is_cuda and call.options.get("BACKEND") != "TRITON":
+        gluon, reason = sm90_forward_choice(call, q, k, v, need_max)
+        if gluon is not None and reason is None:
+            plan = gluon.kept_plan(q, k, v, call.block_mask, scale, need_lse=True)
+            if plan is None:
+                return None
+
+            def relaunch_gluon(q, k, v, tables, score_captured, mask_captured):
+                out, lse = gluon.launch_plan(plan, q, k, v, tables, scale, score_captured, mask_captured,
+                                             need_lse=True)
+                return out, lse, None
+
+            return relaunch_gluon
+    kernel = forward_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
+    plan = kernel.kept_plan(q, k, v, call.block_mask, scale, need_lse=True, need_max=need_max, options=call.options)
+    if plan is None:
+        return None
+
+    def relaunch(q, k, v, tables, score_captured, mask_captured):
+        return kernel.launch_plan(plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse=True,
+                                  need_max=need_max)
+
+    return relaunch
 
 
 def _check_e4m3_device(q) -> None:

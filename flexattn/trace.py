@@ -106,7 +106,10 @@ class TracedMod:
         constants are this object's own clones; the version check guards a copy anyway."""
         device = torch.device(device)
         copies = self.__dict__.setdefault("_fixed_on_device", {})
-        versions = tuple(None if c.fixed_value is None else c.fixed_value._version for c in self.captured)
+        # flexattn's own clones: nothing else writes them, so one made under inference_mode (no
+        # version counter) is kept as it is.
+        versions = tuple(None if c.fixed_value is None else 0 if c.fixed_value.is_inference() else c.fixed_value._version
+                         for c in self.captured)
         entry = copies.get(device)
         if entry is None or entry[0] != versions:
             constants = tuple(c.fixed_value for c in self.captured)

@@ -348,7 +348,7 @@ def test_the_gpu_table_gives_speed_ups_and_says_why_a_baseline_is_missing():
 
 def test_the_benchmarks_commit_says_when_the_files_differ_from_it(tmp_path):
     # A device copy of a working tree may carry an older commit's git metadata under newer files.
-    from flexattn.bench.backward import _git_commit
+    from flexattn.bench.common import git_commit
 
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
@@ -357,7 +357,7 @@ def test_the_benchmarks_commit_says_when_the_files_differ_from_it(tmp_path):
     subprocess.run([*git, "-C", str(tmp_path), "commit", "-q", "-m", "one"], check=True)
     head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
-    assert _git_commit(str(tmp_path)) == head
+    assert git_commit(str(tmp_path)) == head
     (tmp_path / "a.py").write_text("x = 2\n")
-    assert _git_commit(str(tmp_path)) == head + "+changes"
-    assert _git_commit(str(tmp_path / "missing")) is None
+    assert git_commit(str(tmp_path)) == head + "+changes"
+    assert git_commit(str(tmp_path / "missing")) is None

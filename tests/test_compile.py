@@ -683,3 +683,95 @@ def test_the_shapes_checked_are_bounded(monkeypatch):
         tables = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
         compiled_module._block_mask(q[:, :, :length], k[:, :, :length], tables, bm.BLOCK_SIZE, bm.seq_lengths, 1)
     assert [shape[-1] for shape in compiled_module._SHAPES_CHECKED] == [(256, 256), (384, 384)]
+
+
+def test_warm_calls_launch_the_kept_plan_and_follow_what_changed(monkeypatch):
+    # [Note] Warm calls of the forward op: the second call of a problem skips the decisions and
+    # launches the first call's plan. New captured contents are read at launch; a table written in
+    # place, another mask, another alignment of q or a new scale go the long way again. Each result
+    # against the eager call on the same inputs (the interpreter runs the Triton kernels).
+    if not flexattn.kernels.interpreter_enabled():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
+    import flexattn.compile as compiled_module
+
+    monkeypatch.setattr(compiled_module, "_WARM", {})
+    decided = []
+    real_call = compiled_module._call
+    monkeypatch.setattr(compiled_module, "_call", lambda *a, **kw: decided.append(1) or real_call(*a, **kw))
+    bias = torch.randn(H)
+    options = {"BACKEND": "TRITON"}
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    def attend(q, k, v, bm, scale=None):
+        return flex_attention(q, k, v, score_mod=head_bias, block_mask=bm, scale=scale, kernel_options=options)
+
+    compiled, _ = counted(attend)
+    q, k, v = qkv(L=256, S=256)
+    bm = create_block_mask(causal, 1, 1, 256, 256, device="cpu", BLOCK_SIZE=64)
+    for calls in (1, 1, 1):
+        assert torch.equal(compiled(q, k, v, bm), attend(q, k, v, bm))
+        assert len(decided) == calls
+    bias.add_(1.0)  # new contents, same tensor: read at launch
+    assert torch.equal(compiled(q, k, v, bm), attend(q, k, v, bm))
+    assert len(decided) == 1
+    # Row 3's full blocks 0, 1, 2 become 0, 2 in place: the checked statistics no longer hold.
+    bm.full_kv_indices[0, 0, 3, :2] = torch.tensor([0, 2], dtype=torch.int32)
+    bm.full_kv_num_blocks[0, 0, 3] = 2
+    assert torch.equal(compiled(q, k, v, bm), attend(q, k, v, bm))
+    assert len(decided) == 2
+    other = create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 100), 1, 1, 256, 256,
+                              device="cpu", BLOCK_SIZE=64)
+    assert torch.equal(compiled(q, k, v, other), attend(q, k, v, other))
+    assert len(decided) == 3
+    shifted = torch.randn(q.numel() + 1)[1:].view(q.shape)  # 4 bytes off a 16-byte boundary
+    shifted.copy_(torch.randn(q.shape))
+    assert torch.equal(compiled(shifted, k, v, other), attend(shifted, k, v, other))
+    assert len(decided) == 4
+    assert torch.equal(compiled(q, k, v, other, 0.5), attend(q, k, v, other, 0.5))
+    assert len(decided) == 5
+
+
+def test_a_warm_call_never_takes_the_plan_of_a_freed_table_whose_id_came_back():
+    # Tables are matched by identity through weak references, not by id(): a table freed and a new
+    # one made at the same address and id() is another table.
+    import weakref
+
+    from flexattn.compile import _WarmForward
+
+    first = torch.zeros(1, 1, 4, dtype=torch.int32)
+    same_id = id(first)
+    entry = _WarmForward((weakref.ref(first), None, None, None), None, False, (), None, None, None)
+    assert entry.holds((first, None, None, None))
+    del first
+    for _ in range(1000):  # CPython hands a freed object's id to a new object of its size
+        second = torch.zeros(1, 1, 4, dtype=torch.int32)
+        if id(second) == same_id:
+            break
+    assert not entry.holds((second, None, None, None))
+    assert not entry.holds((second, second, None, None))
+
+
+def test_masks_made_under_inference_mode_run_eagerly_and_compiled_and_follow_changes_in_place():
+    # Serving code runs under torch.inference_mode, where the tables are inference tensors with no
+    # version counter (reading it raised before): nothing derived from them is reused, so a table
+    # changed in place there is followed. Eager and compiled, Triton kernels (the interpreter).
+    if not flexattn.kernels.interpreter_enabled():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
+    options = {"BACKEND": "TRITON"}
+    compiled = torch.compile(flex_attention, backend="aot_eager", fullgraph=True)
+    with torch.inference_mode():
+        q, k, v = qkv(L=256, S=256)
+        bm = create_block_mask(causal, 1, 1, 256, 256, device="cpu", BLOCK_SIZE=64)
+        expected = flex_attention(q, k, v, block_mask=bm)  # the PyTorch backend
+        for run in (lambda: flex_attention(q, k, v, block_mask=bm, kernel_options=options),
+                    lambda: compiled(q, k, v, block_mask=bm, kernel_options=options)):
+            for _ in range(2):
+                assert rel_err(run(), expected) < 1e-5
+        # Row 3's full blocks 0, 1, 2 become 0, 2 in place (no longer consecutive).
+        bm.full_kv_indices[0, 0, 3, :2] = torch.tensor([0, 2], dtype=torch.int32)
+        bm.full_kv_num_blocks[0, 0, 3] = 2
+        expected = flex_attention(q, k, v, block_mask=bm)
+        assert rel_err(flex_attention(q, k, v, block_mask=bm, kernel_options=options), expected) < 1e-5
+        assert rel_err(compiled(q, k, v, block_mask=bm, kernel_options=options), expected) < 1e-5

@@ -224,3 +224,50 @@ def cold_block_step():
     for g, w in zip(got, want):
         assert rel_err(g, w) < 1e-2
     print("close")
+
+
+def test_compiled_steps_follow_learnt_slopes_and_a_mask_changed_in_place():
+    # [Note] Warm calls of the forward op (compile.py): after the first call of a problem, the op
+    # launches the kept plan. Each step's optimizer changes the slopes the score_mod reads (new
+    # contents, same tensor); then the mask's tables are changed in place. Against eager each time.
+    model, block_mask, B, L, dim = _problem()
+    eager = twin(model)
+    compiled = torch.compile(model, fullgraph=True)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, eager)]
+    for step in range(4):
+        if step == 3:  # query block 5 loses its full blocks: the checked row statistics no longer hold
+            block_mask.full_kv_num_blocks[:, :, 5] = 0
+        x = torch.randn(B, L, dim, device=DEVICE, dtype=torch.bfloat16)
+        target = torch.randn_like(x)
+        with torch.no_grad():
+            assert rel_err(compiled(x, block_mask), eager(x, block_mask)) < 1e-2, step
+        for m, optimizer in zip((model, eager), optimizers):
+            _loss(m, x, target, block_mask).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        assert rel_err(model.layers[0].slopes.float(), eager.layers[0].slopes.float()) < 1e-2, step
+
+
+def test_serving_under_inference_mode_eager_and_compiled():
+    # Serving code runs under torch.inference_mode, where a mask's tables are inference tensors
+    # without version counters: this once raised. Eager and compiled calls, a table changed in place
+    # there, against the PyTorch backend in float64 on the same tables.
+    compiled = torch.compile(flex_attention, fullgraph=True)
+    with torch.inference_mode():
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(2, 8, 2048, 64, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+        mask = create_block_mask(causal, None, None, 2048, 2048, device=DEVICE)
+
+        def reference():
+            return flex_attention(q.double(), k.double(), v.double(), block_mask=mask,
+                                  kernel_options={"BACKEND": "PYTORCH"}).float()
+
+        expected = reference()
+        for _ in range(3):
+            assert rel_err(flex_attention(q, k, v, block_mask=mask).float(), expected) < 1e-2
+            assert rel_err(compiled(q, k, v, block_mask=mask).float(), expected) < 1e-2
+        mask.full_kv_num_blocks[:, :, 7] = 0  # query block 7 drops its full blocks
+        expected_now = reference()
+        assert rel_err(expected_now, expected) > 1e-2  # the change shows in the result
+        assert rel_err(flex_attention(q, k, v, block_mask=mask).float(), expected_now) < 1e-2
+        assert rel_err(compiled(q, k, v, block_mask=mask).float(), expected_now) < 1e-2

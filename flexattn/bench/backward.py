@@ -46,7 +46,6 @@ import gc
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from typing import Callable, Optional
@@ -54,7 +53,7 @@ from typing import Callable, Optional
 import torch
 
 import flexattn
-from flexattn.bench.common import block_density, compile_torch_flex, dense_mask_sdpa, sdpa_fn
+from flexattn.bench.common import block_density, compile_torch_flex, dense_mask_sdpa, git_commit, sdpa_fn
 from flexattn.reference import reference_attention
 from flexattn.variants import CATALOGUE
 
@@ -218,22 +217,6 @@ def _tflops(flops: float, ms: Optional[float]) -> Optional[float]:
 
 def _ratio(other_ms: Optional[float], ours_ms: Optional[float]) -> Optional[float]:
     return round(other_ms / ours_ms, 3) if other_ms and ours_ms else None
-
-
-def _git_commit(where: Optional[str] = None) -> Optional[str]:
-    """The checkout's commit, with "+changes" when tracked files differ from it: a copy of a working
-    tree (the device's) may carry an older commit's git metadata under newer files."""
-    try:
-        here = where or os.path.dirname(os.path.abspath(__file__))
-
-        def git(*args: str) -> str:
-            return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=10,
-                                  check=True).stdout.strip()
-
-        commit = git("rev-parse", "HEAD")
-        return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
-    except Exception:
-        return None
 
 
 def _run_case(name: str, B: int, H: int, L: int, D: int, dtype, device, options, torch_flex, bench, args) -> dict:
@@ -452,7 +435,7 @@ def run(args) -> int:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if cuda else None,
         "python": platform.python_version(),
-        "flexattn_commit": _git_commit(),
+        "flexattn_commit": git_commit(),
         "triton_interpret": interpreted,
         "dtype": args.dtype,
         "flexattn_kernel_options": options,

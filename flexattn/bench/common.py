@@ -3,11 +3,15 @@ implementations flexattn is compared with (SDPA's kernels, torch's compiled flex
 
 from __future__ import annotations
 
+import os
+import subprocess
+from typing import Optional
+
 import torch
 
 import flexattn
 
-__all__ = ["KV_BYTES", "block_density", "bench", "sdpa_fn", "dense_mask_sdpa", "compile_torch_flex"]
+__all__ = ["KV_BYTES", "block_density", "bench", "sdpa_fn", "dense_mask_sdpa", "compile_torch_flex", "git_commit"]
 
 KV_BYTES = 256 * 2**20  # K (and V) bytes per forward case: the paper's setup
 
@@ -75,3 +79,19 @@ def compile_torch_flex():
     if hasattr(functorch_config, "donated_buffer"):
         functorch_config.donated_buffer = False
     return torch.compile(torch_flex, dynamic=False)
+
+
+def git_commit(where: Optional[str] = None) -> Optional[str]:
+    """The checkout's commit, with "+changes" when tracked files differ from it: a copy of a working
+    tree (the device's) may carry an older commit's git metadata under newer files."""
+    try:
+        here = where or os.path.dirname(os.path.abspath(__file__))
+
+        def git(*args: str) -> str:
+            return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=10,
+                                  check=True).stdout.strip()
+
+        commit = git("rev-parse", "HEAD")
+        return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except Exception:
+        return None

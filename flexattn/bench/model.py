@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 import flexattn
+from flexattn.bench.common import git_commit
 
 IMPLS = ("flexattn", "torch", "sdpa")
 MODES = ("eager", "compile", "reduce-overhead")
@@ -228,7 +229,8 @@ def environment(device) -> dict:
     import triton
 
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "triton": triton.__version__, "flexattn": flexattn.__version__}
+           "torch": torch.__version__, "triton": triton.__version__, "flexattn": flexattn.__version__,
+           "flexattn_commit": git_commit()}
     if device.type == "cuda":
         env["cuda"] = torch.version.cuda
         env["cudnn"] = torch.backends.cudnn.version()

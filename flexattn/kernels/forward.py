@@ -51,27 +51,45 @@ class ForwardKernel(KernelFamily):
         """``(out, lse or None, max_scores or None)``."""
         v = fp8_value_layout(q, v)
         tables = launch_tables(block_mask)
-        key = (
+        key = self._problem(q, k, v, block_mask, tables, scale, need_lse, need_max, options)
+
+        def make_plan() -> Plan:
+            return self._plan(q, k, v, block_mask, tables, scale, score_captured, mask_captured, need_lse, need_max,
+                              options)
+
+        def run(plan: Plan):
+            return self._launch(plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse, need_max)
+
+        return self._run(key, make_plan, lambda plan: _for_call(plan, q, k, v), run, options)
+
+    @staticmethod
+    def _problem(q, k, v, block_mask, tables, scale, need_lse, need_max, options) -> tuple:
+        return (
             q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
             block_mask.BLOCK_SIZE, tables.plan_key,  # content, never id(block_mask): see [Note] Cache keys
             need_lse, need_max, scale > 0, tuple(sorted(options.items())) if options else (),
             torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None,
         )
 
-        def make_plan() -> Plan:
-            return self._plan(q, k, v, block_mask, tables, scale, score_captured, mask_captured, need_lse, need_max,
-                              options)
+    def kept_plan(self, q, k, v, block_mask, scale: float, *, need_lse: bool, need_max: bool,
+                  options: dict) -> Optional[Plan]:
+        """The plan a call with these arguments launches now, once its problem's plan has settled (its
+        kernels compiled and checked, [Note] Tiles the compiler made costly), else None: for a caller
+        that launches it again with ``launch_plan`` (compile.py, [Note] Warm calls of the forward op).
+        Not for FP8 values, which a call may copy first (fp8_value_layout)."""
+        if v.dtype in FLOAT8_DTYPES:
+            return None
+        tables = launch_tables(block_mask)
+        plan = self._plans.get(self._problem(q, k, v, block_mask, tables, scale, need_lse, need_max, options))
+        return None if plan is None or plan.check_compiled else _for_call(plan, q, k, v)
 
-        def for_call(plan: Plan) -> Plan:
-            if plan.constexprs("forward")["USE_TMA"] and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
-                # Same shapes and strides as the plan's first call, but an unaligned view this time.
-                return plan.with_constexprs("forward", USE_TMA=False, HOST_DESCRIPTORS=False, WARP_SPECIALIZE=False)
-            return plan
-
-        def run(plan: Plan):
-            return self._launch(plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse, need_max)
-
-        return self._run(key, make_plan, for_call, run, options)
+    def launch_plan(self, plan: Plan, q, k, v, tables, scale: float, score_captured, mask_captured, *,
+                    need_lse: bool, need_max: bool):
+        """``(out, lse or None, max_scores or None)`` of ``plan`` (from kept_plan, for a call of the same
+        problem and alignment) on these tensors and launch tables."""
+        result, _ = self._launch(plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse, need_max)
+        self.last_plan = plan
+        return result
 
     def _launch(self, plan: Plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse, need_max):
         B, Hq, L, _ = q.shape
@@ -242,6 +260,14 @@ class ForwardKernel(KernelFamily):
         if not timings:
             return default
         return min(timings, key=lambda t: t[0])[1]
+
+
+def _for_call(plan: Plan, q, k, v) -> Plan:
+    """The plan this call runs: ``plan``, or, for an unaligned view of a problem whose plan reads
+    through tensor descriptors (same shapes and strides as its first call), the plan without them."""
+    if plan.constexprs("forward")["USE_TMA"] and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
+        return plan.with_constexprs("forward", USE_TMA=False, HOST_DESCRIPTORS=False, WARP_SPECIALIZE=False)
+    return plan
 
 
 def fp8_value_layout(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -228,8 +228,7 @@ class Sm90ForwardKernel(GluonFamily):
         (checked by the caller with ``unsupported_reason`` first, for everything else)."""
         global launches
         tables = launch_tables(block_mask)
-        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-               tables.plan_key, need_lse, scale > 0)
+        key = self._problem(q, k, v, tables, scale, need_lse)
 
         def launch(plan: Plan):
             return self._launch(plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse)
@@ -242,6 +241,26 @@ class Sm90ForwardKernel(GluonFamily):
         if not recording():
             launches += 1
             self.last_plan = plan
+        return result
+
+    @staticmethod
+    def _problem(q, k, v, tables, scale, need_lse) -> tuple:
+        return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+                tables.plan_key, need_lse, scale > 0)
+
+    def kept_plan(self, q, k, v, block_mask, scale: float, *, need_lse: bool) -> Optional[Plan]:
+        """The plan of this problem once its first launch compiled (None before): for a caller that
+        launches it again with ``launch_plan`` (compile.py, [Note] Warm calls of the forward op)."""
+        return self._plans.get(self._problem(q, k, v, launch_tables(block_mask), scale, need_lse))
+
+    def launch_plan(self, plan: Plan, q, k, v, tables, scale: float, score_captured, mask_captured, *,
+                    need_lse: bool):
+        """``(out, lse or None)`` of ``plan`` (from kept_plan, for a call of the same problem) on these
+        tensors and launch tables."""
+        global launches
+        result = self._launch(plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse)
+        launches += 1
+        self.last_plan = plan
         return result
 
     def _plan(self, q, k, v, tables, scale, need_lse) -> Plan:

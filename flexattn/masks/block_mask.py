@@ -58,7 +58,8 @@ from .layout import (
 )
 from .mods import MaskMod, check_mask_mod, mod_name, noop_mask
 
-__all__ = ["BlockMask", "DerivedKey", "TABLES_IN_RANGE", "EVERY_BLOCK_FULL", "as_block_mask", "torch_counterpart", "sliced_rows_mask_mod"]
+__all__ = ["BlockMask", "DerivedKey", "TABLES_IN_RANGE", "EVERY_BLOCK_FULL", "as_block_mask", "torch_counterpart", "sliced_rows_mask_mod",
+           "version_of"]
 
 
 class DerivedKey(NamedTuple):
@@ -216,8 +217,9 @@ class BlockMask:
             nb, idx, fnb, fidx, versions, block_size, seq_lengths, value = entry
             # Spelled out: this runs on every warm call.
             if (nb is self.kv_num_blocks and idx is self.kv_indices and fnb is self.full_kv_num_blocks
-                    and fidx is self.full_kv_indices and nb._version == versions[0] and idx._version == versions[1]
-                    and (fnb is None or (fnb._version == versions[2] and fidx._version == versions[3]))
+                    and fidx is self.full_kv_indices and version_of(nb) == versions[0]
+                    and version_of(idx) == versions[1]
+                    and (fnb is None or (version_of(fnb) == versions[2] and version_of(fidx) == versions[3]))
                     and block_size == self.BLOCK_SIZE and seq_lengths == self.seq_lengths):
                 return value
         return None
@@ -626,8 +628,19 @@ _TABLE_NAMES = (
 )
 
 
-def _versions(*tables: Optional[torch.Tensor]) -> tuple[int, ...]:
-    return tuple(-1 if t is None else t._version for t in tables)
+def version_of(t: torch.Tensor):
+    """``t``'s version counter, which every in-place change bumps, for stamping what was derived from
+    its contents. A tensor made under ``torch.inference_mode`` has none (reading it raises), and can be
+    changed in place there unseen: it gets a new object each time, equal to nothing, so what is
+    derived from it is derived again at every use (docs/limitations.md). Dynamo traces ``_version``
+    but not ``is_inference()``, and a traced mask is not an inference tensor's."""
+    if not torch.compiler.is_compiling() and t.is_inference():
+        return object()
+    return t._version
+
+
+def _versions(*tables: Optional[torch.Tensor]) -> tuple:
+    return tuple(-1 if t is None else version_of(t) for t in tables)
 
 
 # A pytree node like torch's BlockMask: the tables are the leaves, the rest is context. Unflatten
