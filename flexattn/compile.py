@@ -333,7 +333,7 @@ def _block_mask(query, key, tables, block_size, seq_lengths, group: int, stats: 
     if tables[0] is None:
         return dense_block_mask(L, S, query.device)
     tables = [None if t is None else t.contiguous() for t in tables]
-    mask = BlockMask.from_launch_tables(tuple(seq_lengths), *tables, BLOCK_SIZE=tuple(block_size))
+    mask = BlockMask.from_launch_tables(tuple(seq_lengths), *tables, BLOCK_SIZE=tuple(block_size), one_call=True)
     kept = None if stats is not None else _kept(mask) or _checked(mask)
     if stats is not None:
         preset_row_stats(mask, stats)

@@ -775,3 +775,28 @@ def test_masks_made_under_inference_mode_run_eagerly_and_compiled_and_follow_cha
         expected = flex_attention(q, k, v, block_mask=bm)
         assert rel_err(flex_attention(q, k, v, block_mask=bm, kernel_options=options), expected) < 1e-5
         assert rel_err(compiled(q, k, v, block_mask=bm, kernel_options=options), expected) < 1e-5
+
+
+def test_compiled_calls_on_inference_mode_masks_read_their_tables_once_per_shape(monkeypatch):
+    # The op's own mask lives for one call, so what it derives needs no version counter: tables made
+    # under inference_mode are checked (read back) for the first mask of their shape only, as other
+    # tables are, and later calls (a CUDA-graph capture among them) read nothing back.
+    if not flexattn.kernels.interpreter_enabled():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
+    import flexattn.compile as compiled_module
+    import flexattn.kernels.tables as tables_module
+
+    monkeypatch.setattr(compiled_module, "_SHAPES_CHECKED", {})
+    reads = []
+    real = tables_module._compute_launch_tables
+    monkeypatch.setattr(tables_module, "_compute_launch_tables", lambda mask: reads.append(1) or real(mask))
+    options = {"BACKEND": "TRITON"}
+    compiled = torch.compile(flex_attention, backend="aot_eager", fullgraph=True)
+    with torch.inference_mode():
+        q, k, v = qkv(L=256, S=256)
+        for _ in range(2):
+            bm = create_block_mask(causal, 1, 1, 256, 256, device="cpu", BLOCK_SIZE=64)
+            expected = flex_attention(q, k, v, block_mask=bm)  # the PyTorch backend
+            for _ in range(2):
+                assert rel_err(compiled(q, k, v, block_mask=bm, kernel_options=options), expected) < 1e-5
+    assert len(reads) == 1

@@ -215,11 +215,11 @@ class BlockMask:
         entry = None if cache is None else cache.get(key)
         if entry is not None:
             nb, idx, fnb, fidx, versions, block_size, seq_lengths, value = entry
-            # Spelled out: this runs on every warm call.
+            # Spelled out: this runs on every warm call. No versions: a mask for one call (from_launch_tables).
             if (nb is self.kv_num_blocks and idx is self.kv_indices and fnb is self.full_kv_num_blocks
-                    and fidx is self.full_kv_indices and version_of(nb) == versions[0]
-                    and version_of(idx) == versions[1]
-                    and (fnb is None or (version_of(fnb) == versions[2] and version_of(fidx) == versions[3]))
+                    and fidx is self.full_kv_indices
+                    and (versions is None or (version_of(nb) == versions[0] and version_of(idx) == versions[1]
+                         and (fnb is None or (version_of(fnb) == versions[2] and version_of(fidx) == versions[3]))))
                     and block_size == self.BLOCK_SIZE and seq_lengths == self.seq_lengths):
                 return value
         return None
@@ -234,7 +234,8 @@ class BlockMask:
         if cache is None:
             cache = self.__dict__["_derived"] = {}
         tables = (self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices)
-        cache[key] = (*tables, _versions(*tables), self.BLOCK_SIZE, self.seq_lengths, value)
+        versions = None if self.__dict__.get("_one_call") else _versions(*tables)
+        cache[key] = (*tables, versions, self.BLOCK_SIZE, self.seq_lengths, value)
 
     # ---------------------------------------------------------------------------- torch interop
 
@@ -365,13 +366,21 @@ class BlockMask:
         full_kv_num_blocks: Optional[torch.Tensor] = None,
         full_kv_indices: Optional[torch.Tensor] = None,
         BLOCK_SIZE: BlockSize = DEFAULT_BLOCK_SIZE,
+        *,
+        one_call: bool = False,
     ) -> "BlockMask":
         """A forward-only BlockMask on tables taken as they are: int32, ``[B, H, ROWS(, W)]``, contiguous,
         each row's used entries ascending and in range, as a BlockMask's own tables are. Nothing is
         checked, sorted or copied, and the mask is marked in range ([Note] Tables in range by
         construction), so no call reads the tables back to the host: for the tables of a mask that was
-        built and checked already, passed on where its content cannot be read (a compiled graph)."""
+        built and checked already, passed on where its content cannot be read (a compiled graph).
+
+        ``one_call``: the mask serves one call and is dropped after it, and nothing writes its tables
+        meanwhile, so what is derived from them holds for its whole life without version counters
+        (tables made under ``torch.inference_mode`` have none: ``version_of``)."""
         mask = cls.__new__(cls)
+        if one_call:
+            mask.__dict__["_one_call"] = True
         mask.seq_lengths = tuple(seq_lengths)
         mask.kv_num_blocks, mask.kv_indices = kv_num_blocks, kv_indices
         mask.full_kv_num_blocks, mask.full_kv_indices = full_kv_num_blocks, full_kv_indices
