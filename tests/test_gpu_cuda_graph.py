@@ -9,7 +9,7 @@ import pytest
 import torch
 from numerics import rel_err
 
-from flexattn import BlockMask, flex_attention
+from flexattn import BlockMask, create_block_mask, flex_attention
 from flexattn.reference import reference_attention
 
 pytestmark = pytest.mark.gpu
@@ -134,3 +134,24 @@ def test_a_training_step_without_a_block_mask_replays_from_a_cuda_graph():
                 assert rel_err(got, want) < 1e-2, f"trial {trial}: dq differs from an eager step"
             else:
                 assert torch.equal(got, want), f"trial {trial}: {name} differs from an eager step"
+
+
+def test_a_mask_that_needs_its_check_inside_a_capture_gets_a_clear_error():
+    # A mask never used before (or one made under inference_mode, checked at every eager call) must
+    # be read back once, which a capture forbids: flexattn's error says what to do, not CUDA's.
+    from flexattn.errors import InvalidInputError
+
+    q = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 256, 256, device="cuda")
+        flex_attention(q, q, q, block_mask=mask)  # kernels compiled outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(Exception) as raised:  # ours, or one of ending the capture that carries ours
+            with torch.cuda.graph(graph):
+                flex_attention(q, q, q, block_mask=mask)
+    chain, error = [], raised.value
+    while error is not None:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    assert any(isinstance(e, InvalidInputError) and "inference_mode" in str(e) for e in chain), chain
+    torch.cuda.synchronize()

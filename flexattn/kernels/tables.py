@@ -65,6 +65,14 @@ def _table_checks(num: torch.Tensor, idx: torch.Tensor, cols: int) -> list[torch
 def _compute_launch_tables(block_mask: BlockMask) -> LaunchTables:
     """One host sync per mask: row statistics and the checks the kernel relies on."""
     nb, idx = block_mask.kv_num_blocks, block_mask.kv_indices
+    if nb.is_cuda and torch.cuda.is_current_stream_capturing():
+        # CUDA's own error here ("operation not permitted when stream is capturing") says nothing of why.
+        raise InvalidInputError(
+            "block_mask: its tables must be read back to the host once to be checked, which a CUDA-graph "
+            "capture cannot do. Call flex_attention with this mask once before capturing (the check is kept "
+            "while the tables are unchanged); tables made under torch.inference_mode are checked at every "
+            "eager call (they carry no version counter): build the mask under torch.no_grad() instead"
+        )
     fnb, fidx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
     has_full = fnb is not None
     q_block, kv_block = block_mask.BLOCK_SIZE
