@@ -376,10 +376,18 @@ class _Kept:
     __slots__ = ("tables", "stamp", "stats", "backward")
 
     def __init__(self, mask: BlockMask, stats: Optional[RowStats]):
-        others = (mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices)
-        self.tables = tuple(None if t is None else weakref.ref(t) for t in others)
+        self.tables = _weak_refs((mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices))
         self.stamp = _stamp(mask)
         self.stats, self.backward = stats, None
+
+
+def _weak_refs(tables) -> tuple:
+    return tuple(None if t is None else weakref.ref(t) for t in tables)
+
+
+def _same_objects(refs: tuple, tables) -> bool:
+    """Each table is the very object its weak reference was taken of (an id() that came back is not)."""
+    return all((ref is None) == (t is None) and (ref is None or ref() is t) for ref, t in zip(refs, tables))
 
 
 def _stamp(mask: BlockMask) -> tuple:
@@ -391,8 +399,7 @@ def _kept(mask: BlockMask) -> Optional[_Kept]:
     """What was kept for these very tables, while its stamp holds."""
     kept = _KEPT.get(mask.kv_num_blocks)
     others = (mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices)
-    if kept is not None and kept.stamp == _stamp(mask) and all(
-            (ref is None) == (t is None) and (ref is None or ref() is t) for ref, t in zip(kept.tables, others)):
+    if kept is not None and kept.stamp == _stamp(mask) and _same_objects(kept.tables, others):
         return kept
     return None
 
@@ -540,7 +547,7 @@ class _WarmForward(NamedTuple):
     relaunch: Callable
 
     def holds(self, tables) -> bool:
-        return all((ref is None) == (t is None) and (ref is None or ref() is t) for ref, t in zip(self.tables, tables))
+        return _same_objects(self.tables, tables)
 
     def run(self, query, key, value, tables, score_captured, mask_captured):
         nb, idx, fnb, fidx = tables
@@ -576,8 +583,7 @@ def _remember_warm(problem: tuple, call: Call, query, key, value, tables, need_m
         return  # the launch read copies (tables made contiguous or reordered): not these tables
     if len(_WARM) >= _WARM_KEPT:
         _WARM.clear()
-    refs = tuple(None if t is None else weakref.ref(t) for t in tables)
-    _WARM[problem] = _WarmForward(refs, launched.stats, launched.has_full, launched.plan_key, call.score, call.mask,
+    _WARM[problem] = _WarmForward(_weak_refs(tables), launched.stats, launched.has_full, launched.plan_key, call.score, call.mask,
                                   relaunch)
 
 
