@@ -319,7 +319,7 @@ def _as_kernel():
 def _all_captured(traced: Optional[TracedMod], given: list, device: torch.device) -> list:
     """The traced mod's captured inputs in graph order: the user's tensors given to the op, and the
     constants the mod builds itself (kept on the TracedMod, on ``device``)."""
-    if traced is None:
+    if traced is None or not traced.captured:
         return []
     fixed = traced.fixed_values_on(device) if device.type != "cpu" else [c.fixed_value for c in traced.captured]
     given = iter(given)

@@ -33,6 +33,7 @@ from .kernels import (
     sm90_backward_kernel, sm90_forward_kernel, unsupported_reason,
 )
 from .kernels.launch import FLOAT8_DTYPES
+from .kernels.tables import launch_tables
 from .masks import BlockMask
 from .options import deterministic, resolve_backend_name
 from .trace import TracedMod
@@ -225,30 +226,17 @@ def forward_relaunch(call: Call, q, k, v, need_max: bool):
     plan still settling, the debug report on."""
     if _DEBUG or call.backend != "TRITON" or not q.dtype == k.dtype == v.dtype or q.dtype in FLOAT8_DTYPES:
         return None
-    scale = call.scale
+    tables = launch_tables(call.block_mask)
     if q.is_cuda and call.options.get("BACKEND") != "TRITON":
         gluon, reason = sm90_forward_choice(call, q, k, v, need_max)
         if gluon is not None and reason is None:
-            plan = gluon.kept_plan(q, k, v, call.block_mask, scale, need_lse=True)
-            if plan is None:
-                return None
-
-            def relaunch_gluon(q, k, v, tables, score_captured, mask_captured):
-                out, lse = gluon.launch_plan(plan, q, k, v, tables, scale, score_captured, mask_captured,
-                                             need_lse=True)
-                return out, lse, None
-
-            return relaunch_gluon
+            plan = gluon.kept_plan(q, k, v, call.block_mask, call.scale, need_lse=True)
+            return None if plan is None else gluon.warm_launch(plan, q, k, v, tables, call.scale, need_lse=True)
     kernel = forward_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
-    plan = kernel.kept_plan(q, k, v, call.block_mask, scale, need_lse=True, need_max=need_max, options=call.options)
-    if plan is None:
-        return None
-
-    def relaunch(q, k, v, tables, score_captured, mask_captured):
-        return kernel.launch_plan(plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse=True,
-                                  need_max=need_max)
-
-    return relaunch
+    plan = kernel.kept_plan(q, k, v, call.block_mask, call.scale, need_lse=True, need_max=need_max,
+                            options=call.options)
+    return None if plan is None else kernel.warm_launch(plan, q, k, v, tables, call.scale, need_lse=True,
+                                                        need_max=need_max)
 
 
 def _check_e4m3_device(q) -> None:

@@ -733,6 +733,31 @@ def test_warm_calls_launch_the_kept_plan_and_follow_what_changed(monkeypatch):
     assert len(decided) == 5
 
 
+def test_a_warm_entry_keeps_no_tensor_of_the_call_that_made_it(monkeypatch):
+    # The warm launch works out strides, lengths and descriptors from the first call of a problem
+    # and keeps them; it must not keep that call's tensors (activations held alive; inside a
+    # CUDA-graph capture, memory of the graph's pool that the graph does not know of).
+    if not flexattn.kernels.interpreter_enabled():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
+    import gc
+    import weakref
+
+    import flexattn.compile as compiled_module
+
+    monkeypatch.setattr(compiled_module, "_WARM", {})
+    compiled, _ = counted(lambda q, k, v, bm: flex_attention(q, k, v, block_mask=bm,
+                                                             kernel_options={"BACKEND": "TRITON"}))
+    bm = create_block_mask(causal, 1, 1, 128, 128, device="cpu", BLOCK_SIZE=64)
+    q, k, v = qkv(L=128, S=128)
+    out = compiled(q, k, v, bm)
+    assert len(compiled_module._WARM) == 1
+    assert torch.equal(compiled(q, k, v, bm), out)  # a warm call
+    refs = [weakref.ref(t) for t in (q, k, v, out)]
+    del q, k, v, out
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * 4
+
+
 def test_a_warm_call_never_takes_the_plan_of_a_freed_table_whose_id_came_back():
     # Tables are matched by identity through weak references, not by id(): a table freed and a new
     # one made at the same address and id() is another table.

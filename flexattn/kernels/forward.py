@@ -24,14 +24,14 @@ from .configs import (
 )
 from .family import KernelFamily, Plan, Step, TileRoles, cached_kernel, with_tiles
 from .launch import (
-    FLOAT8_DTYPES, empty_attention_output, empty_output, finished_output, interpreter_enabled, kv_strides, launch,
-    mod_launch_args,
+    FLOAT8_DTYPES, RepeatedLaunch, descriptor_over, descriptor_template, empty_attention_output, empty_output,
+    empty_strided_output, finished_output, interpreter_enabled, kv_strides, launch, mod_launch_args,
 )
 from .launch_order import rows_alike, tail_pairs
 from .tables import launch_tables
 from .tma import host_descriptors, host_descriptors_ok, install_tma_allocator, tma_layout_ok
 
-__all__ = ["ForwardKernel", "forward_kernel"]
+__all__ = ["ForwardKernel", "WarmForwardLaunch", "forward_kernel"]
 
 
 class ForwardKernel(KernelFamily):
@@ -75,7 +75,7 @@ class ForwardKernel(KernelFamily):
                   options: dict) -> Optional[Plan]:
         """The plan a call with these arguments launches now, once its problem's plan has settled (its
         kernels compiled and checked, [Note] Tiles the compiler made costly), else None: for a caller
-        that launches it again with ``launch_plan`` (compile.py, [Note] Warm calls of the forward op).
+        that launches it again through ``warm_launch`` (compile.py, [Note] Warm calls of the forward op).
         Not for FP8 values, which a call may copy first (fp8_value_layout)."""
         if v.dtype in FLOAT8_DTYPES:
             return None
@@ -83,13 +83,12 @@ class ForwardKernel(KernelFamily):
         plan = self._plans.get(self._problem(q, k, v, block_mask, tables, scale, need_lse, need_max, options))
         return None if plan is None or plan.check_compiled else _for_call(plan, q, k, v)
 
-    def launch_plan(self, plan: Plan, q, k, v, tables, scale: float, score_captured, mask_captured, *,
-                    need_lse: bool, need_max: bool):
-        """``(out, lse or None, max_scores or None)`` of ``plan`` (from kept_plan, for a call of the same
-        problem and alignment) on these tensors and launch tables."""
-        result, _ = self._launch(plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse, need_max)
-        self.last_plan = plan
-        return result
+    def warm_launch(self, plan: Plan, q, k, v, tables, scale: float, *, need_lse: bool,
+                    need_max: bool) -> "WarmForwardLaunch":
+        """``plan`` (from kept_plan) for the later calls of this call's problem: same shapes, strides,
+        dtypes, 16-byte alignment and table statistics, which the caller keys (compile.py, [Note] Warm
+        calls of the forward op). Call it as ``(q, k, v, tables, score_captured, mask_captured)``."""
+        return WarmForwardLaunch(self, plan, q, k, v, tables, scale, need_lse, need_max)
 
     def _launch(self, plan: Plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse, need_max):
         B, Hq, L, _ = q.shape
@@ -100,21 +99,11 @@ class ForwardKernel(KernelFamily):
         out = empty_attention_output(q, v.shape[3])
         lse = empty_output((B, Hq, L), torch.float32, q.device) if need_lse else out
         mx = empty_output((B, Hq, L), torch.float32, q.device) if need_max else out
-        k_strides, v_strides = kv_strides(k, v, B)
         q_arg, k_arg, v_arg, out_arg = q, k, v, out
         if constexprs["HOST_DESCRIPTORS"]:
             q_arg, k_arg, v_arg, out_arg = host_descriptors(q, k, v, out, constexprs)
-        nb, idx, fnb, fidx = tables.kv_num_blocks, tables.kv_indices, tables.full_kv_num_blocks, tables.full_kv_indices
-        alike = rows_alike(tables, k.shape[2], constexprs["SPARSE_KV_BLOCK_SIZE"])
-        args = FORWARD.pack(
-            Q=q_arg, K=k_arg, V=v_arg, OUT=out_arg, LSE=lse, MAX_SCORES=mx,
-            KV_NUM_BLKS=nb, KV_IDX=idx, FULL_KV_NUM_BLKS=fnb, FULL_KV_IDX=fidx,
-            stride_q=q.stride(), stride_k=k_strides, stride_v=v_strides, stride_o=out.stride(),
-            SPARSE_ROWS=nb.shape[2], IDX_COLS=idx.shape[3], FULL_IDX_COLS=fidx.shape[3],
-            Q_LEN=L, KV_LEN=k.shape[2], SM_SCALE=scale, TAIL_PAIRS=tail_pairs(step.grid, q.device, alike),
-            mods=mod_launch_args(score_captured if self.has_score_mod else (),
-                                 mask_captured if self.has_mask_mod else ()),
-        )
+        args = _pack(self, (q_arg, k_arg, v_arg, out_arg), lse, mx, tables, score_captured, mask_captured,
+                     _problem_args(step, q, k, v, out.stride(), tables, scale))
         kernel = launch(plan.compiled.kernel(FORWARD), step.grid, args, constexprs)
         return (finished_output(out, q), (lse if need_lse else None), (mx if need_max else None)), {"forward": kernel}
 
@@ -260,6 +249,77 @@ class ForwardKernel(KernelFamily):
         if not timings:
             return default
         return min(timings, key=lambda t: t[0])[1]
+
+
+class WarmForwardLaunch:
+    """ForwardKernel._launch of one problem's plan, for its later calls ([Note] Ready launches in
+    kernels/launch.py): the output's strides, the launch's ints, the launch order and the
+    descriptors' shapes are worked out once from the first call; each call allocates, fills in its
+    tensors and launches. ``(out, lse or None, max_scores or None)``."""
+
+    def __init__(self, family: ForwardKernel, plan: Plan, q, k, v, tables, scale: float, need_lse: bool,
+                 need_max: bool):
+        B, Hq, L, _ = q.shape
+        step = plan.steps["forward"]
+        constexprs = step.constexprs
+        self.family, self.plan, self.constexprs = family, plan, constexprs
+        self.launch = RepeatedLaunch(plan.compiled.kernel(FORWARD), step.grid, constexprs)
+        self.need_lse, self.need_max = need_lse, need_max
+        sample = empty_attention_output(q, v.shape[3])  # the output's layout, and the descriptors' template
+        self.out_shape, self.out_strides, self.stats_shape = tuple(sample.shape), sample.stride(), (B, Hq, L)
+        self.fixed = _problem_args(step, q, k, v, sample.stride(), tables, scale)
+        # Descriptors without the tensors: nothing of this call's is kept.
+        self.templates = [descriptor_template(d) for d in host_descriptors(q, k, v, sample, constexprs)] \
+            if constexprs["HOST_DESCRIPTORS"] else None
+
+    def __call__(self, q, k, v, tables, score_captured, mask_captured):
+        device = q.device
+        out = empty_strided_output(self.out_shape, self.out_strides, q.dtype, device)
+        lse = empty_output(self.stats_shape, torch.float32, device) if self.need_lse else out
+        mx = empty_output(self.stats_shape, torch.float32, device) if self.need_max else out
+        q_arg, k_arg, v_arg, out_arg = q, k, v, out
+        templates = self.templates
+        if templates is not None:
+            if None in templates:
+                q_arg, k_arg, v_arg, out_arg = host_descriptors(q, k, v, out, self.constexprs)
+            else:
+                q_arg, k_arg, v_arg, out_arg = (descriptor_over(d, t) for d, t in zip(templates, (q, k, v, out)))
+        if self.constexprs["USE_TMA"]:
+            install_tma_allocator()  # per call: plans are shared by threads, allocators are not
+        family = self.family
+        args = _pack(family, (q_arg, k_arg, v_arg, out_arg), lse, mx, tables, score_captured, mask_captured,
+                     self.fixed)
+        self.launch(args, fresh_aligned=not (out.data_ptr() | lse.data_ptr() | mx.data_ptr()) & 15)
+        family.last_plan = self.plan
+        return out, (lse if self.need_lse else None), (mx if self.need_max else None)
+
+
+def _problem_args(step: Step, q, k, v, out_strides: tuple, tables, scale: float) -> dict:
+    """The forward's ints and floats: the same for every call of one problem (shapes, strides,
+    table statistics), so a warm launch works them out once."""
+    B, _, L, _ = q.shape
+    k_strides, v_strides = kv_strides(k, v, B)
+    return dict(
+        stride_q=q.stride(), stride_k=k_strides, stride_v=v_strides, stride_o=out_strides,
+        SPARSE_ROWS=tables.kv_num_blocks.shape[2], IDX_COLS=tables.kv_indices.shape[3],
+        FULL_IDX_COLS=tables.full_kv_indices.shape[3], Q_LEN=L, KV_LEN=k.shape[2], SM_SCALE=scale,
+        TAIL_PAIRS=tail_pairs(step.grid, q.device,
+                              rows_alike(tables, k.shape[2], step.constexprs["SPARSE_KV_BLOCK_SIZE"])),
+    )
+
+
+def _pack(family: ForwardKernel, qkvo: tuple, lse, mx, tables, score_captured, mask_captured, fixed: dict) -> tuple:
+    """The forward's arguments: Q, K, V and the output (tensors or descriptors), the row statistics'
+    buffers, the tables, the mods' tensors, and ``fixed`` (_problem_args)."""
+    q_arg, k_arg, v_arg, out_arg = qkvo
+    return FORWARD.pack(
+        Q=q_arg, K=k_arg, V=v_arg, OUT=out_arg, LSE=lse, MAX_SCORES=mx,
+        KV_NUM_BLKS=tables.kv_num_blocks, KV_IDX=tables.kv_indices, FULL_KV_NUM_BLKS=tables.full_kv_num_blocks,
+        FULL_KV_IDX=tables.full_kv_indices,
+        mods=mod_launch_args(score_captured if family.has_score_mod else (),
+                             mask_captured if family.has_mask_mod else ()),
+        **fixed,
+    )
 
 
 def _for_call(plan: Plan, q, k, v) -> Plan:

@@ -23,13 +23,16 @@ from ..lowering import index_bounds, lowering_variants
 from ..trace import TracedMod
 from .ahead import recording
 from .family import KernelFamily, Plan, Step, cached_kernel
-from .launch import empty_attention_output, empty_output, interpreter_enabled, kv_strides, launch, mod_launch_args
+from .launch import (
+    RepeatedLaunch, descriptor_over, descriptor_template, empty_attention_output, empty_output,
+    empty_strided_output, interpreter_enabled, kv_strides, launch, mod_launch_args,
+)
 from .launch_order import rows_alike, tail_pairs
 from .tables import launch_tables
 
-__all__ = ["Sm90ForwardKernel", "GluonFamily", "Sm90Unavailable", "sm90_forward_kernel", "problem_reason",
-           "descriptor_ready", "device_reason", "shape_reason", "auto_reason", "GLUON_TRITON_VERSIONS", "GLUON_COMPILES_ON",
-           "launches"]
+__all__ = ["Sm90ForwardKernel", "WarmSm90Launch", "GluonFamily", "Sm90Unavailable", "sm90_forward_kernel",
+           "problem_reason", "descriptor_ready", "device_reason", "shape_reason", "auto_reason",
+           "GLUON_TRITON_VERSIONS", "GLUON_COMPILES_ON", "launches"]
 
 # The Triton releases whose Gluon API (warp_specialize's signature, the Hopper copy and mbarrier
 # ops, calls from @gluon.jit into @triton.jit hooks) this kernel was compiled and checked on.
@@ -250,18 +253,14 @@ class Sm90ForwardKernel(GluonFamily):
 
     def kept_plan(self, q, k, v, block_mask, scale: float, *, need_lse: bool) -> Optional[Plan]:
         """The plan of this problem once its first launch compiled (None before): for a caller that
-        launches it again with ``launch_plan`` (compile.py, [Note] Warm calls of the forward op)."""
+        launches it again through ``warm_launch`` (compile.py, [Note] Warm calls of the forward op)."""
         return self._plans.get(self._problem(q, k, v, launch_tables(block_mask), scale, need_lse))
 
-    def launch_plan(self, plan: Plan, q, k, v, tables, scale: float, score_captured, mask_captured, *,
-                    need_lse: bool):
-        """``(out, lse or None)`` of ``plan`` (from kept_plan, for a call of the same problem) on these
-        tensors and launch tables."""
-        global launches
-        result = self._launch(plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse)
-        launches += 1
-        self.last_plan = plan
-        return result
+    def warm_launch(self, plan: Plan, q, k, v, tables, scale: float, *, need_lse: bool) -> "WarmSm90Launch":
+        """``plan`` (from kept_plan) for the later calls of this call's problem, which the caller keys
+        (compile.py, [Note] Warm calls of the forward op). Call it as ``(q, k, v, tables,
+        score_captured, mask_captured)``."""
+        return WarmSm90Launch(self, plan, q, k, v, tables, scale, need_lse)
 
     def _plan(self, q, k, v, tables, scale, need_lse) -> Plan:
         B, Hq, L, E = q.shape
@@ -289,30 +288,89 @@ class Sm90ForwardKernel(GluonFamily):
         step = plan.steps["forward"]
         out = empty_attention_output(q, E)
         lse = empty_output((B, Hq, L), torch.float32, q.device) if need_lse else out
-        k_strides, v_strides = kv_strides(k, v, B)
-        half, tile = shared_layout(64, E, q.dtype), shared_layout(BLOCK, E, q.dtype)
-        views = []
-        descriptors = []
-        for t, strides, rows, layout in ((q, q.stride(), 64, half), (k, k_strides, BLOCK, tile),
-                                         (v, v_strides, BLOCK, tile), (out, out.stride(), 64, half)):
-            view = tensor_view(t, strides)
-            views.append(view)
-            descriptors.append(TensorDescriptor(t, list(view.shape), [view.row_stride, 1], [rows, E], layout))
-        qv, kv, vv, ov = views
-        args = SM90_FORWARD.pack(
-            Q=descriptors[0], K=descriptors[1], V=descriptors[2], OUT=descriptors[3], LSE=lse,
-            KV_NUM_BLKS=tables.kv_num_blocks, KV_IDX=tables.kv_indices,
-            FULL_KV_NUM_BLKS=tables.full_kv_num_blocks, FULL_KV_IDX=tables.full_kv_indices,
-            row_qz=qv.row_z, row_qh=qv.row_h, col_qh=qv.col_h, row_kz=kv.row_z, row_kh=kv.row_h, col_kh=kv.col_h,
-            row_vz=vv.row_z, row_vh=vv.row_h, col_vh=vv.col_h, row_oz=ov.row_z, row_oh=ov.row_h, col_oh=ov.col_h,
-            SPARSE_ROWS=tables.kv_num_blocks.shape[2], IDX_COLS=tables.kv_indices.shape[3],
-            FULL_IDX_COLS=tables.full_kv_indices.shape[3], Q_LEN=L, SM_SCALE=scale,
-            TAIL_PAIRS=tail_pairs(step.grid, q.device, rows_alike(tables, k.shape[2], BLOCK)),
-            mods=mod_launch_args(score_captured if self.has_score_mod else (),
-                                 mask_captured if self.has_mask_mod else ()),
-        )
+        recipes, fixed = _problem_args(step, q, k, v, out, tables, scale)
+        descriptors = [TensorDescriptor(t, *recipe) for t, recipe in zip((q, k, v, out), recipes)]
+        args = _pack(self, descriptors, lse, tables, score_captured, mask_captured, fixed)
         launch(plan.compiled.kernel(SM90_FORWARD), step.grid, args, step.constexprs)
         return out, (lse if need_lse else None)
+
+
+class WarmSm90Launch:
+    """Sm90ForwardKernel._launch of one problem's plan, for its later calls ([Note] Ready launches in
+    kernels/launch.py): the output's strides, the 2-D views, the launch's ints and the launch order
+    are worked out once from the first call; each call allocates, fills in its tensors and
+    launches. ``(out, lse or None, None)``: the Gluon forward keeps no row maxima."""
+
+    def __init__(self, family: Sm90ForwardKernel, plan: Plan, q, k, v, tables, scale: float, need_lse: bool):
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        B, Hq, L, E = q.shape
+        step = plan.steps["forward"]
+        self.family, self.plan = family, plan
+        self.launch = RepeatedLaunch(plan.compiled.kernel(SM90_FORWARD), step.grid, step.constexprs)
+        self.need_lse = need_lse
+        sample = empty_attention_output(q, E)  # the output's layout, and its descriptor's shape
+        self.out_shape, self.out_strides, self.stats_shape = tuple(sample.shape), sample.stride(), (B, Hq, L)
+        self.recipes, self.fixed = _problem_args(step, q, k, v, sample, tables, scale)
+        # Descriptors without the tensors: nothing of this call's is kept.
+        self.templates = [descriptor_template(TensorDescriptor(t, *recipe))
+                          for t, recipe in zip((q, k, v, sample), self.recipes)]
+
+    def __call__(self, q, k, v, tables, score_captured, mask_captured):
+        global launches
+        device = q.device
+        out = empty_strided_output(self.out_shape, self.out_strides, q.dtype, device)
+        lse = empty_output(self.stats_shape, torch.float32, device) if self.need_lse else out
+        family = self.family
+        if None in self.templates:
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+            d_q, d_k, d_v, d_out = (TensorDescriptor(t, *recipe) for t, recipe in zip((q, k, v, out), self.recipes))
+        else:
+            d_q, d_k, d_v, d_out = (descriptor_over(d, t) for d, t in zip(self.templates, (q, k, v, out)))
+        args = _pack(family, (d_q, d_k, d_v, d_out), lse, tables, score_captured, mask_captured, self.fixed)
+        self.launch(args, fresh_aligned=not (out.data_ptr() | lse.data_ptr()) & 15)
+        launches += 1
+        family.last_plan = self.plan
+        return out, (lse if self.need_lse else None), None
+
+
+def _problem_args(step: Step, q, k, v, out, tables, scale: float) -> tuple[list, dict]:
+    """``(recipes, fixed)``: the arguments of Q's, K's, V's and the output's descriptors after their
+    tensor (2-D shape, strides, block, layout), and the launch's ints and floats. The same for every
+    call of one problem, so a warm launch works them out once."""
+    B, Hq, L, E = q.shape
+    k_strides, v_strides = kv_strides(k, v, B)
+    half, tile = shared_layout(64, E, q.dtype), shared_layout(BLOCK, E, q.dtype)
+    views, recipes = [], []
+    for t, strides, rows, layout in ((q, q.stride(), 64, half), (k, k_strides, BLOCK, tile),
+                                     (v, v_strides, BLOCK, tile), (out, out.stride(), 64, half)):
+        view = tensor_view(t, strides)
+        views.append(view)
+        recipes.append((list(view.shape), [view.row_stride, 1], [rows, E], layout))
+    qv, kv, vv, ov = views
+    fixed = dict(
+        row_qz=qv.row_z, row_qh=qv.row_h, col_qh=qv.col_h, row_kz=kv.row_z, row_kh=kv.row_h, col_kh=kv.col_h,
+        row_vz=vv.row_z, row_vh=vv.row_h, col_vh=vv.col_h, row_oz=ov.row_z, row_oh=ov.row_h, col_oh=ov.col_h,
+        SPARSE_ROWS=tables.kv_num_blocks.shape[2], IDX_COLS=tables.kv_indices.shape[3],
+        FULL_IDX_COLS=tables.full_kv_indices.shape[3], Q_LEN=L, SM_SCALE=scale,
+        TAIL_PAIRS=tail_pairs(step.grid, q.device, rows_alike(tables, k.shape[2], BLOCK)),
+    )
+    return recipes, fixed
+
+
+def _pack(family: Sm90ForwardKernel, descriptors, lse, tables, score_captured, mask_captured, fixed: dict) -> tuple:
+    """The Gluon forward's arguments: the four descriptors, the LSE buffer, the tables, the mods'
+    tensors, and ``fixed`` (_problem_args)."""
+    d_q, d_k, d_v, d_out = descriptors
+    return SM90_FORWARD.pack(
+        Q=d_q, K=d_k, V=d_v, OUT=d_out, LSE=lse,
+        KV_NUM_BLKS=tables.kv_num_blocks, KV_IDX=tables.kv_indices, FULL_KV_NUM_BLKS=tables.full_kv_num_blocks,
+        FULL_KV_IDX=tables.full_kv_indices,
+        mods=mod_launch_args(score_captured if family.has_score_mod else (),
+                             mask_captured if family.has_mask_mod else ()),
+        **fixed,
+    )
 
 
 @functools.lru_cache(maxsize=None)
