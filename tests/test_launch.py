@@ -103,3 +103,35 @@ def test_a_profiler_hook_sends_launches_through_triton():
         assert not _idle(hook)  # a set hook gets Triton's own launch, with its metadata
     finally:
         hook.remove(probe)
+
+
+@pytest.mark.parametrize("kind", ["host", "gluon"])
+def test_a_descriptor_copied_from_its_template_is_the_one_the_constructor_makes(kind):
+    # [Note] Ready launches: warm calls copy their descriptors from a template instead of building
+    # them. The copy must be what the constructor makes over the new tensor, field by field, so
+    # nothing of the first tensor (its address above all) survives in it; and the template keeps no
+    # tensor.
+    from flexattn.kernels.launch import descriptor_over, descriptor_template
+
+    first, second = (torch.empty(4096, 64, dtype=torch.bfloat16) for _ in range(2))
+    if kind == "host":
+        pytest.importorskip("triton.tools.tensor_descriptor")
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        def make(base):
+            return TensorDescriptor(base, [4096, 64], [64, 1], [128, 64])
+    else:
+        gluon = pytest.importorskip("triton.experimental.gluon.language")
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        layout = gluon.NVMMASharedLayout.get_default_for([128, 64], gluon.bfloat16)
+
+        def make(base):
+            return TensorDescriptor(base, [4096, 64], [64, 1], [128, 64], layout)
+
+    template = descriptor_template(make(first))
+    assert template is not None and template.base is None
+    copied, made = descriptor_over(template, second), make(second)
+    assert type(copied) is type(made) and copied.base is second
+    assert copied.__dict__.keys() == made.__dict__.keys()
+    assert all(copied.__dict__[name] == made.__dict__[name] for name in made.__dict__ if name != "base")
