@@ -356,7 +356,11 @@ def flex_attention(
 
 def _registered_call(score_mod, mask_mod, kernel_options, device) -> tuple:
     """Run by Dynamo as plain Python on the real callables, once per compile of the call; its result
-    (the registry key and which probed tensors go to the op) is a constant of the graph."""
+    (the registry key and which probed tensors go to the op) is a constant of the graph.
+    ``kernel_options``: the options' items (a tuple, see _compiled_call), or what the caller passed
+    when it is not a dict (validation names it)."""
+    if isinstance(kernel_options, tuple):
+        kernel_options = dict(kernel_options)
     return register_call(score_mod, mask_mod, _validate_options(kernel_options), device)
 
 
@@ -382,6 +386,11 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, return_lse, 
         block_size = [block_mask.BLOCK_SIZE[0], block_mask.BLOCK_SIZE[1]]
     if mask_mod is sliced_rows_mask_mod:
         mask_mod(None, None, None, None)  # raises its explanation: rows were selected without an offset
+    # The options' items are taken here, where Dynamo traces, so the graph is guarded on every key and
+    # value: a dict handed whole to the constant function was guarded only on the values it was
+    # seen to read, and a call with one more option (or options after none) reused the graph.
+    if isinstance(kernel_options, dict):
+        kernel_options = tuple(kernel_options.items())
     call_key, score_reads, mask_reads = _registered_call(described(score_mod), described(mask_mod), kernel_options,
                                                          query.device)
     score_captured = read_by(score_mod, "score_mod", score_reads, query.device)

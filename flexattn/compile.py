@@ -57,7 +57,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .dispatch import (
-    Call, choose_decode, compile_ahead, forward_relaunch, pick_backend, prepare_backward, run_backward, run_forward,
+    Call, backward_relaunch, choose_decode, compile_ahead, forward_relaunch, pick_backend, prepare_backward,
+    run_backward, run_forward,
 )
 from .errors import InvalidInputError
 from .graphs import may_keep_allocations
@@ -373,7 +374,7 @@ _SHAPES_KEPT = 1024  # lengths that keep changing (a decoding loop) must not pil
 
 
 class _Kept:
-    __slots__ = ("tables", "stamp", "stats", "backward")
+    __slots__ = ("tables", "stamp", "stats", "backward", "__weakref__")  # warm backward entries refer to it weakly
 
     def __init__(self, mask: BlockMask, stats: Optional[RowStats]):
         self.tables = _weak_refs((mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices))
@@ -550,9 +551,7 @@ class _WarmForward(NamedTuple):
         return _same_objects(self.tables, tables)
 
     def run(self, query, key, value, tables, score_captured, mask_captured):
-        nb, idx, fnb, fidx = tables
-        launch = LaunchTables(nb, idx, fnb if self.has_full else nb, fidx if self.has_full else idx, self.has_full,
-                              self.stats, self.plan_key)
+        launch = _launch_tables_of(tables, self.has_full, self.stats, self.plan_key)
         device = query.device
         return self.relaunch(query, key, value, launch, _all_captured(self.score, list(score_captured), device),
                              _all_captured(self.mask, list(mask_captured), device))
@@ -561,10 +560,19 @@ class _WarmForward(NamedTuple):
 def _warm_problem(query, key, value, tables, score_captured, mask_captured, call_key, block_size, seq_lengths,
                   scale, needs_grad, need_max) -> Optional[tuple]:
     """The key of [Note] Warm calls of the forward op; None for tables without a version counter."""
-    parts = [call_key, tuple(block_size), tuple(seq_lengths), scale, needs_grad, need_max, interpreter_enabled(),
-             torch.get_float32_matmul_precision()]
-    for t in (query, key, value, *score_captured, *mask_captured):
-        parts.append((t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() & 15))
+    return _warm_key([call_key, tuple(block_size), tuple(seq_lengths), scale, needs_grad, need_max],
+                     (query, key, value, *score_captured, *mask_captured), tables)
+
+
+def _warm_key(parts: list, tensors: tuple, tables: tuple, grad_flags: bool = True) -> Optional[tuple]:
+    """``parts`` with the process state the choices read, the facts of each tensor (None allowed;
+    ``grad_flags``: requires_grad among them, which the forward's choices read and the backward's
+    do not) and the tables' identities: a key of [Note] Warm calls of the forward op and of the
+    backward's."""
+    parts += [interpreter_enabled(), torch.get_float32_matmul_precision(), torch.are_deterministic_algorithms_enabled()]
+    for t in tensors:
+        parts.append(None if t is None else (t.shape, t.stride(), t.dtype, t.device, grad_flags and t.requires_grad,
+                                             t.data_ptr() & 15))
     for t in tables:
         if t is not None and t.is_inference():
             return None  # no version counter to follow (masks/block_mask.py version_of)
@@ -572,15 +580,26 @@ def _warm_problem(query, key, value, tables, score_captured, mask_captured, call
     return tuple(parts)
 
 
+def _launched_these(launched: LaunchTables, tables) -> bool:
+    """The launch read the op's own tables, not copies (tables made contiguous or reordered)."""
+    nb, idx, fnb, fidx = tables
+    return (launched.kv_num_blocks is nb and launched.kv_indices is idx and launched.has_full == (fnb is not None)
+            and (fnb is None or (launched.full_kv_num_blocks is fnb and launched.full_kv_indices is fidx)))
+
+
+def _launch_tables_of(tables, has_full: bool, stats: RowStats, plan_key: tuple) -> LaunchTables:
+    """The op's tables as a warm launch reads them, with what the first call found for them."""
+    nb, idx, fnb, fidx = tables
+    return LaunchTables(nb, idx, fnb if has_full else nb, fidx if has_full else idx, has_full, stats, plan_key)
+
+
 def _remember_warm(problem: tuple, call: Call, query, key, value, tables, need_max: bool) -> None:
     relaunch = forward_relaunch(call, query, key, value, need_max)
     if relaunch is None:
         return
     launched = launch_tables(call.block_mask)  # derived by the launch that just ran
-    nb, idx, fnb, fidx = tables
-    if not (launched.kv_num_blocks is nb and launched.kv_indices is idx and launched.has_full == (fnb is not None)
-            and (fnb is None or (launched.full_kv_num_blocks is fnb and launched.full_kv_indices is fidx))):
-        return  # the launch read copies (tables made contiguous or reordered): not these tables
+    if not _launched_these(launched, tables):
+        return
     if len(_WARM) >= _WARM_KEPT:
         _WARM.clear()
     _WARM[problem] = _WarmForward(_weak_refs(tables), launched.stats, launched.has_full, launched.plan_key, call.score, call.mask,
@@ -666,6 +685,18 @@ def _backward_impl(query, key, value, out, lse, grad_out, grad_lse, kv_num_block
                    full_kv_indices, score_captured, mask_captured, call_key, block_size, seq_lengths, scale,
                    captured_grads):
     tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    problem = None
+    if kv_num_blocks is not None and not any(captured_grads):
+        problem = _warm_key([call_key, tuple(block_size), tuple(seq_lengths), scale, "backward"],
+                            (query, key, value, out, lse, grad_out, grad_lse, *score_captured, *mask_captured), tables,
+                            grad_flags=False)  # the first backward of a compiled graph may see other flags
+        warm = None if problem is None else _WARM_BACKWARD.get(problem)
+        grads = None
+        if warm is not None and warm.holds(tables):
+            grads = warm.run(query, key, value, out, lse, grad_out, grad_lse, tables, score_captured, mask_captured)
+        if grads is not None:
+            dq, dk, dv = grads
+            return dq.to(query.dtype).contiguous(), dk.to(key.dtype).contiguous(), dv.to(value.dtype).contiguous(), []
     call = _call(call_key, query, key, tables, block_size, seq_lengths, mask_captured, scale, True, False)
     # Saved tensors come back without requires_grad; the PyTorch backend reads it to know which
     # gradients to compute.
@@ -674,6 +705,8 @@ def _backward_impl(query, key, value, out, lse, grad_out, grad_lse, kv_num_block
     dq, dk, dv, d_all = run_backward(call, query, key, value, out, lse, grad_out, grad_lse, score)
     if kv_num_blocks is not None:
         _keep_backward_tables(call.block_mask)
+        if problem is not None:
+            _remember_warm_backward(problem, call, query, key, value, out, grad_out, grad_lse, tables)
     # The gradients of the user's tensors only (a mod's own constants take none), in the op's order.
     given = [(c, g) for c, g in zip(call.score.captured if call.score else (), d_all) if c.walk_index is not None]
     for (captured, _), wanted in zip(given, captured_grads):
@@ -683,6 +716,65 @@ def _backward_impl(query, key, value, out, lse, grad_out, grad_lse, kv_num_block
     d_given = [g for _, g in given]
     d_captured = [_gradient_like(g, t) for g, t, wanted in zip(d_given, score_captured, captured_grads) if wanted]
     return dq.to(query.dtype).contiguous(), dk.to(key.dtype).contiguous(), dv.to(value.dtype).contiguous(), d_captured
+
+
+# [Note] Warm calls of the backward op. The backward op is called once per layer with the same
+# problem too, and its long way (the decisions, the transposed tables looked up, seven Gluon
+# descriptors built and checked, three launches through Triton's own binding) took 400 to 700 us of
+# host time a call at the 4k model's shape on the H200 machine's host. In a compiled step of 12 such
+# layers that put the host's time per step (34 ms) close to the GPU's (38 ms), so any host
+# slowness stalled the GPU. Later calls of a problem launch what the first kept
+# (``backward_relaunch`` in dispatch.py, the families' ``warm_launch``), keyed like the forward's
+# ([Note] Warm calls of the forward op) on everything the op passes but the tensors' contents: q, k,
+# v, the output, LSE, its gradient, dLSE and the captured tensors (shape, strides, dtype, device,
+# alignment), the tables by identity and version, the process state (determinism included: it
+# decides whether dQ is fused). Two more conditions: no captured tensor wants a gradient (those
+# calls take the long way), and the transposed tables the first call walked are the ones kept for
+# these tables ([Note] What a compiled call's mask derives, kept); the entry holds that record
+# weakly and checks it is still the current one, so tables that died or changed never lend theirs.
+_WARM_BACKWARD: dict = {}  # problem -> _WarmBackward
+
+
+class _WarmBackward(NamedTuple):
+    tables: tuple  # weak references to the op's four tables (None where absent)
+    kept: weakref.ref  # the _Kept whose transposed tables the first call walked
+    stats: RowStats
+    has_full: bool
+    plan_key: tuple
+    score: Optional[TracedMod]
+    mask: Optional[TracedMod]
+    relaunch: Callable
+
+    def holds(self, tables) -> bool:
+        return _same_objects(self.tables, tables)
+
+    def run(self, query, key, value, out, lse, grad_out, grad_lse, tables, score_captured, mask_captured):
+        """``(dq, dk, dv)``, or None when the kept transposed tables are gone (the long way then)."""
+        kept = self.kept()
+        if kept is None or kept.backward is None or _KEPT.get(tables[0]) is not kept:
+            return None
+        launch = _launch_tables_of(tables, self.has_full, self.stats, self.plan_key)
+        device = query.device
+        return self.relaunch(query, key, value, out, lse, grad_out, grad_lse, launch, kept.backward,
+                             _all_captured(self.score, list(score_captured), device),
+                             _all_captured(self.mask, list(mask_captured), device))
+
+
+def _remember_warm_backward(problem: tuple, call: Call, query, key, value, out, grad_out, grad_lse, tables) -> None:
+    mask = call.block_mask
+    kept = _kept(mask)
+    if kept is None or kept.backward is None or kept.backward is not mask.peek_derived(BACKWARD_TABLES):
+        return  # the transposed tables this call walked are not kept (a capture, a side stream)
+    launched = launch_tables(mask)
+    if not _launched_these(launched, tables):
+        return
+    relaunch = backward_relaunch(call, query, key, value, out, grad_out, grad_lse)
+    if relaunch is None:
+        return
+    if len(_WARM_BACKWARD) >= _WARM_KEPT:
+        _WARM_BACKWARD.clear()
+    _WARM_BACKWARD[problem] = _WarmBackward(_weak_refs(tables), weakref.ref(kept), launched.stats, launched.has_full,
+                                            launched.plan_key, call.score, call.mask, relaunch)
 
 
 def _gradient_like(grad: Optional[torch.Tensor], tensor: torch.Tensor) -> torch.Tensor:

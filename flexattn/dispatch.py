@@ -33,13 +33,13 @@ from .kernels import (
     sm90_backward_kernel, sm90_forward_kernel, unsupported_reason,
 )
 from .kernels.launch import FLOAT8_DTYPES
-from .kernels.tables import launch_tables
+from .kernels.tables import backward_tables, launch_tables
 from .masks import BlockMask
 from .options import deterministic, resolve_backend_name
 from .trace import TracedMod
 
 __all__ = ["Call", "pick_backend", "choose_decode", "use_tanh_approx", "run_forward", "forward_relaunch",
-           "prepare_backward", "run_backward", "sm90_forward_choice", "sm90_backward_choice"]
+           "prepare_backward", "run_backward", "backward_relaunch", "sm90_forward_choice", "sm90_backward_choice"]
 
 
 class Call(NamedTuple):
@@ -389,6 +389,30 @@ def compile_ahead(call: Call, q, k, v, score_captured, *, forward: bool, backwar
     except Exception as err:  # noqa: BLE001 - only the head start is lost
         if _DEBUG:
             print(f"[flexattn] kernels not compiled ahead ({type(err).__name__}: {err})", file=sys.stderr)
+
+
+def backward_relaunch(call: Call, q, k, v, out, grad_out, grad_lse):
+    """After ``run_backward(call, q, k, v, out, lse, grad_out, grad_lse, score_captured)`` ran: its
+    launches, as ``relaunch(q, k, v, out, lse, grad_out, grad_lse, launch_tables, backward_tables,
+    score_captured, mask_captured) -> (dq, dk, dv)`` for later calls of the same problem (compile.py
+    keys them, [Note] Warm calls of the backward op), or None where there is no such fixed set of
+    launches to repeat: another backend, mixed dtypes, a gradient copied first, gradients of captured
+    tensors, a plan still settling, the debug report on."""
+    if _DEBUG or call.backend != "TRITON" or not q.dtype == k.dtype == v.dtype or q.dtype in FLOAT8_DTYPES:
+        return None
+    if not descriptor_ready(grad_out):  # run_backward copies it: not the tensor the kernels read
+        return None
+    tables, bwd_tables = launch_tables(call.block_mask), backward_tables(call.block_mask)
+    if q.is_cuda and call.options.get("BACKEND") != "TRITON":
+        gluon, reason = sm90_backward_choice(call, q, k, v, False, grad_out)
+        if gluon is not None and reason is None:
+            plan = gluon.kept_plan(q, k, v, out, grad_out, grad_lse, call.block_mask, call.scale,
+                                   deterministic(call.options))
+            return None if plan is None else gluon.warm_launch(plan, q, k, v, out, grad_out, tables, bwd_tables,
+                                                               call.scale)
+    kernel = backward_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
+    plan = kernel.kept_plan(q, k, v, out, grad_out, grad_lse, call.block_mask, call.scale, call.options)
+    return None if plan is None else kernel.warm_launch(plan, q, k, v, out, grad_out, tables, bwd_tables, call.scale)
 
 
 def run_backward(call: Call, q, k, v, out, lse, grad_out, grad_lse, score_captured, float32_kv_grads: bool = False):

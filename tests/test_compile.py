@@ -758,6 +758,143 @@ def test_a_warm_entry_keeps_no_tensor_of_the_call_that_made_it(monkeypatch):
     assert [r() is None for r in refs] == [True] * 4
 
 
+def test_warm_backward_calls_launch_the_kept_launches_and_follow_what_changed(monkeypatch):
+    # [Note] Warm calls of the backward op: the second backward of a problem skips the decisions and
+    # launches what the first kept. New inputs and new captured contents are read at launch; a
+    # table written in place, another mask or a new scale go the long way again, and so does every
+    # call whose captured tensor wants a gradient. Gradients against the eager call's on the same
+    # inputs (the interpreter runs the same Triton kernels).
+    if not flexattn.kernels.interpreter_enabled():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
+    import flexattn.compile as compiled_module
+
+    monkeypatch.setattr(compiled_module, "_WARM_BACKWARD", {})
+    long_way = []
+    real_run_backward = compiled_module.run_backward
+    monkeypatch.setattr(compiled_module, "run_backward",
+                        lambda *a, **kw: long_way.append(1) or real_run_backward(*a, **kw))
+    bias = torch.randn(H)
+    options = {"BACKEND": "TRITON"}
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    def attend(q, k, v, bm, scale=None):
+        return flex_attention(q, k, v, score_mod=head_bias, block_mask=bm, scale=scale, kernel_options=options)
+
+    compiled, _ = counted(attend)
+
+    def check(bm, scale=None, long_calls=None):
+        q, k, v = qkv(L=256, S=256, requires_grad=True)
+        dout = torch.randn(B, H, 256, E)
+        got = torch.autograd.grad(compiled(q, k, v, bm, scale), (q, k, v), dout)
+        expected = torch.autograd.grad(attend(q, k, v, bm, scale), (q, k, v), dout)
+        for g, e in zip(got, expected):
+            assert torch.equal(g, e)
+        if long_calls is not None:
+            assert len(long_way) == long_calls
+
+    bm = create_block_mask(causal, 1, 1, 256, 256, device="cpu", BLOCK_SIZE=64)
+    long_way.clear()
+    check(bm, long_calls=1)  # counted: the compiled calls' long way (the eager call has its own)
+    assert len(compiled_module._WARM_BACKWARD) == 1
+    check(bm, long_calls=1)
+    check(bm, long_calls=1)
+    bias.add_(1.0)  # new contents, same tensor: read at launch
+    check(bm, long_calls=1)
+    # Row 3's full blocks 0, 1, 2 become 0, 2 in place: the transposed tables kept for them are stale.
+    bm.full_kv_indices[0, 0, 3, :2] = torch.tensor([0, 2], dtype=torch.int32)
+    bm.full_kv_num_blocks[0, 0, 3] = 2
+    check(bm, long_calls=2)
+    check(bm, long_calls=2)  # warm again, with the new tables' own transposed tables
+    other = create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 100), 1, 1, 256, 256,
+                              device="cpu", BLOCK_SIZE=64)
+    check(other, long_calls=3)
+    check(other, 0.5, long_calls=4)
+    check(other, 0.5, long_calls=4)
+
+
+def test_a_backward_whose_captured_tensor_wants_a_gradient_always_goes_the_long_way(monkeypatch):
+    # The warm launches return no gradients of captured tensors: a learnable bias must not get one.
+    if not flexattn.kernels.interpreter_enabled():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
+    import flexattn.compile as compiled_module
+
+    monkeypatch.setattr(compiled_module, "_WARM_BACKWARD", {})
+    bias = torch.randn(H, requires_grad=True)
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    def attend(q, k, v, bm):
+        return flex_attention(q, k, v, score_mod=head_bias, block_mask=bm, kernel_options={"BACKEND": "TRITON"})
+
+    compiled, _ = counted(attend)
+    bm = create_block_mask(causal, 1, 1, 256, 256, device="cpu", BLOCK_SIZE=64)
+    for _ in range(2):
+        q, k, v = qkv(L=256, S=256, requires_grad=True)
+        dout = torch.randn(B, H, 256, E)
+        got = torch.autograd.grad(compiled(q, k, v, bm), (q, k, v, bias), dout)
+        expected = torch.autograd.grad(attend(q, k, v, bm), (q, k, v, bias), dout)
+        for g, e in zip(got, expected):
+            assert rel_err(g, e) < 1e-5
+    assert compiled_module._WARM_BACKWARD == {}
+
+
+def test_a_warm_backward_entry_keeps_no_tensor_of_the_call_that_made_it(monkeypatch):
+    # Like the forward's: no q, k, v, output, LSE, gradient or result of the first call is kept, and
+    # the transposed tables only through the mask's own record (they go when the tables go).
+    if not flexattn.kernels.interpreter_enabled():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
+    import gc
+    import weakref
+
+    import flexattn.compile as compiled_module
+
+    monkeypatch.setattr(compiled_module, "_WARM_BACKWARD", {})
+    compiled, _ = counted(lambda q, k, v, bm: flex_attention(q, k, v, block_mask=bm,
+                                                             kernel_options={"BACKEND": "TRITON"}))
+    bm = create_block_mask(causal, 1, 1, 128, 128, device="cpu", BLOCK_SIZE=64)
+    q, k, v = qkv(L=128, S=128, requires_grad=True)
+    out = compiled(q, k, v, bm)
+    first = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert len(compiled_module._WARM_BACKWARD) == 1
+    out = compiled(q, k, v, bm)
+    again = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))  # a warm call
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    (entry,) = compiled_module._WARM_BACKWARD.values()
+    refs = [weakref.ref(t) for t in (q, k, v, out, *first, *again)]
+    del q, k, v, out, first, again
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * len(refs)
+    transposed = [weakref.ref(t) for t in entry.kept().backward]
+    del bm
+    gc.collect()
+    assert entry.kept() is None and all(r() is None for r in transposed)
+
+
+def test_every_kernel_option_is_guarded_so_other_options_recompile(monkeypatch):
+    # One code object (a closure made again over new options, one backend): Dynamo reused a graph for
+    # options that differed only by a key it had not seen read (none, then BACKEND; one more tile
+    # option), so the call ran with the first options. Each call must run with its own.
+    import flexattn.compile as compiled_module
+
+    seen = []
+    real_call = compiled_module._call
+    monkeypatch.setattr(compiled_module, "_call", lambda key, *a, **kw: seen.append(key) or real_call(key, *a, **kw))
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    q, k, v = qkv(L=128, S=128)
+    bm = create_block_mask(causal, 1, 1, 128, 128, device="cpu", BLOCK_SIZE=64)
+    runs = [{}, {"BACKEND": "PYTORCH"}, {"BACKEND": "PYTORCH", "DETERMINISTIC": True}, {"BACKEND": "PYTORCH"}]
+    for options in runs:
+        def attend(q, k, v):
+            return flex_attention(q, k, v, block_mask=bm, kernel_options=options)
+
+        torch.compile(attend, backend=counter, fullgraph=True)(q, k, v)
+        assert compiled_module.registered_call(seen[-1]).options == options
+    assert counter.frame_count == 3  # the last options are the second's: that graph again
+
+
 def test_a_warm_call_never_takes_the_plan_of_a_freed_table_whose_id_came_back():
     # Tables are matched by identity through weak references, not by id(): a table freed and a new
     # one made at the same address and id() is another table.

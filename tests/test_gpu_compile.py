@@ -325,3 +325,54 @@ def test_reduce_overhead_from_a_problems_first_call(monkeypatch, options):
     del q, k, v, out
     gc.collect()
     assert [r() is None for r in refs] == [True] * 4
+
+
+def softcap_score(score, b, h, q_idx, kv_idx):
+    return 30.0 * torch.tanh(score / 30.0)
+
+
+@pytest.mark.parametrize("options", [{}, {"BACKEND": "TRITON"}], ids=["auto", "portable"])
+@pytest.mark.parametrize("score_mod", [None, softcap_score], ids=["causal", "softcap"])
+def test_warm_backward_calls_match_the_long_way(monkeypatch, options, score_mod):
+    # compile.py, [Note] Warm calls of the backward op: after a problem's first backward, later ones
+    # launch the kept launches with new inputs. Their gradients against the eager call's on the same
+    # inputs (the same kernels: equal where every output row has one writer; dQ added by atomics in
+    # the Gluon dK/dV kernel, with a score_mod at head dim 64, differs in the order of its sums) and
+    # against float64. Both Gluon forms (two kernels, fused dQ) and the portable backward.
+    import gc
+    import weakref
+
+    import flexattn.compile as compiled_module
+
+    monkeypatch.setattr(compiled_module, "_WARM_BACKWARD", {})
+    warm_runs = []
+    real_run = compiled_module._WarmBackward.run
+    monkeypatch.setattr(compiled_module._WarmBackward, "run", lambda self, *a: warm_runs.append(1) or real_run(self, *a))
+    torch.manual_seed(0)
+    B, H, L, D = 2, 8, 4096, 64
+    mask = create_block_mask(causal, None, None, L, L, device=DEVICE)
+
+    def attend(q, k, v):
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, kernel_options=options)
+
+    compiled = torch.compile(attend, fullgraph=True)
+    exact = options or score_mod is None  # no atomics
+    for step in range(4):
+        q, k, v = (torch.randn(B, H, L, D, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        dout = torch.randn(B, H, L, D, device=DEVICE, dtype=torch.bfloat16)
+        got = torch.autograd.grad(compiled(q, k, v), (q, k, v), dout)
+        eager = torch.autograd.grad(attend(q, k, v), (q, k, v), dout)
+        for name, g, e in zip("qkv", got, eager):
+            assert torch.equal(g, e) if exact else rel_err(g.float(), e.float()) < 1e-3, (step, name)
+        if step == 3:
+            q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+            want = torch.autograd.grad(
+                flex_attention(q64, k64, v64, score_mod=score_mod, block_mask=mask,
+                               kernel_options={"BACKEND": "PYTORCH"}), (q64, k64, v64), dout.double())
+            for name, g, w in zip("qkv", got, want):
+                assert rel_err(g.float(), w.float()) < 2e-2, name
+    assert len(compiled_module._WARM_BACKWARD) == 1 and len(warm_runs) == 3
+    refs = [weakref.ref(t) for t in (q, k, v, dout, *got)]
+    del q, k, v, dout, got, eager, g, e, w  # the loops' names hold the last gradients too
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * len(refs)

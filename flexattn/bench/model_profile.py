@@ -3,6 +3,7 @@ the host's own cost of one block. GPU only; one implementation and mode per run.
 
     python -m flexattn.bench.model_profile --impl flexattn --mode compile --seq 4k
     python -m flexattn.bench.model_profile --impl torch --mode reduce-overhead
+    python -m flexattn.bench.model_profile --impl sdpa --seq 16k --timeline
 
 The model, shapes and modes are those of ``python -m flexattn.bench --mode model`` (flexattn/bench/model.py),
 causal mask. It prints:
@@ -14,12 +15,22 @@ causal mask. It prints:
 * in compile mode, the host time of one compiled block's forward (grad mode and no_grad), measured
   while the GPU is kept busy by a long sleep kernel: the host's own cost, which the GPU waits for
   whenever it exceeds the GPU time of the work it launches (a step then is host-bound).
+
+With ``--timeline`` it prints instead where an unprofiled step's time goes, phase by phase (the
+blocks' forwards, the head and loss, the blocks' backwards, the optimizer), from CUDA events recorded
+at each block's forward and at each gradient reaching a block's output: the GPU time of each phase in
+steps run back to back, against the same step run behind a long sleep kernel (the host far ahead, and
+the GPU rested), and the host time of each phase. A phase longer back to back than behind the sleep
+either waited for the host or ran at lower clocks; the host column and the SM clock (NVML, where
+torch can read it) tell which. On the H200 a sustained step runs at its 700 W power cap, so kernels
+that spend more energy per unit of work also run at lower clocks (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import sys
 import time
 
@@ -88,6 +99,110 @@ def _kernel_report(step, steps: int = 3, top: int = 12) -> None:
         print(f"  {t / steps / 1e3:8.3f} ms x{count[name] // steps:4d}  {name[:100]}")
 
 
+class _Marks:
+    """CUDA events and host times at named points of a step, in the order they happen."""
+
+    def __init__(self):
+        self.points = None  # [(name, event, host time)] while a step is recorded
+
+    def __call__(self, name: str) -> None:
+        if self.points is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.points.append((name, event, time.perf_counter()))
+
+
+def _marked(model, marks: _Marks) -> None:
+    """Hooks that mark each block's forward and each gradient reaching a block's output."""
+    for i, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda mod, args, i=i: marks(f"forward {i}"))
+
+        def grad_mark(mod, args, out, i=i):
+            if out.requires_grad:
+                out.register_hook(lambda grad: marks(f"backward {i}"))
+
+        block.register_forward_hook(grad_mark)
+
+
+_PHASES = (("forward", "forward 0", "head"), ("head and loss", "head", "backward start"),
+           ("backward", "backward start", "backward end"), ("optimizer", "backward end", "end"))
+
+
+def _timeline(impl: str, mode: str, seq: str, device, rounds: int = 3) -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    batch, length = M.SHAPES[seq]
+    model = M.GPT(32768, 768, 12, 12, M.attention_for(impl, "compile", "causal", batch, length, device))
+    model = model.to(device, torch.bfloat16)
+    options = dict(fullgraph=True, **({"mode": "reduce-overhead"} if mode == "reduce-overhead" else {}))
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, **options)
+    marks = _Marks()
+    _marked(model, marks)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    tokens = torch.randint(0, 32768, (batch, length), device=device)
+
+    def step():
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        logits = model(tokens)
+        marks("head")
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+        marks("backward start")
+        loss.backward()
+        marks("backward end")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        marks("end")
+
+    for _ in range(6):
+        step()
+    torch.cuda.synchronize()
+    steps = {"back to back": [], "behind a sleep": []}
+    clocks = []
+    for _ in range(rounds):
+        for kind in steps:
+            torch.cuda.synchronize()
+            recorded = []
+            for _ in range(4):
+                if kind == "behind a sleep":
+                    torch.cuda.synchronize()
+                    torch.cuda._sleep(SLEEP_CYCLES)
+                marks.points = []
+                step()
+                recorded.append(marks.points)
+                marks.points = None
+            torch.cuda.synchronize()
+            if kind == "back to back":
+                try:
+                    clocks.append(torch.cuda.clock_rate(device))
+                except Exception:  # noqa: BLE001 - NVML not available: no clock column
+                    pass
+            steps[kind] += [{name: (event, host) for name, event, host in points} for points in recorded]
+
+    def phase_times(points, first, last):
+        (e0, h0), (e1, h1) = points[first], points[last]
+        return e0.elapsed_time(e1), (h1 - h0) * 1e3
+
+    print(f"{impl}, {mode}, {batch} x {length} tokens, {torch.cuda.get_device_name()}: median ms of "
+          f"{len(steps['back to back'])} steps" + (f"; SM clock after back-to-back steps {min(clocks)}-{max(clocks)} MHz"
+                                                   if clocks else ""))
+    print(f"  {'phase':16s} {'GPU, back to back':>18s} {'GPU, behind a sleep':>20s} {'host':>8s}")
+    total = [0.0, 0.0, 0.0]
+    for name, first, last in _PHASES:
+        row = []
+        for kind in steps:
+            row.append(statistics.median(phase_times(p, first, last)[0] for p in steps[kind]))
+        row.append(statistics.median(phase_times(p, first, last)[1] for p in steps["back to back"]))
+        total = [t + r for t, r in zip(total, row)]
+        print(f"  {name:16s} {row[0]:18.2f} {row[1]:20.2f} {row[2]:8.2f}")
+    print(f"  {'step':16s} {total[0]:18.2f} {total[1]:20.2f} {total[2]:8.2f}")
+    block = len(model.blocks) - 2  # one inside the backward: from its output's gradient to its input's
+    one = [statistics.median(phase_times(p, f"backward {block}", f"backward {block - 1}")[0] for p in steps[kind])
+           for kind in steps]
+    print(f"  block {block}'s backward: {one[0]:.3f} ms back to back, {one[1]:.3f} behind a sleep")
+
+
 def _host_us(fn, calls: int) -> float:
     """Host time per call of ``fn`` while the GPU is busy: never waited on."""
     for _ in range(3):
@@ -108,11 +223,16 @@ def main(argv=None) -> int:
     parser.add_argument("--mode", choices=("compile", "reduce-overhead"), default="compile")
     parser.add_argument("--seq", choices=tuple(M.SHAPES), default="4k")
     parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--timeline", action="store_true",
+                        help="phase by phase: GPU time back to back and behind a sleep, host time")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("the model profile needs a CUDA GPU", file=sys.stderr)
         return 2
     device = torch.device("cuda")
+    if args.timeline:
+        _timeline(args.impl, args.mode, args.seq, device)
+        return 0
     model, step, batch, length = _step_fn(args.impl, args.mode, args.seq, device)
     for _ in range(args.warmup):
         step()

@@ -44,12 +44,13 @@ from .configs import (
 )
 from .ahead import recording
 from .family import KernelFamily, Plan, Step, TileRoles, cached_kernel, with_tiles
-from .launch import empty_output, interpreter_enabled, kv_strides, launch, mod_launch_args
+from .launch import RepeatedLaunch, empty_output, interpreter_enabled, kv_strides, launch, mod_launch_args
 from .launch_order import rows_alike, tail_pairs
 from .tables import backward_tables, launch_tables
 from .tma import install_tma_allocator, tma_compatible
 
-__all__ = ["BackwardKernel", "backward_kernel", "preprocess_delta", "launches"]
+__all__ = ["BackwardKernel", "WarmBackwardLaunch", "backward_kernel", "preprocess_delta", "preprocess_launch",
+           "launches"]
 
 launches = 0  # Triton backward calls in this process (tests check that the kernels, not a fallback, ran)
 
@@ -94,24 +95,15 @@ class BackwardKernel(KernelFamily):
         deterministic = requested_determinism(options)
         tables = launch_tables(block_mask)
         bwd_tables = backward_tables(block_mask)
-        key = (
-            q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), grad_out.stride(), out.stride(),
-            q.dtype, q.device, block_mask.BLOCK_SIZE, tables.plan_key, scale > 0, grad_lse is not None,
-            tuple(sorted(options.items())) if options else (),
-            torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None, float32_kv_grads,
-            deterministic,
-        )
+        key = self._problem(q, k, v, out, grad_out, grad_lse, block_mask, tables, scale, options, float32_kv_grads,
+                            deterministic)
 
         def make_plan() -> Plan:
             return self._plan(q, k, v, grad_out, grad_lse is not None, block_mask, tables, scale, score_captured,
                               mask_captured, options, deterministic)
 
         def for_call(plan: Plan) -> Plan:
-            if plan.constexprs("dkdv")["USE_TMA"] and (q.data_ptr() | k.data_ptr() | v.data_ptr()
-                                                      | grad_out.data_ptr()) % 16:
-                # Same shapes and strides as the plan's first call, but an unaligned view this time.
-                return plan.with_constexprs("dkdv", USE_TMA=False).with_constexprs("dq", USE_TMA=False)
-            return plan
+            return _for_call(plan, q, k, v, grad_out)
 
         def run(plan: Plan):
             return self._launch(plan, q, k, v, out, lse, grad_out, grad_lse, tables, bwd_tables, scale,
@@ -121,6 +113,39 @@ class BackwardKernel(KernelFamily):
         if not recording():
             launches += 1
         return grads
+
+    @staticmethod
+    def _problem(q, k, v, out, grad_out, grad_lse, block_mask, tables, scale, options, float32_kv_grads: bool,
+                 deterministic: bool) -> tuple:
+        return (
+            q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), grad_out.stride(), out.stride(),
+            q.dtype, q.device, block_mask.BLOCK_SIZE, tables.plan_key, scale > 0, grad_lse is not None,
+            tuple(sorted(options.items())) if options else (),
+            torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None, float32_kv_grads,
+            deterministic,
+        )
+
+    def kept_plan(self, q, k, v, out, grad_out, grad_lse, block_mask, scale: float, options: dict) -> Optional[Plan]:
+        """The plan a call with these arguments launches now, once its problem's plan has settled, else
+        None: for a caller that launches it again through ``warm_launch`` (compile.py, [Note] Warm
+        calls of the backward op). None too where a call does more than the three launches: gradients
+        of captured tensors, a broadcast key/value batch."""
+        if k.shape[0] != q.shape[0]:
+            return None
+        key = self._problem(q, k, v, out, grad_out, grad_lse, block_mask, launch_tables(block_mask), scale, options,
+                            False, requested_determinism(options))
+        plan = self._plans.get(key)
+        if plan is None or plan.check_compiled:
+            return None
+        if plan.compiled.spec.score_grad is not None and plan.compiled.spec.score_grad.trainable:
+            return None
+        return _for_call(plan, q, k, v, grad_out)
+
+    def warm_launch(self, plan: Plan, q, k, v, out, grad_out, tables, bwd_tables, scale: float) -> "WarmBackwardLaunch":
+        """``plan`` (from kept_plan) for the later calls of this call's problem, which the caller keys.
+        Call it as ``(q, k, v, out, lse, grad_out, grad_lse, tables, bwd_tables, score_captured,
+        mask_captured) -> (dq, dk, dv)``."""
+        return WarmBackwardLaunch(self, plan, q, k, v, out, grad_out, tables, bwd_tables, scale)
 
     def _launch(self, plan: Plan, q, k, v, out, lse, grad_out, grad_lse, tables, bwd_tables, scale, score_captured,
                 mask_captured, float32_kv_grads: bool = False):
@@ -147,9 +172,7 @@ class BackwardKernel(KernelFamily):
                             for i in trainable]
             turns = delta  # not read
         mods = mod_launch_args(score_captured) + grad_buffers + mod_launch_args(mask_captured)
-        alike = rows_alike(tables, S, plan.constexprs("dkdv")["SPARSE_KV_BLOCK_SIZE"])
 
-        k_strides, v_strides = kv_strides(k, v, B)
         broadcast_kv = Bk == 1 and B > 1
         kv_grad_dtype = torch.float32 if float32_kv_grads and k.dtype != torch.float64 else k.dtype
         if broadcast_kv:
@@ -162,26 +185,15 @@ class BackwardKernel(KernelFamily):
         dq = empty_output(q.shape, q.dtype, q.device)
         lse = lse.contiguous()
 
-        qn, qi, fqn, fqi = (bwd_tables.q_num_blocks, bwd_tables.q_indices, bwd_tables.full_q_num_blocks,
-                            bwd_tables.full_q_indices)
-        dkdv_kernel = launch(module.kernel(BACKWARD_DKDV), dkdv.grid, BACKWARD_DKDV.pack(
-            Q=q, K=k, V=v, DO=grad_out, LSE=lse, DELTA=delta, DK=dk, DV=dv,
-            Q_NUM_BLKS=qn, Q_IDX=qi, FULL_Q_NUM_BLKS=fqn, FULL_Q_IDX=fqi,
-            stride_q=q.stride(), stride_k=k_strides, stride_v=v_strides, stride_do=grad_out.stride(),
-            stride_dk=dk.stride(), stride_dv=dv.stride(), GRAD_TURNS=turns, GRAD_SLOTS=slots, GRAD_SLOT_STRIDE=stride,
-            SPARSE_COLS=qn.shape[2], IDX_ROWS=qi.shape[3], FULL_IDX_ROWS=fqi.shape[3],
-            Q_LEN=L, KV_LEN=S, SM_SCALE=scale, TAIL_PAIRS=tail_pairs(dkdv.grid, q.device, alike), mods=mods,
-        ), dkdv.constexprs)
+        dkdv_fixed, dq_fixed = _problem_args(plan, q, k, v, grad_out, dk.stride(), dv.stride(), dq.stride(), tables,
+                                             bwd_tables, scale)
+        dkdv_fixed.update(GRAD_SLOTS=slots, GRAD_SLOT_STRIDE=stride)
+        dkdv_kernel = launch(module.kernel(BACKWARD_DKDV), dkdv.grid,
+                             _pack_dkdv((q, k, v, grad_out), lse, delta, dk, dv, turns, bwd_tables, mods, dkdv_fixed),
+                             dkdv.constexprs)
         dq_step = plan.steps["dq"]
-        nb, idx, fnb, fidx = tables.kv_num_blocks, tables.kv_indices, tables.full_kv_num_blocks, tables.full_kv_indices
-        dq_kernel = launch(module.kernel(BACKWARD_DQ), dq_step.grid, BACKWARD_DQ.pack(
-            Q=q, K=k, V=v, DO=grad_out, LSE=lse, DELTA=delta, DQ=dq,
-            KV_NUM_BLKS=nb, KV_IDX=idx, FULL_KV_NUM_BLKS=fnb, FULL_KV_IDX=fidx,
-            stride_q=q.stride(), stride_k=k_strides, stride_v=v_strides, stride_do=grad_out.stride(),
-            stride_dq=dq.stride(),
-            SPARSE_ROWS=nb.shape[2], IDX_COLS=idx.shape[3], FULL_IDX_COLS=fidx.shape[3],
-            Q_LEN=L, KV_LEN=S, SM_SCALE=scale, TAIL_PAIRS=tail_pairs(dq_step.grid, q.device, alike), mods=mods,
-        ), dq_step.constexprs)
+        dq_kernel = launch(module.kernel(BACKWARD_DQ), dq_step.grid,
+                           _pack_dq((q, k, v, grad_out), lse, delta, dq, tables, mods, dq_fixed), dq_step.constexprs)
 
         if broadcast_kv:
             dk = dk.sum(0, keepdim=True).to(kv_grad_dtype)
@@ -328,16 +340,123 @@ class BackwardKernel(KernelFamily):
 
 
 def preprocess_delta(module, step: Step, out: torch.Tensor, grad_out: torch.Tensor,
-                     grad_lse: Optional[torch.Tensor]) -> torch.Tensor:
+                     grad_lse: Optional[torch.Tensor], repeated: Optional[RepeatedLaunch] = None) -> torch.Tensor:
     """DELTA = rowsum(dO * O) - dLSE, a contiguous [B, H, L] float32 buffer, by the preprocess kernel
-    of ``module`` (templates/backward_preprocess.py.jinja; the sm90 backward runs it too)."""
+    of ``module`` (templates/backward_preprocess.py.jinja; the sm90 backward runs it too).
+    ``repeated``: a warm call's launch of this step ([Note] Ready launches in kernels/launch.py)."""
     B, Hq, L = out.shape[:3]
     delta = empty_output((B, Hq, L), torch.float32, out.device)
     dlse = grad_lse.contiguous().float() if grad_lse is not None else delta
-    launch(module.kernel(BACKWARD_PREPROCESS), step.grid, BACKWARD_PREPROCESS.pack(
+    args = BACKWARD_PREPROCESS.pack(
         OUT=out, DO=grad_out, DLSE=dlse, DELTA=delta, stride_o=out.stride(), stride_do=grad_out.stride(), Q_LEN=L,
-    ), step.constexprs)
+    )
+    if repeated is None:
+        launch(module.kernel(BACKWARD_PREPROCESS), step.grid, args, step.constexprs)
+    else:
+        repeated(args, fresh_aligned=not (delta.data_ptr() | dlse.data_ptr()) & 15)
     return delta
+
+
+def preprocess_launch(plan: Plan) -> RepeatedLaunch:
+    """The preprocess step of ``plan``, for a warm call to repeat (``preprocess_delta``'s ``repeated``)."""
+    step = plan.steps["preprocess"]
+    return RepeatedLaunch(plan.compiled.kernel(BACKWARD_PREPROCESS), step.grid, step.constexprs)
+
+
+class WarmBackwardLaunch:
+    """BackwardKernel._launch of one problem's plan, for its later calls ([Note] Ready launches in
+    kernels/launch.py): the launches' ints and the launch order worked out once from the first
+    call; each call allocates, fills in its tensors and launches the three kernels. No gradients of
+    captured tensors, no broadcast key/value batch (``kept_plan`` returns None for those)."""
+
+    def __init__(self, family: BackwardKernel, plan: Plan, q, k, v, out, grad_out, tables, bwd_tables, scale: float):
+        module = plan.compiled
+        self.family, self.plan = family, plan
+        self.use_tma = plan.constexprs("dkdv")["USE_TMA"]
+        self.preprocess = preprocess_launch(plan)
+        dkdv, dq = plan.steps["dkdv"], plan.steps["dq"]
+        self.dkdv = RepeatedLaunch(module.kernel(BACKWARD_DKDV), dkdv.grid, dkdv.constexprs)
+        self.dq = RepeatedLaunch(module.kernel(BACKWARD_DQ), dq.grid, dq.constexprs)
+        # Fresh outputs are contiguous: their strides are those of a contiguous tensor of the shape.
+        self.dkdv_fixed, self.dq_fixed = _problem_args(plan, q, k, v, grad_out, _contiguous(k.shape),
+                                                       _contiguous(v.shape), _contiguous(q.shape), tables, bwd_tables,
+                                                       scale)
+        self.dkdv_fixed.update(GRAD_SLOTS=1, GRAD_SLOT_STRIDE=0)
+
+    def __call__(self, q, k, v, out, lse, grad_out, grad_lse, tables, bwd_tables, score_captured, mask_captured):
+        global launches
+        if self.use_tma:
+            install_tma_allocator()  # per call: plans are shared by threads, allocators are not
+        plan, device = self.plan, q.device
+        delta = preprocess_delta(plan.compiled, plan.steps["preprocess"], out, grad_out, grad_lse, self.preprocess)
+        dk, dv = empty_output(k.shape, k.dtype, device), empty_output(v.shape, v.dtype, device)
+        dq = empty_output(q.shape, q.dtype, device)
+        lse = lse.contiguous()
+        mods = mod_launch_args(score_captured) + mod_launch_args(mask_captured)
+        fresh = not (delta.data_ptr() | lse.data_ptr() | dk.data_ptr() | dv.data_ptr() | dq.data_ptr()) & 15
+        qkvo = (q, k, v, grad_out)
+        self.dkdv(_pack_dkdv(qkvo, lse, delta, dk, dv, delta, bwd_tables, mods, self.dkdv_fixed), fresh)
+        self.dq(_pack_dq(qkvo, lse, delta, dq, tables, mods, self.dq_fixed), fresh)
+        launches += 1
+        self.family.last_plan = plan
+        return dq, dk, dv
+
+
+def _contiguous(shape) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _for_call(plan: Plan, q, k, v, grad_out) -> Plan:
+    """The plan this call runs: ``plan``, or, for an unaligned view of a problem whose plan reads
+    through tensor descriptors (same shapes and strides as its first call), the plan without them."""
+    if plan.constexprs("dkdv")["USE_TMA"] and (q.data_ptr() | k.data_ptr() | v.data_ptr() | grad_out.data_ptr()) % 16:
+        return plan.with_constexprs("dkdv", USE_TMA=False).with_constexprs("dq", USE_TMA=False)
+    return plan
+
+
+def _problem_args(plan: Plan, q, k, v, grad_out, dk_strides, dv_strides, dq_strides, tables, bwd_tables,
+                  scale: float) -> tuple[dict, dict]:
+    """The dK/dV and dQ launches' ints and floats (less the gradient slots): the same for every call
+    of one problem, so a warm launch works them out once."""
+    B, _, L, _ = q.shape
+    S = k.shape[2]
+    k_strides, v_strides = kv_strides(k, v, B)
+    alike = rows_alike(tables, S, plan.constexprs("dkdv")["SPARSE_KV_BLOCK_SIZE"])
+    common = dict(stride_q=q.stride(), stride_k=k_strides, stride_v=v_strides, stride_do=grad_out.stride(),
+                  Q_LEN=L, KV_LEN=S, SM_SCALE=scale)
+    qn, qi, fqi = bwd_tables.q_num_blocks, bwd_tables.q_indices, bwd_tables.full_q_indices
+    dkdv = dict(common, stride_dk=dk_strides, stride_dv=dv_strides, SPARSE_COLS=qn.shape[2], IDX_ROWS=qi.shape[3],
+                FULL_IDX_ROWS=fqi.shape[3], TAIL_PAIRS=tail_pairs(plan.steps["dkdv"].grid, q.device, alike))
+    dq = dict(common, stride_dq=dq_strides, SPARSE_ROWS=tables.kv_num_blocks.shape[2],
+              IDX_COLS=tables.kv_indices.shape[3], FULL_IDX_COLS=tables.full_kv_indices.shape[3],
+              TAIL_PAIRS=tail_pairs(plan.steps["dq"].grid, q.device, alike))
+    return dkdv, dq
+
+
+def _pack_dkdv(qkvo: tuple, lse, delta, dk, dv, turns, bwd_tables, mods: list, fixed: dict) -> tuple:
+    """The dK/dV kernel's arguments: Q, K, V, dO, the row statistics, the outputs, the transposed
+    tables, the mods' tensors (and gradient buffers), and ``fixed`` (_problem_args, the slots)."""
+    q, k, v, grad_out = qkvo
+    return BACKWARD_DKDV.pack(
+        Q=q, K=k, V=v, DO=grad_out, LSE=lse, DELTA=delta, DK=dk, DV=dv, Q_NUM_BLKS=bwd_tables.q_num_blocks,
+        Q_IDX=bwd_tables.q_indices, FULL_Q_NUM_BLKS=bwd_tables.full_q_num_blocks,
+        FULL_Q_IDX=bwd_tables.full_q_indices, GRAD_TURNS=turns, mods=mods, **fixed,
+    )
+
+
+def _pack_dq(qkvo: tuple, lse, delta, dq, tables, mods: list, fixed: dict) -> tuple:
+    """The dQ kernel's arguments: Q, K, V, dO, the row statistics, the output, the forward tables,
+    the mods' tensors, and ``fixed`` (_problem_args)."""
+    q, k, v, grad_out = qkvo
+    return BACKWARD_DQ.pack(
+        Q=q, K=k, V=v, DO=grad_out, LSE=lse, DELTA=delta, DQ=dq, KV_NUM_BLKS=tables.kv_num_blocks,
+        KV_IDX=tables.kv_indices, FULL_KV_NUM_BLKS=tables.full_kv_num_blocks, FULL_KV_IDX=tables.full_kv_indices,
+        mods=mods, **fixed,
+    )
 
 
 # Gradient slots of the deterministic backward: one per program when they fit this many bytes (per

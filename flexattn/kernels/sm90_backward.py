@@ -32,15 +32,16 @@ from ..masks.layout import cdiv
 from ..trace import TracedMod
 from .ahead import recording
 from .family import Plan, Step, cached_kernel
-from .backward import preprocess_delta
-from .launch import empty_output, kv_strides, launch, mod_launch_args, zeroed_output
+from .backward import preprocess_delta, preprocess_launch
+from .launch import (RepeatedLaunch, descriptor_over, descriptor_template, empty_output, kv_strides, launch,
+                     mod_launch_args, zeroed_output)
 from .launch_order import rows_alike, tail_pairs
 from .sm90 import BLOCK, CONSUMER_REGS, GluonFamily, Sm90Unavailable, shared_layout, tensor_view
 from .sm90 import problem_reason as forward_problem_reason
 from .tables import backward_tables, launch_tables
 
-__all__ = ["Sm90BackwardKernel", "Sm90Unavailable", "sm90_backward_kernel", "problem_reason", "auto_reason", "fuses_dq",
-           "launches"]
+__all__ = ["Sm90BackwardKernel", "Sm90Unavailable", "WarmSm90Backward", "sm90_backward_kernel", "problem_reason",
+           "auto_reason", "fuses_dq", "launches"]
 
 launches = 0  # backward calls run by this family (tests check the Gluon path really ran)
 QUERY_TILE = 64  # dK/dV walks each listed 128-row query block as two tiles of 64 rows
@@ -168,8 +169,7 @@ class Sm90BackwardKernel(GluonFamily):
         global launches
         tables = launch_tables(block_mask)
         fused_dq = fuses_dq(q.shape[-1], deterministic, self.has_score_mod, self.has_mask_mod)
-        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), grad_out.stride(), out.stride(),
-               q.dtype, q.device, tables.plan_key, scale > 0, grad_lse is not None, fused_dq)
+        key = self._problem(q, k, v, out, grad_out, grad_lse, tables, scale, fused_dq)
 
         def launch(plan: Plan):
             return self._launch(plan, q, k, v, out, lse, grad_out, grad_lse, block_mask, tables, scale,
@@ -212,6 +212,23 @@ class Sm90BackwardKernel(GluonFamily):
             steps["dq"] = Step(SM90_BACKWARD_DQ, (L // BLOCK, Hq, B), dq)
         return Plan(compiled, steps, (L, S), q.element_size())
 
+    def _problem(self, q, k, v, out, grad_out, grad_lse, tables, scale, fused_dq: bool) -> tuple:
+        return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), grad_out.stride(), out.stride(),
+                q.dtype, q.device, tables.plan_key, scale > 0, grad_lse is not None, fused_dq)
+
+    def kept_plan(self, q, k, v, out, grad_out, grad_lse, block_mask, scale: float, deterministic: bool) -> Optional[Plan]:
+        """The plan of this problem once its first launch compiled (None before): for a caller that
+        launches it again through ``warm_launch`` (compile.py, [Note] Warm calls of the backward op)."""
+        fused_dq = fuses_dq(q.shape[-1], deterministic, self.has_score_mod, self.has_mask_mod)
+        return self._plans.get(self._problem(q, k, v, out, grad_out, grad_lse, launch_tables(block_mask), scale,
+                                             fused_dq))
+
+    def warm_launch(self, plan: Plan, q, k, v, out, grad_out, tables, bwd_tables, scale: float) -> "WarmSm90Backward":
+        """``plan`` (from kept_plan) for the later calls of this call's problem, which the caller keys.
+        Call it as ``(q, k, v, out, lse, grad_out, grad_lse, tables, bwd_tables, score_captured,
+        mask_captured) -> (dq, dk, dv)``."""
+        return WarmSm90Backward(self, plan, q, k, v, grad_out, tables, bwd_tables, scale)
+
     def _launch(self, plan: Plan, q, k, v, out, lse, grad_out, grad_lse, block_mask, tables, scale, score_captured,
                 mask_captured):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -222,63 +239,149 @@ class Sm90BackwardKernel(GluonFamily):
 
         delta = preprocess_delta(module, plan.steps["preprocess"], out, grad_out, grad_lse)
         lse = lse.contiguous()
-
-        # -- 2-D views and descriptors ([Note] 2-D views in templates/forward_sm90.py.jinja) ----
         fused_dq = "dq" not in plan.steps
         dk = empty_output((B, Hkv, S, E), k.dtype, q.device)
         dv = empty_output((B, Hkv, S, E), v.dtype, q.device)
-        k_strides, v_strides = kv_strides(k, v, B)
-        half, tile = shared_layout(QUERY_TILE, E, q.dtype), shared_layout(BLOCK, E, q.dtype)
-
-        def described(t, strides, rows, layout):
-            view = tensor_view(t, strides)
-            return view, TensorDescriptor(t, list(view.shape), [view.row_stride, 1], [rows, E], layout)
-
-        qv, q_rows = described(q, q.stride(), QUERY_TILE, half)
-        kv, k_tile = described(k, k_strides, BLOCK, tile)
-        vv, v_tile = described(v, v_strides, BLOCK, tile)
-        dov, do_rows = described(grad_out, grad_out.stride(), QUERY_TILE, half)
-        dkv, dk_rows = described(dk, dk.stride(), QUERY_TILE, half)
-        _, dv_rows = described(dv, dv.stride(), QUERY_TILE, half)
-        views = dict(row_qz=qv.row_z, row_qh=qv.row_h, col_qh=qv.col_h, row_kz=kv.row_z, row_kh=kv.row_h,
-                     col_kh=kv.col_h, row_vz=vv.row_z, row_vh=vv.row_h, col_vh=vv.col_h, row_doz=dov.row_z,
-                     row_doh=dov.row_h, col_doh=dov.col_h)
+        if fused_dq:  # float32 sums the dK/dV programs add into: rows (batch, query head, query)
+            dq = zeroed_output((B * Hq * L, E), torch.float32, q.device)
+        else:
+            dq = empty_output((B, Hq, L, E), q.dtype, q.device)
+        bwd = backward_tables(block_mask)
+        recipes, dkdv_fixed, dq_fixed = _problem_args(plan, q, k, v, grad_out, dk, dv, dq, tables, bwd, scale)
+        descriptors = [TensorDescriptor(t, *recipe) for t, recipe in zip((q, k, v, grad_out, dk, dv, dq), recipes)]
         mods = mod_launch_args(score_captured if self.has_score_mod else (),
                                mask_captured if self.has_mask_mod else ())
-        alike = rows_alike(tables, S, BLOCK)
-
-        # -- dK/dV: the transposed tables ----
-        if fused_dq:  # float32 sums the dK/dV programs add into: rows (batch, query head, query)
-            dq_acc = zeroed_output((B * Hq * L, E), torch.float32, q.device)
-            dq_acc_rows = TensorDescriptor(dq_acc, [B * Hq * L, E], [E, 1], [QUERY_TILE, E], _dq_acc_layout())
-        else:
-            dq_acc_rows = dk_rows  # not read
-        bwd = backward_tables(block_mask)
         step = plan.steps["dkdv"]
-        launch(module.kernel(SM90_BACKWARD_DKDV), step.grid, SM90_BACKWARD_DKDV.pack(
-            Q=q_rows, K=k_tile, V=v_tile, DO=do_rows, DK=dk_rows, DV=dv_rows, DQ_ACC=dq_acc_rows, LSE=lse, DELTA=delta,
-            Q_NUM_BLKS=bwd.q_num_blocks, Q_IDX=bwd.q_indices, FULL_Q_NUM_BLKS=bwd.full_q_num_blocks,
-            FULL_Q_IDX=bwd.full_q_indices, **views, row_dkz=dkv.row_z, row_dkh=dkv.row_h, col_dkh=dkv.col_h,
-            SPARSE_COLS=bwd.q_num_blocks.shape[2], IDX_ROWS=bwd.q_indices.shape[3],
-            FULL_IDX_ROWS=bwd.full_q_indices.shape[3], Q_LEN=L, SM_SCALE=scale,
-            TAIL_PAIRS=tail_pairs(step.grid, q.device, alike), mods=mods,
-        ), step.constexprs)
-
+        launch(module.kernel(SM90_BACKWARD_DKDV), step.grid,
+               _pack_dkdv(descriptors, lse, delta, bwd, mods, dkdv_fixed), step.constexprs)
         if fused_dq:
-            return dq_acc.view(B, Hq, L, E).to(q.dtype), dk, dv, [None] * len(score_captured)
-
-        # -- dQ: the forward tables ----
-        dq = empty_output((B, Hq, L, E), q.dtype, q.device)
-        _, dq_rows = described(dq, dq.stride(), QUERY_TILE, half)
+            return dq.view(B, Hq, L, E).to(q.dtype), dk, dv, [None] * len(score_captured)
         step = plan.steps["dq"]
-        launch(module.kernel(SM90_BACKWARD_DQ), step.grid, SM90_BACKWARD_DQ.pack(
-            Q=q_rows, K=k_tile, V=v_tile, DO=do_rows, DQ=dq_rows, LSE=lse, DELTA=delta,
-            KV_NUM_BLKS=tables.kv_num_blocks, KV_IDX=tables.kv_indices, FULL_KV_NUM_BLKS=tables.full_kv_num_blocks,
-            FULL_KV_IDX=tables.full_kv_indices, **views, SPARSE_ROWS=tables.kv_num_blocks.shape[2],
-            IDX_COLS=tables.kv_indices.shape[3], FULL_IDX_COLS=tables.full_kv_indices.shape[3], Q_LEN=L,
-            SM_SCALE=scale, TAIL_PAIRS=tail_pairs(step.grid, q.device, alike), mods=mods,
-        ), step.constexprs)
+        launch(module.kernel(SM90_BACKWARD_DQ), step.grid, _pack_dq(descriptors, lse, delta, tables, mods, dq_fixed),
+               step.constexprs)
         return dq, dk, dv, [None] * len(score_captured)
+
+
+class WarmSm90Backward:
+    """Sm90BackwardKernel._launch of one problem's plan, for its later calls ([Note] Ready launches
+    in kernels/launch.py): the 2-D views, the launches' ints, the descriptors' shapes and the launch
+    order worked out once from the first call; each call allocates, copies its seven descriptors
+    from templates holding no tensor, and launches."""
+
+    def __init__(self, family: Sm90BackwardKernel, plan: Plan, q, k, v, grad_out, tables, bwd_tables, scale: float):
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        B, Hq, L, E = q.shape
+        Hkv, S = k.shape[1], k.shape[2]
+        module = plan.compiled
+        self.family, self.plan = family, plan
+        self.fused_dq = "dq" not in plan.steps
+        self.preprocess = preprocess_launch(plan)
+        step = plan.steps["dkdv"]
+        self.dkdv = RepeatedLaunch(module.kernel(SM90_BACKWARD_DKDV), step.grid, step.constexprs)
+        self.dq = None
+        if not self.fused_dq:
+            step = plan.steps["dq"]
+            self.dq = RepeatedLaunch(module.kernel(SM90_BACKWARD_DQ), step.grid, step.constexprs)
+        self.kv_shape = (B, Hkv, S, E)
+        self.dq_shape = (B * Hq * L, E) if self.fused_dq else (B, Hq, L, E)
+        # Samples of the outputs' layouts, for the descriptors' templates (nothing of them is kept).
+        sample_kv = torch.empty(self.kv_shape, dtype=k.dtype, device=q.device)
+        sample_dq = torch.empty(self.dq_shape, dtype=torch.float32 if self.fused_dq else q.dtype, device=q.device)
+        self.recipes, self.dkdv_fixed, self.dq_fixed = _problem_args(plan, q, k, v, grad_out, sample_kv, sample_kv,
+                                                                     sample_dq, tables, bwd_tables, scale)
+        samples = (q, k, v, grad_out, sample_kv, sample_kv, sample_dq)
+        self.templates = [descriptor_template(TensorDescriptor(t, *recipe)) for t, recipe in zip(samples, self.recipes)]
+
+    def __call__(self, q, k, v, out, lse, grad_out, grad_lse, tables, bwd_tables, score_captured, mask_captured):
+        global launches
+        plan, family, device = self.plan, self.family, q.device
+        delta = preprocess_delta(plan.compiled, plan.steps["preprocess"], out, grad_out, grad_lse, self.preprocess)
+        lse = lse.contiguous()
+        dk, dv = empty_output(self.kv_shape, k.dtype, device), empty_output(self.kv_shape, v.dtype, device)
+        if self.fused_dq:
+            dq = zeroed_output(self.dq_shape, torch.float32, device)
+        else:
+            dq = empty_output(self.dq_shape, q.dtype, device)
+        tensors = (q, k, v, grad_out, dk, dv, dq)
+        if None in self.templates:
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+            descriptors = [TensorDescriptor(t, *recipe) for t, recipe in zip(tensors, self.recipes)]
+        else:
+            descriptors = [descriptor_over(d, t) for d, t in zip(self.templates, tensors)]
+        mods = mod_launch_args(score_captured if family.has_score_mod else (),
+                               mask_captured if family.has_mask_mod else ())
+        fresh = not (delta.data_ptr() | lse.data_ptr()) & 15
+        self.dkdv(_pack_dkdv(descriptors, lse, delta, bwd_tables, mods, self.dkdv_fixed), fresh)
+        if self.dq is not None:
+            self.dq(_pack_dq(descriptors, lse, delta, tables, mods, self.dq_fixed), fresh)
+        launches += 1
+        family.last_plan = plan
+        if self.fused_dq:
+            B, Hq, L, E = q.shape
+            return dq.view(B, Hq, L, E).to(q.dtype), dk, dv
+        return dq, dk, dv
+
+
+def _problem_args(plan: Plan, q, k, v, grad_out, dk, dv, dq, tables, bwd_tables, scale: float) -> tuple:
+    """``(recipes, dkdv_fixed, dq_fixed)``: the arguments of the seven descriptors after their tensor
+    (Q, K, V, dO, dK, dV, and dQ or its float32 sums: 2-D shape, strides, block, layout) and each
+    launch's ints and floats. The same for every call of one problem, so a warm launch works them
+    out once ([Note] 2-D views in templates/forward_sm90.py.jinja)."""
+    B, Hq, L, E = q.shape
+    S = k.shape[2]
+    k_strides, v_strides = kv_strides(k, v, B)
+    half, tile = shared_layout(QUERY_TILE, E, q.dtype), shared_layout(BLOCK, E, q.dtype)
+    views, recipes = [], []
+    for t, strides, rows, layout in ((q, q.stride(), QUERY_TILE, half), (k, k_strides, BLOCK, tile),
+                                     (v, v_strides, BLOCK, tile), (grad_out, grad_out.stride(), QUERY_TILE, half),
+                                     (dk, dk.stride(), QUERY_TILE, half), (dv, dv.stride(), QUERY_TILE, half)):
+        view = tensor_view(t, strides)
+        views.append(view)
+        recipes.append((list(view.shape), [view.row_stride, 1], [rows, E], layout))
+    if "dq" in plan.steps:
+        view = tensor_view(dq, dq.stride())
+        recipes.append((list(view.shape), [view.row_stride, 1], [QUERY_TILE, E], half))
+    else:  # the float32 sums, rows (batch, query head, query)
+        recipes.append(([B * Hq * L, E], [E, 1], [QUERY_TILE, E], _dq_acc_layout()))
+    qv, kv, vv, dov, dkv, _ = views
+    common = dict(row_qz=qv.row_z, row_qh=qv.row_h, col_qh=qv.col_h, row_kz=kv.row_z, row_kh=kv.row_h,
+                  col_kh=kv.col_h, row_vz=vv.row_z, row_vh=vv.row_h, col_vh=vv.col_h, row_doz=dov.row_z,
+                  row_doh=dov.row_h, col_doh=dov.col_h, Q_LEN=L, SM_SCALE=scale)
+    alike = rows_alike(tables, S, BLOCK)
+    dkdv_fixed = dict(common, row_dkz=dkv.row_z, row_dkh=dkv.row_h, col_dkh=dkv.col_h,
+                      SPARSE_COLS=bwd_tables.q_num_blocks.shape[2], IDX_ROWS=bwd_tables.q_indices.shape[3],
+                      FULL_IDX_ROWS=bwd_tables.full_q_indices.shape[3],
+                      TAIL_PAIRS=tail_pairs(plan.steps["dkdv"].grid, q.device, alike))
+    dq_fixed = None
+    if "dq" in plan.steps:
+        dq_fixed = dict(common, SPARSE_ROWS=tables.kv_num_blocks.shape[2], IDX_COLS=tables.kv_indices.shape[3],
+                        FULL_IDX_COLS=tables.full_kv_indices.shape[3],
+                        TAIL_PAIRS=tail_pairs(plan.steps["dq"].grid, q.device, alike))
+    return recipes, dkdv_fixed, dq_fixed
+
+
+def _pack_dkdv(descriptors, lse, delta, bwd_tables, mods: list, fixed: dict) -> tuple:
+    """The dK/dV kernel's arguments: the descriptors (dQ's read only when dQ is fused), the row
+    statistics, the transposed tables, the mods' tensors, and ``fixed`` (_problem_args)."""
+    d_q, d_k, d_v, d_do, d_dk, d_dv, d_dq = descriptors
+    return SM90_BACKWARD_DKDV.pack(
+        Q=d_q, K=d_k, V=d_v, DO=d_do, DK=d_dk, DV=d_dv, DQ_ACC=d_dq, LSE=lse, DELTA=delta,
+        Q_NUM_BLKS=bwd_tables.q_num_blocks, Q_IDX=bwd_tables.q_indices, FULL_Q_NUM_BLKS=bwd_tables.full_q_num_blocks,
+        FULL_Q_IDX=bwd_tables.full_q_indices, mods=mods, **fixed,
+    )
+
+
+def _pack_dq(descriptors, lse, delta, tables, mods: list, fixed: dict) -> tuple:
+    """The dQ kernel's arguments: the descriptors, the row statistics, the forward tables, the mods'
+    tensors, and ``fixed`` (_problem_args)."""
+    d_q, d_k, d_v, d_do, _, _, d_dq = descriptors
+    return SM90_BACKWARD_DQ.pack(
+        Q=d_q, K=d_k, V=d_v, DO=d_do, DQ=d_dq, LSE=lse, DELTA=delta, KV_NUM_BLKS=tables.kv_num_blocks,
+        KV_IDX=tables.kv_indices, FULL_KV_NUM_BLKS=tables.full_kv_num_blocks, FULL_KV_IDX=tables.full_kv_indices,
+        mods=mods, **fixed,
+    )
 
 
 _kernels: "OrderedDict[tuple, Sm90BackwardKernel]" = OrderedDict()  # see [Note] Cache keys in kernels/family.py
