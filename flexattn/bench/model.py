@@ -24,8 +24,8 @@ Execution modes (``--modes``):
 
 Per case: tokens/s (tokens of a step over its wall time, steps run back to back and waited on at the
 end), GPU time per step (CUDA events around each step), host time per step (the wall time of the
-Python call of a step, the GPU not waited on), and compile time (the first two steps' wall time
-less two steady steps). Writes a table and a JSON with the device and versions (``--out``).
+Python call of a step, the GPU not waited on), compile time (the first two steps' wall time less two
+steady steps), and the SM clock the timed steps ended at (where NVML can be read). Writes a table and a JSON with the device and versions (``--out``).
 
 In one process the implementations share what the first one warmed: Inductor's imports and worker
 pool, and any kernel a cache already holds. ``--cold`` measures what a user's first run pays
@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
@@ -192,17 +193,32 @@ def run_case(impl, mode, mask, batch, seq, cfg, device, backend, scope="blocks")
     wall = (time.perf_counter() - wall_start) / cfg["steps"]
     if cuda:
         gpu = [a.elapsed_time(b) / 1e3 for a, b in events]
+    clock = sm_clock_mhz(device)  # read right after the timed steps: the clock they ended at
     result = {
         "impl": impl, "mode": mode, "mask": mask, "batch": batch, "seq": seq,
         "tokens_per_s": batch * seq / wall, "step_ms": wall * 1e3,
         "host_ms": 1e3 * sorted(host)[len(host) // 2],
         "gpu_ms": 1e3 * sorted(gpu)[len(gpu) // 2] if gpu else None,
         "compile_s": max(0.0, sum(first[:2]) - 2 * wall) if mode != "eager" or impl == "torch" else 0.0,
+        "sm_clock_mhz": clock,
     }
     del model, optimizer
     if cuda:
         torch.cuda.empty_cache()
     return result
+
+
+def sm_clock_mhz(device) -> Optional[int]:
+    """The GPU's SM clock now (MHz, through NVML where torch can read it), else None. Steps run back to
+    back hold an H200 at its power cap, below its top clock, and an implementation whose kernels spend
+    more energy gets a lower clock (docs/benchmarks.md): the column tells a reader which state a row
+    was measured in."""
+    if device.type != "cuda":
+        return None
+    try:
+        return int(torch.cuda.clock_rate(device))
+    except Exception:  # noqa: BLE001 - no NVML (pynvml) here: no clock
+        return None
 
 
 def run_cold(impl: str, mode: str, mask: str, shape: str, args) -> dict:
@@ -238,17 +254,18 @@ def environment(device) -> dict:
 
 
 def table(results: list) -> str:
-    lines = ["| impl | mode | mask | tokens | tok/s | step ms | GPU ms | host ms | compile s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| impl | mode | mask | tokens | tok/s | step ms | GPU ms | host ms | compile s | SM MHz |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['impl']} | {r['mode']} | {r['mask']} | {r['batch']}x{r['seq']} | failed: "
-                         f"{r['error'][:60]} | | | | |")
+                         f"{r['error'][:60]} | | | | | |")
             continue
         gpu = f"{r['gpu_ms']:.1f}" if r["gpu_ms"] is not None else "-"
+        clock = r.get("sm_clock_mhz") or "-"
         lines.append(f"| {r['impl']} | {r['mode']} | {r['mask']} | {r['batch']}x{r['seq']} | "
                      f"{r['tokens_per_s'] / 1e3:.0f}k | {r['step_ms']:.1f} | {gpu} | {r['host_ms']:.1f} | "
-                     f"{r['compile_s']:.1f} |")
+                     f"{r['compile_s']:.1f} | {clock} |")
     return "\n".join(lines)
 
 
