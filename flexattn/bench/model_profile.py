@@ -41,7 +41,13 @@ from flexattn.bench import model as M
 SLEEP_CYCLES = 400_000_000  # about 0.2 s of GPU time: longer than the host calls timed behind it
 
 
-def _step_fn(impl: str, mode: str, seq: str, device):
+def _no_marks(name: str) -> None:
+    pass
+
+
+def _step_fn(impl: str, mode: str, seq: str, device, marks=_no_marks):
+    """The model and one training step of it; ``marks(name)`` is called at the step's phases (the
+    timeline's CUDA events)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     batch, length = M.SHAPES[seq]
@@ -57,9 +63,14 @@ def _step_fn(impl: str, mode: str, seq: str, device):
         if mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
         logits = model(tokens)
-        torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        marks("head")
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+        marks("backward start")
+        loss.backward()
+        marks("backward end")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        marks("end")
 
     return model, step, batch, length
 
@@ -129,31 +140,9 @@ _PHASES = (("forward", "forward 0", "head"), ("head and loss", "head", "backward
 
 
 def _timeline(impl: str, mode: str, seq: str, device, rounds: int = 3) -> None:
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    batch, length = M.SHAPES[seq]
-    model = M.GPT(32768, 768, 12, 12, M.attention_for(impl, "compile", "causal", batch, length, device))
-    model = model.to(device, torch.bfloat16)
-    options = dict(fullgraph=True, **({"mode": "reduce-overhead"} if mode == "reduce-overhead" else {}))
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = torch.compile(block, **options)
     marks = _Marks()
+    model, step, batch, length = _step_fn(impl, mode, seq, device, marks)
     _marked(model, marks)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    tokens = torch.randint(0, 32768, (batch, length), device=device)
-
-    def step():
-        if mode == "reduce-overhead":
-            torch.compiler.cudagraph_mark_step_begin()
-        logits = model(tokens)
-        marks("head")
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
-        marks("backward start")
-        loss.backward()
-        marks("backward end")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        marks("end")
 
     for _ in range(6):
         step()
