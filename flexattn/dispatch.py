@@ -161,10 +161,12 @@ def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
-def _debug_report(stage: str, call: Call, q, k, v, plan: str) -> None:
-    """One line on stderr per forward or backward (FLEXATTN_DEBUG=1): the backend and what it ran."""
-    if ahead.recording():  # a run whose launches were only recorded
+def _debug_report(stage: str, call: Call, q, k, v, plan) -> None:
+    """One line on stderr per forward or backward (FLEXATTN_DEBUG=1): the backend and what it ran
+    (``plan``, or a function that says it: a run whose launches were only recorded has none)."""
+    if ahead.recording():  # [Note] Kernels compiled ahead: nothing ran, and no plan was kept
         return
+    plan = plan() if callable(plan) else plan
     q_block, kv_block = call.block_mask.BLOCK_SIZE
     print(
         f"[flexattn] {stage} {call.backend}: q {_shape(q)} k {_shape(k)} v {_shape(v)} "
@@ -187,7 +189,7 @@ def run_forward(call: Call, q, k, v, score_captured, need_lse, need_max):
         out, lse = kernel(q, k, v, call.block_mask, call.scale, score_captured, call.mask_captured,
                           need_lse=need_lse, options=call.options)
         if _DEBUG:
-            _debug_report("forward", call, q, k, v, _kernel_plan(kernel.last_plan))
+            _debug_report("forward", call, q, k, v, lambda: _kernel_plan(kernel.last_plan))
         return out, lse, None
     if call.backend == "TRITON":
         gluon_note = ""
@@ -201,7 +203,7 @@ def run_forward(call: Call, q, k, v, score_captured, need_lse, need_max):
             need_lse=need_lse, need_max=need_max, options=call.options,
         )
         if _DEBUG:
-            _debug_report("forward", call, q, k, v, gluon_note + _kernel_plan(kernel.last_plan))
+            _debug_report("forward", call, q, k, v, lambda: gluon_note + _kernel_plan(kernel.last_plan))
         return result
     if _DEBUG:
         _debug_report("forward", call, q, k, v, _blockwise_plan(call))
@@ -306,7 +308,7 @@ def _run_gluon(stage: str, call: Call, q, k, v, choice, run):
             reason = str(err)
         else:
             if _DEBUG:
-                _debug_report(stage, call._replace(backend="GLUON"), q, k, v, _kernel_plan(kernel.last_plan))
+                _debug_report(stage, call._replace(backend="GLUON"), q, k, v, lambda: _kernel_plan(kernel.last_plan))
             return result, ""
     if call.options.get("BACKEND") == "GLUON":
         what = "this call" if stage == "forward" else f"this call's {stage}"
@@ -438,7 +440,7 @@ def run_backward(call: Call, q, k, v, out, lse, grad_out, grad_lse, score_captur
             score_captured, call.mask_captured, call.options, float32_kv_grads=float32_kv_grads,
         )
         if _DEBUG:
-            _debug_report("backward", call, q, k, v, gluon_note + _kernel_plan(kernel.last_plan))
+            _debug_report("backward", call, q, k, v, lambda: gluon_note + _kernel_plan(kernel.last_plan))
         return grads
     if _DEBUG:
         _debug_report("backward", call, q, k, v, _blockwise_plan(call))

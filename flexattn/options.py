@@ -31,7 +31,7 @@ class FlexKernelOptions(TypedDict, total=False):
     an error saying why they cannot run (on CPU tensors they need ``TRITON_INTERPRET=1``).
     ``GLUON``: the Hopper forward and backward written in Triton's Gluon (a loader warp and two
     consumer warpgroups), or an error saying why a call cannot take them: they need compute
-    capability 9.0 (H100, H200), Triton 3.6, float16 or bfloat16, equal head dims of 64 or 128,
+    capability 9.0 (H100, H200), Triton 3.6 to 3.9, float16 or bfloat16, equal head dims of 64 or 128,
     query and key lengths that are multiples of 128, a BlockMask ``BLOCK_SIZE`` of 128, and mods
     Gluon compiles; the forward no ``max_scores``; the backward no learnable captured tensors and no
     broadcast key/value batch. AUTO takes them for such calls except where measured slower: the

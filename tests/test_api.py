@@ -431,6 +431,20 @@ def test_flexattn_debug_names_backend_and_plan_on_the_pytorch_backend(tmp_path):
     assert "[flexattn]" not in _run_debug_script(tmp_path, ["PYTORCH"], "0")
 
 
+def test_the_debug_report_of_a_recorded_run_reads_no_plan():
+    """Kernels compiled ahead record a first call's launches without running them: no plan is kept,
+    so the report must not read one. It did, and the AttributeError ended the head start of every
+    first backward under FLEXATTN_DEBUG=1 (seen on an H200)."""
+    from flexattn import dispatch
+    from flexattn.kernels import ahead
+
+    def plan():
+        raise AssertionError("a recorded run has no plan to report")
+
+    with ahead.compiling_ahead():
+        dispatch._debug_report("backward", None, None, None, None, plan)
+
+
 @needs_interpreter
 def test_flexattn_debug_names_tiles_and_kernel_files_on_the_triton_backends(tmp_path):
     stderr = _run_debug_script(tmp_path, ["TRITON", "TRITON_DECODE"], "1")

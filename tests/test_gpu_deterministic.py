@@ -5,7 +5,7 @@ picks, so this is where the deterministic backward (kernel option ``DETERMINISTI
 ``torch.use_deterministic_algorithms(True)``) shows. Each case runs the backward twice and compares
 every gradient bit for bit, and the first call's bits must be every later call's (a problem's
 first call settles its tiles: [Note] Tiles the compiler made costly). The learnable tensors'
-gradients stay within float32 rounding of the default backward's, and every gradient keeps the
+gradients are as close to float64 as the default backward's, and every gradient keeps the
 flash-attention rule against float64. tests/test_deterministic.py checks the same paths on the CPU.
 """
 
@@ -112,11 +112,34 @@ def test_two_deterministic_backwards_give_the_same_bits(case):
     for name in first:
         assert torch.equal(first[name], second[name]), f"d{name} differs between two deterministic runs"
     default = gradients(t, mod, mask_mod, gqa, {"DETERMINISTIC": False}, grad_out, grad_lse)
+    reference = float64_table_gradients(t, mod, mask_mod, gqa, grad_out, grad_lse)
     for name in first:
-        # dQ/dK/dV: the default's first call may run other tiles (bf16 outputs); tables: float32 sums.
         err = ((first[name].float() - default[name].float()).norm() / default[name].float().norm()).item()
         print(f"d{name}: deterministic vs default {err:.1e}")
-        assert err < (1e-2 if name in ("q", "k", "v") else 1e-4), f"d{name}: deterministic vs default {err:.1e}"
+        if name in ("q", "k", "v"):  # bf16 outputs
+            assert err < 1e-2, f"d{name}: deterministic vs default {err:.1e}"
+            continue
+        # The tables' float32 sums: against float64, as close as the default's. Not against the
+        # default's alone: the two modes may settle on other tiles ([Note] Tiles the compiler made
+        # costly, kernels/family.py), and the output's bf16 rounding on other tiles moves every
+        # dS a little. Under Triton 3.9 t5_bias's did: 7e-4 apart, 1.2e-3 and 1.4e-3 from float64.
+        ref = reference[name].double()
+        mine, theirs = (((g[name].double() - ref).norm() / ref.norm()).item() for g in (first, default))
+        print(f"d{name}: deterministic {mine:.2e}, default {theirs:.2e} from float64")
+        assert mine <= 1.5 * theirs + 1e-5, f"d{name}: deterministic {mine:.1e} from float64, the default {theirs:.1e}"
+
+
+def float64_table_gradients(t, mod, mask_mod, gqa, grad_out, grad_lse):
+    """The captured tables' gradients with q, k and v in float64 (the PyTorch backend; the tables
+    stay float32 leaves)."""
+    q, k, v = (t[name].detach().double().requires_grad_() for name in ("q", "k", "v"))
+    tables = [name for name in t if name not in ("q", "k", "v")]
+    B, Hq, L, _ = q.shape
+    block_mask = create_block_mask(mask_mod, B, Hq, L, k.shape[2], device=DEVICE) if mask_mod else None
+    out, aux = flex_attention(q, k, v, score_mod=mod, block_mask=block_mask, enable_gqa=gqa,
+                              kernel_options={"BACKEND": "PYTORCH"}, return_aux=AuxRequest(lse=True))
+    loss = (out * grad_out.double()).sum() + (aux.lse * grad_lse.double()).sum()
+    return dict(zip(tables, torch.autograd.grad(loss, [t[name] for name in tables])))
 
 
 @pytest.mark.parametrize("slots", [1, 3, 64])

@@ -90,6 +90,29 @@ def test_interpreted_kernels_take_the_ordinary_launch(monkeypatch):
     assert launch_module.fast_launches == before
 
 
+def test_triton_launches_name_the_compile_options(monkeypatch):
+    """Launches on Triton's own path pin FP fusion on ([Note] Compile options): the kernels' tuned
+    rounding and speed whatever TRITON_DEFAULT_FP_FUSION or a later Triton's default says."""
+    from dataclasses import fields
+
+    from triton import knobs
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    assert launch_module.COMPILE_OPTIONS == {"enable_fp_fusion": True}
+    assert "enable_fp_fusion" in {f.name for f in fields(CUDAOptions)}  # an option Triton's launch parses
+    calls = []
+
+    class Jitted:  # like a JITFunction: it has device caches
+        device_caches = {}
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append(kwargs)
+
+    monkeypatch.setattr(knobs.runtime, "debug", True)  # the debug knob takes Triton's own launch
+    launch_module.launch(Jitted(), (2, 1, 1), (torch.zeros(4), 7), {"BLOCK": 16})
+    assert calls == [{"BLOCK": 16, "enable_fp_fusion": True}]
+
+
 def test_a_profiler_hook_sends_launches_through_triton():
     from triton import knobs
 

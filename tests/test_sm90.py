@@ -88,8 +88,13 @@ def test_shape_reasons():
 def test_device_reasons(monkeypatch):
     device = torch.device("cuda", 0)
     monkeypatch.setattr(sm90, "interpreter_enabled", lambda: False)
-    monkeypatch.setattr(sm90, "_triton_version", lambda: "3.9.0")
-    assert sm90.device_reason(device) == "Gluon kernels validated on Triton 3.6 only (this is Triton 3.9.0)"
+    for unchecked in ("3.5.1", "3.10.0"):
+        monkeypatch.setattr(sm90, "_triton_version", lambda: unchecked)
+        assert sm90.device_reason(device) == f"Gluon kernels validated on Triton 3.6 to 3.9 only (this is Triton {unchecked})"
+    for version in ("3.6.0", "3.7.1", "3.8.0", "3.9.0"):
+        monkeypatch.setattr(sm90, "_capability", lambda index: (9, 0))
+        monkeypatch.setattr(sm90, "_triton_version", lambda: version)
+        assert sm90.device_reason(device) is None
     monkeypatch.setattr(sm90, "_triton_version", lambda: "3.6.0")
     monkeypatch.setattr(sm90, "_capability", lambda index: (8, 0))
     assert "compute capability 9.0" in sm90.device_reason(device)

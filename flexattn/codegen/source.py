@@ -66,8 +66,8 @@ _environment.filters["gluon_spelling"] = gluon_spelling
 #   tma.async_store (3.8 keeps the old names as aliases; 3.9 removes them), and the copy engine's
 #   reduce-add, which 3.6's builder has without a Gluon name (the template's tma_reduce_add), becomes
 #   tma.async_atomic_add.
-# Only Triton 3.6 is validated on a GPU (kernels/sm90.py GLUON_TRITON_VERSIONS, the runtime guard);
-# the later releases of kernels/sm90.py GLUON_COMPILES_ON are compiled offline for sm90, not run.
+# Each release's kernels ran on a GPU (kernels/sm90.py GLUON_TRITON_VERSIONS, the runtime guard) and
+# compile offline for sm90 in the CPU tests (GLUON_COMPILES_ON).
 _GLUON_API = (
     ((3, 6), dict(tma_load="tma.async_copy_global_to_shared", tma_store="tma.async_copy_shared_to_global",
                   thread_barrier="gl.thread_barrier", tma_reduce_add="tma_reduce_add")),

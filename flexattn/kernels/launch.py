@@ -33,6 +33,13 @@ rather than building and checking them again. With the shapes, strides and launc
 families' warm launches work out once (kernels/forward.py, kernels/sm90.py), a warm op body took
 69 us instead of 114 (4k tokens, portable forward) and 62 instead of 122 (16k, Gluon forward) on
 the H200 machine's host.
+
+[Note] Compile options. Every launch on Triton's own path names ``COMPILE_OPTIONS``: FP fusion
+(a * b + c as one FMA) on, which is what the kernels were tuned and checked under. It is Triton's
+default up to 3.9, but 3.9 warns on every process's first compile that the default turns off in
+3.10, and a user setting ``TRITON_DEFAULT_FP_FUSION=0`` for their own kernels would otherwise slow
+ours and change their rounding. An option the launch names is part of Triton's cache key like any
+other, so kernels compiled ahead (kernels/ahead.py) carry it too.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ __all__ = [
 ]
 
 fast_launches = 0  # launches that took the direct path (tests check that it runs and stays correct)
+
+COMPILE_OPTIONS = {"enable_fp_fusion": True}  # [Note] Compile options
 
 _MAX_ENTRIES = 512  # per kernel; cleared when full (a new entry costs one ordinary launch)
 
@@ -107,6 +116,11 @@ except ImportError:  # pragma: no cover
 _AVAILABLE = _knobs is not None
 
 
+def _triton_launch(jit_fn, grid: tuple, args: tuple, constexprs: dict):
+    """Triton's own launch of ``jit_fn`` (a JITFunction), with the compile options ([Note] Compile options)."""
+    return jit_fn[grid](*args, **constexprs, **COMPILE_OPTIONS)
+
+
 def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict):
     """``jit_fn[grid](*args, **constexprs)``, directly through the compiled kernel's launcher when a
     launch with the same specialisation facts already went through Triton. Returns the compiled
@@ -117,22 +131,22 @@ def launch(jit_fn, grid: tuple, args: tuple, constexprs: dict):
         return jit_fn[grid](*args, **constexprs)
     if pending:  # kernels the compile workers still hold (kernels/ahead.py)
         if recording():
-            return record(jit_fn, grid, args, constexprs)
+            return record(jit_fn, grid, args, {**constexprs, **COMPILE_OPTIONS})
         wait_for(jit_fn)
     elif recording():
-        return record(jit_fn, grid, args, constexprs)
+        return record(jit_fn, grid, args, {**constexprs, **COMPILE_OPTIONS})
     runtime = _knobs.runtime
     if not (_idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook)) or runtime.debug:
-        return jit_fn[grid](*args, **constexprs)
+        return _triton_launch(jit_fn, grid, args, constexprs)
     facts = _facts(args)
     if facts is None:
-        return jit_fn[grid](*args, **constexprs)
+        return _triton_launch(jit_fn, grid, args, constexprs)
     device = _driver.active.get_current_device()
     key = (device, facts, tuple(constexprs.items()))
     entries = jit_fn.__dict__.setdefault("_flexattn_entries", {})
     entry = entries.get(key)
     if entry is None:
-        kernel = jit_fn[grid](*args, **constexprs)
+        kernel = _triton_launch(jit_fn, grid, args, constexprs)
         names = getattr(jit_fn, "arg_names", None)
         if kernel is None or names is None or len(names) < len(args):
             return kernel
