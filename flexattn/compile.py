@@ -497,7 +497,7 @@ def _forward(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, f
         problem = _warm_problem(query, key, value, tables, score_captured, mask_captured, call_key, block_size,
                                 seq_lengths, scale, needs_grad, need_max)
         warm = None if problem is None else _WARM.get(problem)
-        if warm is not None and warm.holds(tables):
+        if warm is not None and warm.tables.holds(tables):
             out, lse, mx = warm.run(query, key, value, tables, score_captured, mask_captured)
             return _forward_outputs(query, out, lse, mx, need_max)
     call = _call(call_key, query, key, tables, block_size, seq_lengths, mask_captured, scale, needs_grad, need_max)
@@ -529,32 +529,63 @@ def _forward_outputs(query, out, lse, mx, need_max: bool):
 #   statistics (the consecutive-block flags change the kernel's results) were found for those very
 #   tables at that version (kept or checked, [Note] What a compiled call's mask derives, kept). A
 #   table freed and another made at the same id() is told apart by a weak reference to the first
-#   (``_WarmForward.holds``); a table written in place has a new version: the call goes the long
+#   (``_WarmTables.holds``); a table written in place has a new version: the call goes the long
 #   way, and makes its own entry;
-# * the process state the choices read: the interpreter switch, float32 matmul precision.
+# * the process state the choices read: the interpreter switch, float32 matmul precision, torch's
+#   determinism switch.
 # Only a call that launched one settled plan of the portable or Gluon forward is kept (forward_relaunch
 # in dispatch.py); the captured tensors' contents are read at launch, so new contents need no new entry.
 _WARM: dict = {}  # problem -> _WarmForward
 _WARM_KEPT = 512  # cleared when full: a new entry costs one call the long way
 
 
-class _WarmForward(NamedTuple):
-    tables: tuple  # weak references to the op's four tables (None where absent)
-    stats: RowStats
+class _WarmTables(NamedTuple):
+    """What a warm entry (forward or backward) keeps of its first call's tables and mods."""
+
+    refs: tuple  # weak references to the op's four tables (None where absent)
+    stats: RowStats  # what the first call's launch found in them
     has_full: bool
     plan_key: tuple
     score: Optional[TracedMod]
     mask: Optional[TracedMod]
-    relaunch: Callable
 
     def holds(self, tables) -> bool:
-        return _same_objects(self.tables, tables)
+        return _same_objects(self.refs, tables)
+
+    def arguments(self, tables, score_captured, mask_captured, device) -> tuple:
+        """``(launch tables, the score_mod's captured tensors, the mask_mod's)`` of a warm launch:
+        the op's tables as the launch reads them, with what the first call found for them."""
+        nb, idx, fnb, fidx = tables
+        full = self.has_full
+        launch = LaunchTables(nb, idx, fnb if full else nb, fidx if full else idx, full, self.stats, self.plan_key)
+        return (launch, _all_captured(self.score, list(score_captured), device),
+                _all_captured(self.mask, list(mask_captured), device))
+
+
+def _warm_tables(call: Call, tables) -> Optional[_WarmTables]:
+    """The tables' part of a warm entry, from the launch that just ran; None when it read copies of
+    the op's tables (tables made contiguous or reordered), not the tables themselves."""
+    launched = launch_tables(call.block_mask)  # derived by that launch
+    nb, idx, fnb, fidx = tables
+    if not (launched.kv_num_blocks is nb and launched.kv_indices is idx and launched.has_full == (fnb is not None)
+            and (fnb is None or (launched.full_kv_num_blocks is fnb and launched.full_kv_indices is fidx))):
+        return None
+    return _WarmTables(_weak_refs(tables), launched.stats, launched.has_full, launched.plan_key, call.score, call.mask)
+
+
+def _keep_warm(entries: dict, problem: tuple, entry) -> None:
+    if len(entries) >= _WARM_KEPT:
+        entries.clear()
+    entries[problem] = entry
+
+
+class _WarmForward(NamedTuple):
+    tables: _WarmTables
+    relaunch: Callable
 
     def run(self, query, key, value, tables, score_captured, mask_captured):
-        launch = _launch_tables_of(tables, self.has_full, self.stats, self.plan_key)
-        device = query.device
-        return self.relaunch(query, key, value, launch, _all_captured(self.score, list(score_captured), device),
-                             _all_captured(self.mask, list(mask_captured), device))
+        return self.relaunch(query, key, value, *self.tables.arguments(tables, score_captured, mask_captured,
+                                                                         query.device))
 
 
 def _warm_problem(query, key, value, tables, score_captured, mask_captured, call_key, block_size, seq_lengths,
@@ -580,30 +611,11 @@ def _warm_key(parts: list, tensors: tuple, tables: tuple, grad_flags: bool = Tru
     return tuple(parts)
 
 
-def _launched_these(launched: LaunchTables, tables) -> bool:
-    """The launch read the op's own tables, not copies (tables made contiguous or reordered)."""
-    nb, idx, fnb, fidx = tables
-    return (launched.kv_num_blocks is nb and launched.kv_indices is idx and launched.has_full == (fnb is not None)
-            and (fnb is None or (launched.full_kv_num_blocks is fnb and launched.full_kv_indices is fidx)))
-
-
-def _launch_tables_of(tables, has_full: bool, stats: RowStats, plan_key: tuple) -> LaunchTables:
-    """The op's tables as a warm launch reads them, with what the first call found for them."""
-    nb, idx, fnb, fidx = tables
-    return LaunchTables(nb, idx, fnb if has_full else nb, fidx if has_full else idx, has_full, stats, plan_key)
-
-
 def _remember_warm(problem: tuple, call: Call, query, key, value, tables, need_max: bool) -> None:
-    relaunch = forward_relaunch(call, query, key, value, need_max)
-    if relaunch is None:
-        return
-    launched = launch_tables(call.block_mask)  # derived by the launch that just ran
-    if not _launched_these(launched, tables):
-        return
-    if len(_WARM) >= _WARM_KEPT:
-        _WARM.clear()
-    _WARM[problem] = _WarmForward(_weak_refs(tables), launched.stats, launched.has_full, launched.plan_key, call.score, call.mask,
-                                  relaunch)
+    warm_tables = _warm_tables(call, tables)
+    relaunch = None if warm_tables is None else forward_relaunch(call, query, key, value, need_max)
+    if relaunch is not None:
+        _keep_warm(_WARM, problem, _WarmForward(warm_tables, relaunch))
 
 
 _LIBRARY.impl("flex_attention", _forward_body, "CompositeExplicitAutograd")
@@ -692,7 +704,7 @@ def _backward_impl(query, key, value, out, lse, grad_out, grad_lse, kv_num_block
                             grad_flags=False)  # the first backward of a compiled graph may see other flags
         warm = None if problem is None else _WARM_BACKWARD.get(problem)
         grads = None
-        if warm is not None and warm.holds(tables):
+        if warm is not None and warm.tables.holds(tables):
             grads = warm.run(query, key, value, out, lse, grad_out, grad_lse, tables, score_captured, mask_captured)
         if grads is not None:
             dq, dk, dv = grads
@@ -736,28 +748,17 @@ _WARM_BACKWARD: dict = {}  # problem -> _WarmBackward
 
 
 class _WarmBackward(NamedTuple):
-    tables: tuple  # weak references to the op's four tables (None where absent)
+    tables: _WarmTables
     kept: weakref.ref  # the _Kept whose transposed tables the first call walked
-    stats: RowStats
-    has_full: bool
-    plan_key: tuple
-    score: Optional[TracedMod]
-    mask: Optional[TracedMod]
     relaunch: Callable
-
-    def holds(self, tables) -> bool:
-        return _same_objects(self.tables, tables)
 
     def run(self, query, key, value, out, lse, grad_out, grad_lse, tables, score_captured, mask_captured):
         """``(dq, dk, dv)``, or None when the kept transposed tables are gone (the long way then)."""
         kept = self.kept()
         if kept is None or kept.backward is None or _KEPT.get(tables[0]) is not kept:
             return None
-        launch = _launch_tables_of(tables, self.has_full, self.stats, self.plan_key)
-        device = query.device
-        return self.relaunch(query, key, value, out, lse, grad_out, grad_lse, launch, kept.backward,
-                             _all_captured(self.score, list(score_captured), device),
-                             _all_captured(self.mask, list(mask_captured), device))
+        launch, score, mask = self.tables.arguments(tables, score_captured, mask_captured, query.device)
+        return self.relaunch(query, key, value, out, lse, grad_out, grad_lse, launch, kept.backward, score, mask)
 
 
 def _remember_warm_backward(problem: tuple, call: Call, query, key, value, out, grad_out, grad_lse, tables) -> None:
@@ -765,16 +766,10 @@ def _remember_warm_backward(problem: tuple, call: Call, query, key, value, out, 
     kept = _kept(mask)
     if kept is None or kept.backward is None or kept.backward is not mask.peek_derived(BACKWARD_TABLES):
         return  # the transposed tables this call walked are not kept (a capture, a side stream)
-    launched = launch_tables(mask)
-    if not _launched_these(launched, tables):
-        return
-    relaunch = backward_relaunch(call, query, key, value, out, grad_out, grad_lse)
-    if relaunch is None:
-        return
-    if len(_WARM_BACKWARD) >= _WARM_KEPT:
-        _WARM_BACKWARD.clear()
-    _WARM_BACKWARD[problem] = _WarmBackward(_weak_refs(tables), weakref.ref(kept), launched.stats, launched.has_full,
-                                            launched.plan_key, call.score, call.mask, relaunch)
+    warm_tables = _warm_tables(call, tables)
+    relaunch = None if warm_tables is None else backward_relaunch(call, query, key, value, out, grad_out, grad_lse)
+    if relaunch is not None:
+        _keep_warm(_WARM_BACKWARD, problem, _WarmBackward(warm_tables, weakref.ref(kept), relaunch))
 
 
 def _gradient_like(grad: Optional[torch.Tensor], tensor: torch.Tensor) -> torch.Tensor:

@@ -901,11 +901,11 @@ def test_a_warm_call_never_takes_the_plan_of_a_freed_table_whose_id_came_back():
     # one made at the same address and id() is another table.
     import weakref
 
-    from flexattn.compile import _WarmForward
+    from flexattn.compile import _WarmTables
 
     first = torch.zeros(1, 1, 4, dtype=torch.int32)
     same_id = id(first)
-    entry = _WarmForward((weakref.ref(first), None, None, None), None, False, (), None, None, None)
+    entry = _WarmTables((weakref.ref(first), None, None, None), None, False, (), None, None)
     assert entry.holds((first, None, None, None))
     del first
     for _ in range(1000):  # CPython hands a freed object's id to a new object of its size
