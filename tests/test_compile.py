@@ -7,6 +7,9 @@ Most compiles use the "aot_eager" backend, which runs the op's fake implementati
 formula as Inductor does, in a fraction of Inductor's CPU compile time; one test runs Inductor.
 """
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch._dynamo.testing
@@ -734,21 +737,24 @@ def test_warm_calls_launch_the_kept_plan_and_follow_what_changed(monkeypatch):
     assert len(decided) == 5
 
 
+def _portable_causal_with_empty_warm_store(monkeypatch, store: str):
+    """(flexattn.compile, a compiled portable causal call, its 128-token mask), with ``store``
+    (``_WARM`` or ``_WARM_BACKWARD``) emptied for the test. Skips without Triton's interpreter."""
+    if not flexattn.kernels.interpreter_enabled():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
+    import flexattn.compile as compiled_module
+
+    monkeypatch.setattr(compiled_module, store, {})
+    compiled, _ = counted(lambda q, k, v, bm: flex_attention(q, k, v, block_mask=bm,
+                                                             kernel_options={"BACKEND": "TRITON"}))
+    return compiled_module, compiled, create_block_mask(causal, 1, 1, 128, 128, device="cpu", BLOCK_SIZE=64)
+
+
 def test_a_warm_entry_keeps_no_tensor_of_the_call_that_made_it(monkeypatch):
     # The warm launch works out strides, lengths and descriptors from the first call of a problem
     # and keeps them; it must not keep that call's tensors (activations held alive; inside a
     # CUDA-graph capture, memory of the graph's pool that the graph does not know of).
-    if not flexattn.kernels.interpreter_enabled():
-        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
-    import gc
-    import weakref
-
-    import flexattn.compile as compiled_module
-
-    monkeypatch.setattr(compiled_module, "_WARM", {})
-    compiled, _ = counted(lambda q, k, v, bm: flex_attention(q, k, v, block_mask=bm,
-                                                             kernel_options={"BACKEND": "TRITON"}))
-    bm = create_block_mask(causal, 1, 1, 128, 128, device="cpu", BLOCK_SIZE=64)
+    compiled_module, compiled, bm = _portable_causal_with_empty_warm_store(monkeypatch, "_WARM")
     q, k, v = qkv(L=128, S=128)
     out = compiled(q, k, v, bm)
     assert len(compiled_module._WARM) == 1
@@ -845,17 +851,7 @@ def test_a_backward_whose_captured_tensor_wants_a_gradient_always_goes_the_long_
 def test_a_warm_backward_entry_keeps_no_tensor_of_the_call_that_made_it(monkeypatch):
     # Like the forward's: no q, k, v, output, LSE, gradient or result of the first call is kept, and
     # the transposed tables only through the mask's own record (they go when the tables go).
-    if not flexattn.kernels.interpreter_enabled():
-        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
-    import gc
-    import weakref
-
-    import flexattn.compile as compiled_module
-
-    monkeypatch.setattr(compiled_module, "_WARM_BACKWARD", {})
-    compiled, _ = counted(lambda q, k, v, bm: flex_attention(q, k, v, block_mask=bm,
-                                                             kernel_options={"BACKEND": "TRITON"}))
-    bm = create_block_mask(causal, 1, 1, 128, 128, device="cpu", BLOCK_SIZE=64)
+    compiled_module, compiled, bm = _portable_causal_with_empty_warm_store(monkeypatch, "_WARM_BACKWARD")
     q, k, v = qkv(L=128, S=128, requires_grad=True)
     out = compiled(q, k, v, bm)
     first = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
@@ -899,7 +895,6 @@ def test_every_kernel_option_is_guarded_so_other_options_recompile(monkeypatch):
 def test_a_warm_call_never_takes_the_plan_of_a_freed_table_whose_id_came_back():
     # Tables are matched by identity through weak references, not by id(): a table freed and a new
     # one made at the same address and id() is another table.
-    import weakref
 
     from flexattn.compile import _WarmTables
 
