@@ -148,7 +148,7 @@ class FlexKernelOptions(TypedDict, total=False):
     """Backward, dQ kernel: key rows walked per step (divides the key block size)."""
 
     WRITE_DQ: bool
-    """Ignored (a choice inside torch's backward kernel: flexattn's dQ kernel always writes dQ)."""
+    """Ignored (a choice inside torch's backward kernel: flexattn always forms dQ)."""
 
     kpack: int
     """Ignored (ROCm)."""
@@ -230,7 +230,7 @@ IGNORED_BECAUSE = {
     "PRESCALE_QK": "the scale is already folded into the exponent",
     "ROWS_GUARANTEED_SAFE": "fully masked rows are always guarded",
     "BLOCKS_ARE_CONTIGUOUS": "read from the BlockMask itself",
-    "WRITE_DQ": "flexattn's dQ kernel always writes dQ",
+    "WRITE_DQ": "flexattn always forms dQ",
     "kpack": _ROCM, "matrix_instr_nonkdim": _ROCM, "waves_per_eu": _ROCM,
 }
 

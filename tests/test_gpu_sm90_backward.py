@@ -1,7 +1,7 @@
 """The Hopper Gluon backward (kernels/sm90_backward.py) on a real H100-class GPU: dQ, dK and dV
 against the float64 reference under the flash-attention rule (tests/test_gpu_backward.py's
 check_flash_rule), the paper's variants at both head dims and in both 16-bit dtypes, GQA, the LSE's
-gradient, a transposed layout, fully masked rows, two masks of one shape, head dim 64 with dQ in
+gradient, a transposed layout, fully masked rows, two masks of one shape, both head dims with dQ in
 the dK/dV kernel and in its own, bit-identical reruns of the two-kernel form, and which calls take
 it. Skipped without CUDA and where the kernels do not apply (another GPU, another Triton): there the
 portable backward is the one tested elsewhere.
@@ -132,10 +132,10 @@ def plans(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("head_dim, options", [(128, None), (64, {"DETERMINISTIC": True})])
-def test_reruns_are_bit_identical(head_dim, options, plans):
-    # The two-kernel form: every output row has one writer. (At head dim 64 AUTO adds dQ in the
-    # dK/dV kernel, in an order that depends on scheduling; a deterministic call keeps the two.)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_reruns_are_bit_identical(head_dim, plans):
+    # The two-kernel form: every output row has one writer. (ALiBi otherwise adds dQ in the dK/dV
+    # kernel, in an order that depends on scheduling; a deterministic call keeps the two.)
     B, H, L = 2, 4, 2048
     score_mod, mask_mod = CATALOGUE["alibi"].build(B, H, L, L, DEVICE)
     leaves = qkv_leaves(B, H, H, L, L, head_dim)
@@ -144,23 +144,24 @@ def test_reruns_are_bit_identical(head_dim, options, plans):
     runs = []
     for _ in range(2):
         out = flex_attention(leaves["q"], leaves["k"], leaves["v"], score_mod=score_mod, block_mask=block_mask,
-                             kernel_options=options)
+                             kernel_options={"DETERMINISTIC": True})
         runs.append(torch.autograd.grad(out, list(leaves.values()), grad_out))
     assert len(plans) == 2 and all("dq" in steps for steps in plans)
     for first, second in zip(*runs):
         assert torch.equal(first, second)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("variant", ["noop", "causal", "alibi", "softcap", "document_mask"])
-def test_head_dim_64_in_both_forms(variant, plans, monkeypatch):
-    # [Note] dQ in the dK/dV kernel: at head dim 64 the form without a dQ kernel (which AUTO takes
-    # with a score_mod or no mod) and the two-kernel form a deterministic call takes, each under the
-    # flash-attention rule against float64.
+def test_both_forms(variant, head_dim, plans, monkeypatch):
+    # [Note] dQ in the dK/dV kernel: the form without a dQ kernel (turns at head dim 64, each
+    # consumer's columns at 128) and the two-kernel form a deterministic call takes, each under the
+    # flash-attention rule against float64, and AUTO's choice between them.
     B, H, L = 2, 4, 1024
     score_mod, mask_mod = CATALOGUE[variant].build(B, H, L, L, DEVICE)
-    leaves = qkv_leaves(B, H, H, L, L, 64)
+    leaves = qkv_leaves(B, H, H, L, L, head_dim)
     gluon_gradients(leaves, plain(score_mod), mask_mod)
-    auto_fuses = score_mod is not None or mask_mod is None
+    auto_fuses = score_mod is not None or mask_mod is None or head_dim == 128
     monkeypatch.setattr(sm90_backward, "fuses_dq", lambda head_dim, deterministic, *mods: not deterministic)
     gluon_gradients(leaves, plain(score_mod), mask_mod)
     gluon_gradients(leaves, plain(score_mod), mask_mod, options={**GLUON, "DETERMINISTIC": True})

@@ -145,8 +145,9 @@ def test_explain_names_each_stage_and_why(monkeypatch):
 
 
 def test_explain_names_the_gluon_backward_form(monkeypatch):
-    # Where the Gluon backward runs, --explain says whether dQ joins the dK/dV kernel (head dim 64,
-    # not deterministic: [Note] dQ in the dK/dV kernel) or has a kernel of its own.
+    # Where the Gluon backward runs, --explain says whether dQ joins the dK/dV kernel (not
+    # deterministic; head dim 64 unless a mask_mod comes alone, and 128: [Note] dQ in the dK/dV
+    # kernel) or has a kernel of its own.
     monkeypatch.setattr(dispatch, "pick_backend", lambda q, options: "TRITON")
     monkeypatch.setattr(dispatch, "sm90_forward_choice", lambda *args, **kwargs: (None, None))
     monkeypatch.setattr(dispatch, "sm90_backward_choice", lambda *args, **kwargs: (None, None))
@@ -156,9 +157,11 @@ def test_explain_names_the_gluon_backward_form(monkeypatch):
 
     assert backward(64).endswith("dQ added in the dK/dV kernel, no dQ kernel")
     assert backward(64, causal).endswith("dK/dV and dQ kernels")
-    assert backward(128).endswith("dK/dV and dQ kernels")
+    assert backward(128).endswith("dQ added in the dK/dV kernel, no dQ kernel")
+    assert backward(128, causal).endswith("dQ added in the dK/dV kernel, no dQ kernel")
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     assert backward(64).endswith("dK/dV and dQ kernels")
+    assert backward(128).endswith("dK/dV and dQ kernels")
 
 
 def test_explain_on_the_command_line(capsys):
@@ -172,14 +175,14 @@ def test_explain_on_the_command_line(capsys):
                     reason="needs a Triton of sm90.GLUON_COMPILES_ON with its ptxas (offline sm90 compile)")
 def test_causal_kernels_compile_for_sm90_offline():
     """The rendered causal dK/dV and dQ kernels through Triton's whole pipeline for sm90, in a
-    process of its own without TRITON_INTERPRET; about 10 s."""
+    process of its own without TRITON_INTERPRET; about 15 s."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     code = "import test_sm90_backward; test_sm90_backward.compile_causal_offline()"
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
                           text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 3
+    assert done.stdout.count("compiled") == 4
 
 
 def compile_causal_offline():
@@ -193,15 +196,16 @@ def compile_causal_offline():
     from triton.runtime.jit import mangle_type
 
     kernel, _ = family("causal")
-    D = 64
-    rows = torch.empty(2 * L, D, dtype=torch.bfloat16)
-    descriptor = {r: TensorDescriptor(rows, [2 * L, D], [D, 1], [r, D],
-                                      gl.NVMMASharedLayout.get_default_for([r, D], gl.bfloat16)) for r in (64, 128)}
-    sums = TensorDescriptor(torch.empty(2 * L, D), [2 * L, D], [D, 1], [64, D], sm90_backward._dq_acc_layout())
-    # dK/dV with dQ added by the copy engine ([Note] dQ in the dK/dV kernel) and without, then dQ.
-    for params, block_m, stages, fused in ((SM90_BACKWARD_DKDV, 64, sm90_backward.DKDV_STAGES[D], True),
-                                           (SM90_BACKWARD_DKDV, 64, sm90_backward.DKDV_STAGES[D], False),
-                                           (SM90_BACKWARD_DQ, 128, sm90_backward.DQ_STAGES[D], None)):
+    # dK/dV with dQ added by the copy engine ([Note] dQ in the dK/dV kernel: turns at head dim 64,
+    # each consumer's columns at 128) and without, then dQ.
+    for params, D, block_m, fused in ((SM90_BACKWARD_DKDV, 64, 64, True), (SM90_BACKWARD_DKDV, 64, 64, False),
+                                      (SM90_BACKWARD_DQ, 64, 128, None), (SM90_BACKWARD_DKDV, 128, 64, True)):
+        rows = torch.empty(2 * L, D, dtype=torch.bfloat16)
+        descriptor = {r: TensorDescriptor(rows, [2 * L, D], [D, 1], [r, D],
+                                          gl.NVMMASharedLayout.get_default_for([r, D], gl.bfloat16)) for r in (64, 128)}
+        sums = TensorDescriptor(torch.empty(2 * L, D), [2 * L, D], [D, 1], [64, sm90_backward.dq_acc_columns(D)],
+                                sm90_backward._dq_acc_layout())
+        stages = (sm90_backward.DKDV_STAGES if params is SM90_BACKWARD_DKDV else sm90_backward.DQ_STAGES)[D]
         constexprs = dict(SPARSE_Z=1, SPARSE_HQ=1, GQA_GROUP=1, HEAD_DIM=D, SPARSE_Q_BLOCK_SIZE=128,
                           SPARSE_KV_BLOCK_SIZE=128, BLOCK_M=block_m, BLOCK_N=128, STAGES=stages,
                           CONSUMER_REGS=240, HAS_SCORE_MOD=False, SCALE_FIRST=False,
@@ -231,11 +235,14 @@ def compile_causal_offline():
 
 
 def test_which_calls_add_dq_in_the_dkdv_kernel():
-    # [Note] dQ in the dK/dV kernel: head dim 64 with a score_mod or no mod, never deterministic.
+    # [Note] dQ in the dK/dV kernel: head dim 64 with a score_mod or no mod, always at 128, never
+    # when deterministic.
     fuses_dq = sm90_backward.fuses_dq
     assert fuses_dq(64, False, True, True) and fuses_dq(64, False, True, False) and fuses_dq(64, False, False, False)
     assert not fuses_dq(64, False, False, True)  # a mask_mod alone: measured no faster
-    assert not fuses_dq(128, False, True, False) and not fuses_dq(128, False, False, False)
+    # Head dim 128: every call that is not deterministic; no other head dim.
+    assert all(fuses_dq(128, False, score, mask) for score in (False, True) for mask in (False, True))
+    assert not fuses_dq(128, True, False, False) and not fuses_dq(96, False, False, False)
     assert not fuses_dq(64, True, True, False) and not fuses_dq(64, True, False, False)
 
 

@@ -9,7 +9,8 @@ Times are GPU times: every call is enqueued while a sleep kernel holds the GPU, 
 paces it (a 4k forward takes about as long on the GPU as its call on the host), and L2 is flushed
 before each call, outside its events. Each figure is the median of CALLS calls, the best of ROUNDS
 rounds, the two orders alternating. It also checks that both orders give the same bits (except where
-dQ is added by atomics: head dim 64 without a mask_mod, [Note] dQ in the dK/dV kernel).
+the copy engine adds dQ in the dK/dV kernel, in an order that depends on scheduling: [Note] dQ in the
+dK/dV kernel).
 """
 
 from __future__ import annotations

@@ -59,31 +59,52 @@ PREPROCESS_ROWS = 64
 # query tile) pair where dS is formed, in the dK/dV kernel, and has the copy engine add it into a
 # float32 buffer (cp.reduce.async.bulk.tensor .add): five matrix products a pair instead of seven,
 # since a separate dQ kernel must form S and dP (and run the mods) again. Here the two consumers
-# publish their halves of the tile's dS^T in shared memory and take turns (even tiles consumer 0,
-# odd tiles consumer 1) multiplying the whole of it by K and adding the 64-row result: one
-# reduce a tile, not one per consumer, which halves the float32 traffic into L2.
-# Measured on the H100 (bf16, 16k tokens, docs/benchmarks.md), against the two kernels:
-# - turn-taking, d=64: 1.05-1.06x without mods, 1.12-1.15x with ALiBi and soft-cap (the dQ kernel
+# publish their halves of the tile's dS^T in shared memory, then:
+# - head dim 64: they take turns (even tiles consumer 0, odd tiles consumer 1) multiplying the whole
+#   of it by K and adding the 64-row result: one reduce a tile, not one per consumer, which halves
+#   the float32 traffic into L2;
+# - head dim 128: each consumer multiplies all of it by its 64 of K's columns, on the tensor cores
+#   beside dK's product, and adds a 64 x 64 tile. A whole 64 x 128 dQ tile in one consumer, on top of
+#   dK and dV's 128 registers a thread, spilled (the turns' form there: 1.04x without a mask, 0.78x
+#   causal, and 226 KB of shared memory against this form's 194 KB).
+# Measured against the two kernels (bf16, 16k tokens, docs/benchmarks.md):
+# - turns, d=64 (H100): 1.05-1.06x without mods, 1.12-1.15x with ALiBi and soft-cap (the dQ kernel
 #   ran the score_mod and its gradient again); with a mask_mod alone 1.00-1.05x causal and 1.01x
 #   sliding window and prefix LM, and a causal 12-layer model trained 2% slower (kernel bench B4 H16,
 #   model B1 H12: the dK/dV programs' uneven work under a causal mask grows with the dQ products);
-# - turn-taking, d=128: 1.04x without a mask but 0.78x causal, where the kernel spills (dK and dV
-#   hold 128 registers a thread, and shared memory is full at 226 KB);
-# - one reduce per consumer (each adding its 64 keys' part): 0.92-0.97x at d=64 without a score_mod,
-#   0.72-0.91x at d=128: the doubled traffic costs more than the products saved.
-# - turn-taking with a mask_mod alone, again after [Note] Launch order evened out the dK/dV programs
-#   (H200, 2026-11-27): causal 0.95-0.99x at 4k to 16k; documents 1.08x at 4k and 1.01x at 16k,
-#   a 1024 sliding window 1.01x at 4k: not enough to change the rule.
-# So dQ joins the dK/dV kernel at head dim 64, with a score_mod or without any mod. The order of the
-# additions depends on scheduling, so those sums are not bit-identical from run to run: a
-# deterministic call (options.deterministic) keeps the two kernels, whose every output row has one
-# writer.
-FUSED_DQ_HEAD_DIMS = (64,)
+#   again on an H200 after [Note] Launch order evened out the dK/dV programs: causal 0.95-0.99x at 4k
+#   to 16k, documents 1.08x at 4k and 1.01x at 16k, a 1024 sliding window 1.01x at 4k;
+# - columns, d=128 (H200, 2026-11-28): 1.10x without mods, 1.15x with soft-cap, 1.04-1.07x with a
+#   mask_mod (causal, ALiBi, sliding window, prefix LM), 0.99x on documents;
+# - the consumers walk a program's tiles in one loop here, the mask_mod behind a flag, where the
+#   two-kernel form keeps a loop for partial blocks and one for full ones. With the two loops this
+#   kernel ran 0.88-0.97x with a mask_mod at d=128: ptxas (Triton 3.6) spilled 12 values every tile
+#   of the full loop. With one loop it spills none in the tiles; at d=64 one loop measured 1.05x
+#   without mods and 0.99x with ALiBi, against the two. The two-kernel form keeps its two loops (one
+#   loop measured 0.96-1.01x there). A first one-loop form, calling the tile once for each kind of
+#   block, gave wrong gradients under Triton 3.6 with a mask_mod (not investigated; the GPU tests'
+#   comparisons with float64 catch such a form);
+# - one reduce per consumer of its 64 keys' part: 0.92-0.97x at d=64 without a score_mod, 0.72-0.91x
+#   at d=128: the doubled traffic costs more than the products saved.
+# So dQ joins the dK/dV kernel at head dim 64 with a score_mod or without any mod, and at head dim
+# 128 always. The order of the additions depends on scheduling, so those sums are not
+# bit-identical from run to run: a deterministic call (options.deterministic) keeps the two kernels,
+# whose every output row has one writer.
 
 
 def fuses_dq(head_dim: int, deterministic: bool, has_score_mod: bool, has_mask_mod: bool) -> bool:
     """Whether dQ is added in the dK/dV kernel ([Note] dQ in the dK/dV kernel) rather than by its own."""
-    return head_dim in FUSED_DQ_HEAD_DIMS and not deterministic and (has_score_mod or not has_mask_mod)
+    if deterministic:
+        return False
+    if head_dim == 64:
+        return has_score_mod or not has_mask_mod
+    return head_dim == 128
+
+
+def dq_acc_columns(head_dim: int) -> int:
+    """The columns of one float32 dQ tile the dK/dV kernel adds: at head dim 128 each consumer adds
+    its 64 ([Note] dQ in the dK/dV kernel)."""
+    return 64 if head_dim == 128 else head_dim
 
 
 @functools.lru_cache(maxsize=None)
@@ -344,7 +365,7 @@ def _problem_args(plan: Plan, q, k, v, grad_out, dk, dv, dq, tables, bwd_tables,
         view = tensor_view(dq, dq.stride())
         recipes.append((list(view.shape), [view.row_stride, 1], [QUERY_TILE, E], half))
     else:  # the float32 sums, rows (batch, query head, query)
-        recipes.append(([B * Hq * L, E], [E, 1], [QUERY_TILE, E], _dq_acc_layout()))
+        recipes.append(([B * Hq * L, E], [E, 1], [QUERY_TILE, dq_acc_columns(E)], _dq_acc_layout()))
     qv, kv, vv, dov, dkv, _ = views
     common = dict(row_qz=qv.row_z, row_qh=qv.row_h, col_qh=qv.col_h, row_kz=kv.row_z, row_kh=kv.row_h,
                   col_kh=kv.col_h, row_vz=vv.row_z, row_vh=vv.row_h, col_vh=vv.col_h, row_doz=dov.row_z,
