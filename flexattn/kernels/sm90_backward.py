@@ -41,7 +41,7 @@ from .sm90 import problem_reason as forward_problem_reason
 from .tables import backward_tables, launch_tables
 
 __all__ = ["Sm90BackwardKernel", "Sm90Unavailable", "WarmSm90Backward", "sm90_backward_kernel", "problem_reason",
-           "auto_reason", "fuses_dq", "launches"]
+           "auto_reason", "fuses_dq", "one_loop", "launches"]
 
 launches = 0  # backward calls run by this family (tests check the Gluon path really ran)
 QUERY_TILE = 64  # dK/dV walks each listed 128-row query block as two tiles of 64 rows
@@ -90,6 +90,18 @@ PREPROCESS_ROWS = 64
 # 128 always. The order of the additions depends on scheduling, so those sums are not
 # bit-identical from run to run: a deterministic call (options.deterministic) keeps the two kernels,
 # whose every output row has one writer.
+# The one-loop walk and dQ at head dim 128 have run on a GPU under Triton 3.6 only (the other
+# releases of sm90.GLUON_TRITON_VERSIONS were checked with the earlier forms). Under those, the dK/dV
+# kernel keeps its two loops and head dim 128 its two kernels, until checked the same way.
+ONE_LOOP_TRITON_VERSIONS = ("3.6",)
+
+
+def one_loop() -> bool:
+    """Whether this Triton runs the one-loop walk of the dK/dV kernel with dQ in it (and so dQ there
+    at head dim 128): ONE_LOOP_TRITON_VERSIONS."""
+    import triton
+
+    return triton.__version__.startswith(ONE_LOOP_TRITON_VERSIONS)
 
 
 def fuses_dq(head_dim: int, deterministic: bool, has_score_mod: bool, has_mask_mod: bool) -> bool:
@@ -98,7 +110,7 @@ def fuses_dq(head_dim: int, deterministic: bool, has_score_mod: bool, has_mask_m
         return False
     if head_dim == 64:
         return has_score_mod or not has_mask_mod
-    return head_dim == 128
+    return head_dim == 128 and one_loop()
 
 
 def dq_acc_columns(head_dim: int) -> int:
@@ -220,7 +232,8 @@ class Sm90BackwardKernel(GluonFamily):
             HAS_PARTIAL_BLOCKS=self.has_mask_mod, HAS_FULL_BLOCKS=tables.has_full,
             num_warps=4,  # the default partition: consumer warpgroup 0
         )
-        dkdv = dict(common, BLOCK_M=QUERY_TILE, BLOCK_N=BLOCK, STAGES=DKDV_STAGES[E], FUSED_DQ=fused_dq)
+        dkdv = dict(common, BLOCK_M=QUERY_TILE, BLOCK_N=BLOCK, STAGES=DKDV_STAGES[E], FUSED_DQ=fused_dq,
+                    ONE_LOOP=fused_dq and one_loop())
         dq = dict(common, BLOCK_M=BLOCK, BLOCK_N=BLOCK, STAGES=DQ_STAGES[E])
         SM90_BACKWARD_DKDV.check_constexprs(dkdv)
         SM90_BACKWARD_DQ.check_constexprs(dq)
