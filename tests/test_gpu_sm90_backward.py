@@ -161,10 +161,7 @@ def test_both_forms(variant, head_dim, plans, monkeypatch):
     score_mod, mask_mod = CATALOGUE[variant].build(B, H, L, L, DEVICE)
     leaves = qkv_leaves(B, H, H, L, L, head_dim)
     gluon_gradients(leaves, plain(score_mod), mask_mod)
-    if head_dim == 64:
-        auto_fuses = score_mod is not None or mask_mod is None
-    else:  # under a Triton checked with the one-loop walk
-        auto_fuses = sm90_backward.one_loop()
+    auto_fuses = score_mod is not None or mask_mod is None or head_dim == 128
     monkeypatch.setattr(sm90_backward, "fuses_dq", lambda head_dim, deterministic, *mods: not deterministic)
     gluon_gradients(leaves, plain(score_mod), mask_mod)
     gluon_gradients(leaves, plain(score_mod), mask_mod, options={**GLUON, "DETERMINISTIC": True})

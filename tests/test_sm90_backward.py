@@ -151,7 +151,6 @@ def test_explain_names_the_gluon_backward_form(monkeypatch):
     monkeypatch.setattr(dispatch, "pick_backend", lambda q, options: "TRITON")
     monkeypatch.setattr(dispatch, "sm90_forward_choice", lambda *args, **kwargs: (None, None))
     monkeypatch.setattr(dispatch, "sm90_backward_choice", lambda *args, **kwargs: (None, None))
-    monkeypatch.setattr(sm90_backward, "one_loop", lambda: True)  # as under Triton 3.6
 
     def backward(head_dim, mask_mod=None):
         return dict(explain(None, mask_mod, 1, 2, L, L, head_dim, torch.bfloat16, "cpu"))["backward"]
@@ -160,10 +159,9 @@ def test_explain_names_the_gluon_backward_form(monkeypatch):
     assert backward(64, causal).endswith("dK/dV and dQ kernels")
     assert backward(128).endswith("dQ added in the dK/dV kernel, no dQ kernel")
     assert backward(128, causal).endswith("dQ added in the dK/dV kernel, no dQ kernel")
-    monkeypatch.setattr(sm90_backward, "one_loop", lambda: False)
-    assert backward(128).endswith("dK/dV and dQ kernels")
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     assert backward(64).endswith("dK/dV and dQ kernels")
+    assert backward(128).endswith("dK/dV and dQ kernels")
 
 
 def test_explain_on_the_command_line(capsys):
@@ -177,14 +175,14 @@ def test_explain_on_the_command_line(capsys):
                     reason="needs a Triton of sm90.GLUON_COMPILES_ON with its ptxas (offline sm90 compile)")
 def test_causal_kernels_compile_for_sm90_offline():
     """The rendered causal dK/dV and dQ kernels through Triton's whole pipeline for sm90, in a
-    process of its own without TRITON_INTERPRET; about 20 s."""
+    process of its own without TRITON_INTERPRET; about 15 s."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     code = "import test_sm90_backward; test_sm90_backward.compile_causal_offline()"
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
                           text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 5
+    assert done.stdout.count("compiled") == 4
 
 
 def compile_causal_offline():
@@ -199,11 +197,9 @@ def compile_causal_offline():
 
     kernel, _ = family("causal")
     # dK/dV with dQ added by the copy engine ([Note] dQ in the dK/dV kernel: turns at head dim 64,
-    # each consumer's columns at 128; one loop of tiles, and two at head dim 64) and without, then dQ.
-    for params, D, block_m, fused, one_loop in (
-            (SM90_BACKWARD_DKDV, 64, 64, True, True), (SM90_BACKWARD_DKDV, 64, 64, True, False),
-            (SM90_BACKWARD_DKDV, 64, 64, False, False), (SM90_BACKWARD_DQ, 64, 128, None, None),
-            (SM90_BACKWARD_DKDV, 128, 64, True, True)):
+    # each consumer's columns at 128) and without, then dQ.
+    for params, D, block_m, fused in ((SM90_BACKWARD_DKDV, 64, 64, True), (SM90_BACKWARD_DKDV, 64, 64, False),
+                                      (SM90_BACKWARD_DQ, 64, 128, None), (SM90_BACKWARD_DKDV, 128, 64, True)):
         rows = torch.empty(2 * L, D, dtype=torch.bfloat16)
         descriptor = {r: TensorDescriptor(rows, [2 * L, D], [D, 1], [r, D],
                                           gl.NVMMASharedLayout.get_default_for([r, D], gl.bfloat16)) for r in (64, 128)}
@@ -215,7 +211,7 @@ def compile_causal_offline():
                           CONSUMER_REGS=240, HAS_SCORE_MOD=False, SCALE_FIRST=False,
                           HAS_PARTIAL_BLOCKS=True, HAS_FULL_BLOCKS=True)
         if fused is not None:
-            constexprs.update(FUSED_DQ=fused, ONE_LOOP=one_loop)
+            constexprs["FUSED_DQ"] = fused
         signature = {}
         for name in params.names():
             if name in constexprs:
@@ -238,30 +234,16 @@ def compile_causal_offline():
         print("compiled")
 
 
-def test_which_calls_add_dq_in_the_dkdv_kernel(monkeypatch):
-    # [Note] dQ in the dK/dV kernel: head dim 64 with a score_mod or no mod, always at 128 under a
-    # Triton that runs the one-loop walk, never when deterministic.
+def test_which_calls_add_dq_in_the_dkdv_kernel():
+    # [Note] dQ in the dK/dV kernel: head dim 64 with a score_mod or no mod, always at 128, never
+    # when deterministic.
     fuses_dq = sm90_backward.fuses_dq
-    monkeypatch.setattr(sm90_backward, "one_loop", lambda: True)
     assert fuses_dq(64, False, True, True) and fuses_dq(64, False, True, False) and fuses_dq(64, False, False, False)
     assert not fuses_dq(64, False, False, True)  # a mask_mod alone: measured no faster
     # Head dim 128: every call that is not deterministic; no other head dim.
     assert all(fuses_dq(128, False, score, mask) for score in (False, True) for mask in (False, True))
     assert not fuses_dq(128, True, False, False) and not fuses_dq(96, False, False, False)
     assert not fuses_dq(64, True, True, False) and not fuses_dq(64, True, False, False)
-    # A Triton not checked with the one-loop walk: head dim 128 keeps its two kernels, 64 is as before.
-    monkeypatch.setattr(sm90_backward, "one_loop", lambda: False)
-    assert not any(fuses_dq(128, False, score, mask) for score in (False, True) for mask in (False, True))
-    assert fuses_dq(64, False, True, True) and fuses_dq(64, False, False, False)
-
-
-def test_the_one_loop_walk_is_taken_where_it_was_checked(monkeypatch):
-    import triton
-
-    assert sm90_backward.one_loop() == triton.__version__.startswith(sm90_backward.ONE_LOOP_TRITON_VERSIONS)
-    for version, expected in (("3.6.0", True), ("3.9.0", False)):
-        monkeypatch.setattr(triton, "__version__", version)
-        assert sm90_backward.one_loop() is expected
 
 
 def test_a_plan_is_made_once_and_kept(monkeypatch):

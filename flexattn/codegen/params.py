@@ -301,7 +301,6 @@ SM90_BACKWARD_DKDV = KernelParams("flex_attention_backward_dkdv_sm90", [
     _SM90_TILES,
     _MOD_FLAGS,
     _constexprs("FUSED_DQ", doc="dQ added into DQ_ACC by the copy engine here, so no dQ kernel runs"),
-    _constexprs("ONE_LOOP", doc="the consumers walk partial and full blocks in one loop, the mask_mod behind a flag"),
 ], doc="Hopper, Gluon: one program per 128 keys of one key/value head, a loader warp and two consumer warpgroups")
 
 SM90_BACKWARD_DQ = KernelParams("flex_attention_backward_dq_sm90", [
@@ -444,8 +443,7 @@ SM90_BACKWARD_HELPERS = _by_name(
             doc="dK/dV: the program's batch, head and key block, and the transposed tables"),
     _values("dkdv_flags", "SM_SCALE", "Q_LEN", "HAS_SCORE_MOD", "SCALE_FIRST", "HAS_PARTIAL_BLOCKS",
             "HAS_FULL_BLOCKS", "SPARSE_Z", "SPARSE_HQ", "GQA_GROUP", "SPARSE_Q_BLOCK_SIZE", "BLOCK_M", "BLOCK_N",
-            "HEAD_DIM", "STAGES", "FUSED_DQ", "ONE_LOOP",
-            doc="dK/dV: the scale, the query length, which mods run, the tiles"),
+            "HEAD_DIM", "STAGES", "FUSED_DQ", doc="dK/dV: the scale, the query length, which mods run, the tiles"),
     _values("dq_ring", "q_bufs", "do_bufs", "k_smem", "v_smem", "q_bar", "k_ready", "v_ready", "k_empty", "v_empty",
             doc="dQ: the Q and dO buffers, the K/V ring and their mbarriers"),
     _values("dq_views", "Q", "K", "V", "DO", "DQ", "LSE", "DELTA", *_SM90_VIEWS,

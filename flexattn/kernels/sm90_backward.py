@@ -41,7 +41,7 @@ from .sm90 import problem_reason as forward_problem_reason
 from .tables import backward_tables, launch_tables
 
 __all__ = ["Sm90BackwardKernel", "Sm90Unavailable", "WarmSm90Backward", "sm90_backward_kernel", "problem_reason",
-           "auto_reason", "fuses_dq", "one_loop", "launches"]
+           "auto_reason", "fuses_dq", "launches"]
 
 launches = 0  # backward calls run by this family (tests check the Gluon path really ran)
 QUERY_TILE = 64  # dK/dV walks each listed 128-row query block as two tiles of 64 rows
@@ -86,22 +86,13 @@ PREPROCESS_ROWS = 64
 #   comparisons with float64 catch such a form);
 # - one reduce per consumer of its 64 keys' part: 0.92-0.97x at d=64 without a score_mod, 0.72-0.91x
 #   at d=128: the doubled traffic costs more than the products saved.
+# - a mask_mod alone at d=64 with one loop (H200, Triton 3.6, 2026-11-28): causal 0.97-1.04x (B1 H12
+#   16k to B4 H12 4k), sliding window 1.01x, prefix LM 1.04x: too uneven to move the rule.
+# The one loop and the d=128 form passed the GPU tests under Triton 3.6 to 3.9 at the same speed.
 # So dQ joins the dK/dV kernel at head dim 64 with a score_mod or without any mod, and at head dim
 # 128 always. The order of the additions depends on scheduling, so those sums are not
 # bit-identical from run to run: a deterministic call (options.deterministic) keeps the two kernels,
 # whose every output row has one writer.
-# The one-loop walk and dQ at head dim 128 have run on a GPU under Triton 3.6 only (the other
-# releases of sm90.GLUON_TRITON_VERSIONS were checked with the earlier forms). Under those, the dK/dV
-# kernel keeps its two loops and head dim 128 its two kernels, until checked the same way.
-ONE_LOOP_TRITON_VERSIONS = ("3.6",)
-
-
-def one_loop() -> bool:
-    """Whether this Triton runs the one-loop walk of the dK/dV kernel with dQ in it (and so dQ there
-    at head dim 128): ONE_LOOP_TRITON_VERSIONS."""
-    import triton
-
-    return triton.__version__.startswith(ONE_LOOP_TRITON_VERSIONS)
 
 
 def fuses_dq(head_dim: int, deterministic: bool, has_score_mod: bool, has_mask_mod: bool) -> bool:
@@ -110,7 +101,7 @@ def fuses_dq(head_dim: int, deterministic: bool, has_score_mod: bool, has_mask_m
         return False
     if head_dim == 64:
         return has_score_mod or not has_mask_mod
-    return head_dim == 128 and one_loop()
+    return head_dim == 128
 
 
 def dq_acc_columns(head_dim: int) -> int:
@@ -232,8 +223,7 @@ class Sm90BackwardKernel(GluonFamily):
             HAS_PARTIAL_BLOCKS=self.has_mask_mod, HAS_FULL_BLOCKS=tables.has_full,
             num_warps=4,  # the default partition: consumer warpgroup 0
         )
-        dkdv = dict(common, BLOCK_M=QUERY_TILE, BLOCK_N=BLOCK, STAGES=DKDV_STAGES[E], FUSED_DQ=fused_dq,
-                    ONE_LOOP=fused_dq and one_loop())
+        dkdv = dict(common, BLOCK_M=QUERY_TILE, BLOCK_N=BLOCK, STAGES=DKDV_STAGES[E], FUSED_DQ=fused_dq)
         dq = dict(common, BLOCK_M=BLOCK, BLOCK_N=BLOCK, STAGES=DQ_STAGES[E])
         SM90_BACKWARD_DKDV.check_constexprs(dkdv)
         SM90_BACKWARD_DQ.check_constexprs(dq)
