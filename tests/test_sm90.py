@@ -239,7 +239,8 @@ def compile_causal_offline():
     constexprs = dict(SPARSE_Z=1, SPARSE_HQ=1, GQA_GROUP=1, HEAD_DIM=D, SPARSE_Q_BLOCK_SIZE=128,
                       SPARSE_KV_BLOCK_SIZE=128, BLOCK_M=128, BLOCK_N=128, STAGES=sm90.STAGES[D],
                       CONSUMER_REGS=sm90.CONSUMER_REGS, HAS_SCORE_MOD=False, SCALE_FIRST=False,
-                      HAS_PARTIAL_BLOCKS=True, HAS_FULL_BLOCKS=True, OUTPUT_LSE=True)
+                      HAS_PARTIAL_BLOCKS=True, HAS_FULL_BLOCKS=True, OUTPUT_LSE=True,
+                      RESIDENT_IN_REGISTERS=sm90.resident_in_registers("forward", D))
     signature = {}
     for name in SM90_FORWARD.names():
         if name in constexprs:
@@ -278,6 +279,11 @@ def test_a_plan_is_made_once_and_kept(monkeypatch):
     assert launched[0] is launched[1] and len(kernel._plans) == 1
     assert sm90.launches == before + 2 and kernel.last_plan is launched[0]
     assert launched[0].steps["forward"].grid == (L // 128, 2, 1)
+    # [Note] Resident tiles in registers: Q is read from registers at head dim 64, from shared memory at 128.
+    assert launched[0].steps["forward"].constexprs["RESIDENT_IN_REGISTERS"]
+    wide = bhnd(D=128)
+    kernel(wide, wide, wide, bm, 0.125, [], [], need_lse=True)
+    assert not kernel.last_plan.steps["forward"].constexprs["RESIDENT_IN_REGISTERS"]
 
 
 def test_the_launcher_packs_what_the_kernel_declares(monkeypatch):

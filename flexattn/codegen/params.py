@@ -263,6 +263,11 @@ DECODE_MERGE = KernelParams("flex_attention_decode_merge", [
                 "D_CHUNKS", "OUTPUT_LSE"),
 ], doc="combines the splits of the partial kernel")
 
+_RESIDENT_IN_REGISTERS = _constexprs(
+    "RESIDENT_IN_REGISTERS",
+    doc="each consumer holds the tiles it keeps for its whole walk (forward: Q; dQ: Q and dO; dK/dV: K and V) in "
+        "registers, as its S and dP products' first operand ([Note] Resident tiles in registers, kernels/sm90.py)")
+
 SM90_FORWARD = KernelParams("flex_attention_forward_sm90", [
     _tensors("Q", "K", "V", "OUT", doc="2-D tensor descriptors over each tensor's storage ([Note] 2-D views)"),
     _tensors("LSE"),
@@ -279,6 +284,7 @@ SM90_FORWARD = KernelParams("flex_attention_forward_sm90", [
                 "CONSUMER_REGS"),
     _MOD_FLAGS,
     _constexprs("OUTPUT_LSE"),
+    _RESIDENT_IN_REGISTERS,
 ], doc="Hopper, Gluon: one program per 128 queries of one query head, a loader warp and two consumer warpgroups")
 
 _SM90_TILES = _constexprs("HEAD_DIM", "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "STAGES",
@@ -301,6 +307,7 @@ SM90_BACKWARD_DKDV = KernelParams("flex_attention_backward_dkdv_sm90", [
     _SM90_TILES,
     _MOD_FLAGS,
     _constexprs("FUSED_DQ", doc="dQ added into DQ_ACC by the copy engine here, so no dQ kernel runs"),
+    _RESIDENT_IN_REGISTERS,
 ], doc="Hopper, Gluon: one program per 128 keys of one key/value head, a loader warp and two consumer warpgroups")
 
 SM90_BACKWARD_DQ = KernelParams("flex_attention_backward_dq_sm90", [
@@ -316,6 +323,7 @@ SM90_BACKWARD_DQ = KernelParams("flex_attention_backward_dq_sm90", [
     _SPARSE_LAYOUT,
     _SM90_TILES,
     _MOD_FLAGS,
+    _RESIDENT_IN_REGISTERS,
 ], doc="Hopper, Gluon: one program per 128 queries of one query head, a loader warp and two consumer warpgroups")
 
 KERNELS = {
@@ -423,8 +431,8 @@ SM90_FORWARD_HELPERS = _by_name(
             doc="the program's batch, heads and query block, and its row of the block tables"),
     _values("mod_flags", "SM_SCALE", "HAS_SCORE_MOD", "SCALE_FIRST", "HAS_PARTIAL_BLOCKS", "SPARSE_KV_BLOCK_SIZE",
             doc="the scale, which mods run, and the key block size the mods' kv_idx is counted in"),
-    _values("shape", "Q_LEN", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "STAGES", "OUTPUT_LSE",
-            doc="the query length, the tiles, the ring's depth, whether the LSE is written"),
+    _values("shape", "Q_LEN", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "STAGES", "OUTPUT_LSE", "RESIDENT_IN_REGISTERS",
+            doc="the query length, the tiles, the ring's depth, whether the LSE is written, where Q is held"),
 )
 
 # The sm90 backward's partitions, one set of groups per kernel (passed by position, as above).
@@ -443,7 +451,7 @@ SM90_BACKWARD_HELPERS = _by_name(
             doc="dK/dV: the program's batch, head and key block, and the transposed tables"),
     _values("dkdv_flags", "SM_SCALE", "Q_LEN", "HAS_SCORE_MOD", "SCALE_FIRST", "HAS_PARTIAL_BLOCKS",
             "HAS_FULL_BLOCKS", "SPARSE_Z", "SPARSE_HQ", "GQA_GROUP", "SPARSE_Q_BLOCK_SIZE", "BLOCK_M", "BLOCK_N",
-            "HEAD_DIM", "STAGES", "FUSED_DQ", doc="dK/dV: the scale, the query length, which mods run, the tiles"),
+            "HEAD_DIM", "STAGES", "FUSED_DQ", "RESIDENT_IN_REGISTERS", doc="dK/dV: the scale, the query length, which mods run, the tiles"),
     _values("dq_ring", "q_bufs", "do_bufs", "k_smem", "v_smem", "q_bar", "k_ready", "v_ready", "k_empty", "v_empty",
             doc="dQ: the Q and dO buffers, the K/V ring and their mbarriers"),
     _values("dq_views", "Q", "K", "V", "DO", "DQ", "LSE", "DELTA", *_SM90_VIEWS,
@@ -451,8 +459,8 @@ SM90_BACKWARD_HELPERS = _by_name(
     _values("dq_tables", "off_z", "off_hq", "off_hkv", "start_m", "num_partial", "num_full", "partial_idx", "full_idx",
             doc="dQ: the program's batch, heads and query block, and its row of the block tables"),
     _values("dq_flags", "SM_SCALE", "Q_LEN", "HAS_SCORE_MOD", "SCALE_FIRST", "HAS_PARTIAL_BLOCKS",
-            "SPARSE_KV_BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "STAGES",
-            doc="dQ: the scale, the query length, which mods run, the tiles"),
+            "SPARSE_KV_BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "STAGES", "RESIDENT_IN_REGISTERS",
+            doc="dQ: the scale, the query length, which mods run, the tiles, where Q and dO are held"),
 )
 
 # What codegen.render hands each family's template besides the mods: its kernels' declarations, by

@@ -32,7 +32,7 @@ from .tables import launch_tables
 
 __all__ = ["Sm90ForwardKernel", "WarmSm90Launch", "GluonFamily", "Sm90Unavailable", "sm90_forward_kernel",
            "problem_reason", "descriptor_ready", "device_reason", "shape_reason", "auto_reason",
-           "GLUON_TRITON_VERSIONS", "GLUON_COMPILES_ON", "launches"]
+           "GLUON_TRITON_VERSIONS", "GLUON_COMPILES_ON", "RESIDENT_TILES", "resident_in_registers", "launches"]
 
 # The Triton releases whose Gluon API (warp_specialize's signature, the Hopper copy and mbarrier
 # ops, calls from @gluon.jit into @triton.jit hooks) the Gluon kernels were run and checked on, on
@@ -52,6 +52,34 @@ HEAD_DIMS = (64, 128)
 # 16k 860, 864-868, 863-867 (docs/benchmarks.md).
 STAGES = {64: 4, 128: 2}
 CONSUMER_REGS = 240  # registers per thread of a consumer warpgroup (the loader warp keeps 24)
+
+# [Note] Resident tiles in registers. A Hopper wgmma reads its first operand from shared memory or
+# from registers. From shared memory, an m64 n64 k16 product (32 cycles at the tensor cores' rate)
+# reads 4 KB: all of the 128 bytes a cycle an SM's shared memory delivers. The dK/dV kernel's S and
+# dP products are that shape (64 keys x 64 queries a consumer), so at head dim 64 they waited on
+# shared memory as much as on the tensor cores, before the ring's TMA writes and the other products
+# were counted. Each consumer keeps one tile for its whole walk (forward: its 64 rows of Q; dQ: Q
+# and dO; dK/dV: its 64 keys of K and V), so it can load that tile into registers once and read only
+# the second operand from shared memory. It costs 16 registers a thread per tile at head dim 64, 32
+# at 128. Measured against shared memory (H200, Triton 3.6, bf16, 16k tokens; docs/benchmarks.md):
+# - dK/dV at head dim 64: 1.02-1.11x the backward on all ten cases (the paper's masks and mods,
+#   deterministic, the model's shapes), the same bits. At 128, K and V (64 registers) beside dK and
+#   dV (128) spilled about 1 KB: shared memory there.
+# - forward at head dim 64: 1.009-1.011x (8 rounds) on noop, causal, prefix LM and the model's 16k,
+#   the same bits. At 128, seven variants: 0.99-1.04x in a first run, 0.99-1.015x in a second of 8
+#   rounds (documents 0.99x in both): no gain worth 32 registers, so 128 keeps shared memory.
+# - dQ at head dim 64 (Q and dO): 0.97x causal and 0.99x prefix LM; at 128 it spilled. Shared
+#   memory for both.
+# A/B runs: docs/data/resident_tiles_h200_2026-11-28.json.
+RESIDENT_TILES = {("forward", 64), ("dkdv", 64)}
+
+
+def resident_in_registers(kernel: str, head_dim: int) -> bool:
+    """Whether ``kernel`` ("forward", "dq" or "dkdv") keeps its resident tiles in registers ([Note]
+    Resident tiles in registers)."""
+    return (kernel, head_dim) in RESIDENT_TILES
+
+
 launches = 0  # kernels launched by this family (tests check the Gluon path really ran)
 # AUTO's rule: at head dim 64 the portable forward is faster on rows that visit few key blocks (the
 # program's fixed cost, barriers and partitions, is paid over few tiles) and with a score_mod (its
@@ -277,7 +305,7 @@ class Sm90ForwardKernel(GluonFamily):
             # The mods see the scaled score; the scale folds into the exp2 only when it is positive.
             SCALE_FIRST=self.has_score_mod or scale <= 0,
             HAS_PARTIAL_BLOCKS=self.has_mask_mod, HAS_FULL_BLOCKS=tables.has_full,
-            OUTPUT_LSE=need_lse,
+            OUTPUT_LSE=need_lse, RESIDENT_IN_REGISTERS=resident_in_registers("forward", E),
             num_warps=4,  # the default partition: consumer warpgroup 0
         )
         SM90_FORWARD.check_constexprs(constexprs)

@@ -36,7 +36,7 @@ from .backward import preprocess_delta, preprocess_launch
 from .launch import (RepeatedLaunch, descriptor_over, descriptor_template, empty_output, kv_strides, launch,
                      mod_launch_args, zeroed_output)
 from .launch_order import rows_alike, tail_pairs
-from .sm90 import BLOCK, CONSUMER_REGS, GluonFamily, Sm90Unavailable, shared_layout, tensor_view
+from .sm90 import BLOCK, CONSUMER_REGS, GluonFamily, Sm90Unavailable, resident_in_registers, shared_layout, tensor_view
 from .sm90 import problem_reason as forward_problem_reason
 from .tables import backward_tables, launch_tables
 
@@ -223,8 +223,10 @@ class Sm90BackwardKernel(GluonFamily):
             HAS_PARTIAL_BLOCKS=self.has_mask_mod, HAS_FULL_BLOCKS=tables.has_full,
             num_warps=4,  # the default partition: consumer warpgroup 0
         )
-        dkdv = dict(common, BLOCK_M=QUERY_TILE, BLOCK_N=BLOCK, STAGES=DKDV_STAGES[E], FUSED_DQ=fused_dq)
-        dq = dict(common, BLOCK_M=BLOCK, BLOCK_N=BLOCK, STAGES=DQ_STAGES[E])
+        dkdv = dict(common, BLOCK_M=QUERY_TILE, BLOCK_N=BLOCK, STAGES=DKDV_STAGES[E], FUSED_DQ=fused_dq,
+                    RESIDENT_IN_REGISTERS=resident_in_registers("dkdv", E))
+        dq = dict(common, BLOCK_M=BLOCK, BLOCK_N=BLOCK, STAGES=DQ_STAGES[E],
+                  RESIDENT_IN_REGISTERS=resident_in_registers("dq", E))
         SM90_BACKWARD_DKDV.check_constexprs(dkdv)
         SM90_BACKWARD_DQ.check_constexprs(dq)
         preprocess = dict(V_HEAD_DIM=E, V_HEAD_DIM_P2=E, BLOCK_M=PREPROCESS_ROWS, HAS_DLSE=has_dlse)
