@@ -56,12 +56,13 @@ CONSUMER_REGS = 240  # registers per thread of a consumer warpgroup (the loader 
 # [Note] Resident tiles in registers. A Hopper wgmma reads its first operand from shared memory or
 # from registers. From shared memory, an m64 n64 k16 product (32 cycles at the tensor cores' rate)
 # reads 4 KB: all of the 128 bytes a cycle an SM's shared memory delivers. The dK/dV kernel's S and
-# dP products are that shape (64 keys x 64 queries a consumer), so at head dim 64 they waited on
-# shared memory as much as on the tensor cores, before the ring's TMA writes and the other products
-# were counted. Each consumer keeps one tile for its whole walk (forward: its 64 rows of Q; dQ: Q
-# and dO; dK/dV: its 64 keys of K and V), so it can load that tile into registers once and read only
-# the second operand from shared memory. It costs 16 registers a thread per tile at head dim 64, 32
-# at 128. Measured against shared memory (H200, Triton 3.6, bf16, 16k tokens; docs/benchmarks.md):
+# dP products are that shape (64 keys x 64 queries a consumer); at head dim 64 a query tile moved
+# about 190 KB through shared memory (products, ring, dS and dQ tiles), about 1500 cycles against
+# 1280 of tensor-core work: the kernel waited on shared memory. Each consumer keeps one tile for its
+# whole walk (forward: its 64 rows of Q; dQ: Q and dO; dK/dV: its 64 keys of K and V), so it can
+# load that tile into registers once and read only the second operand from shared memory. It costs
+# 16 registers a thread per tile at head dim 64, 32 at 128. Measured against shared memory (H200,
+# Triton 3.6, bf16, 16k tokens; docs/benchmarks.md):
 # - dK/dV at head dim 64: 1.02-1.11x the backward on all ten cases (the paper's masks and mods,
 #   deterministic, the model's shapes), the same bits. At 128, K and V (64 registers) beside dK and
 #   dV (128) spilled about 1 KB: shared memory there.
