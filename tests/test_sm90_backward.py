@@ -211,9 +211,8 @@ def compile_causal_offline():
                           SPARSE_KV_BLOCK_SIZE=128, BLOCK_M=block_m, BLOCK_N=128, STAGES=stages,
                           CONSUMER_REGS=240, HAS_SCORE_MOD=False, SCALE_FIRST=False,
                           HAS_PARTIAL_BLOCKS=True, HAS_FULL_BLOCKS=True)
-        constexprs["RESIDENT_IN_REGISTERS"] = sm90.resident_in_registers("dq" if fused is None else "dkdv", D)
         if fused is not None:
-            constexprs["FUSED_DQ"] = fused
+            constexprs.update(FUSED_DQ=fused, RESIDENT_IN_REGISTERS=sm90.resident_in_registers("dkdv", D))
         signature = {}
         for name in params.names():
             if name in constexprs:
@@ -271,13 +270,13 @@ def test_a_plan_is_made_once_and_kept(monkeypatch):
     steps = launched[0].steps  # head dim 64: dQ is added in the dK/dV kernel, no dQ kernel
     assert steps["dkdv"].grid == (L // 128, 2, 1) and "dq" not in steps and steps["dkdv"].constexprs["FUSED_DQ"]
     assert steps["dkdv"].constexprs["BLOCK_M"] == 64
-    # [Note] Resident tiles in registers (kernels/sm90.py): K and V at head dim 64, never dQ's Q and dO.
+    # [Note] Resident tiles in registers (kernels/sm90.py): K and V at head dim 64; the dQ kernel has no such flag.
     assert steps["dkdv"].constexprs["RESIDENT_IN_REGISTERS"]
     kernel(q, q, q, q, torch.zeros(1, 2, L), q, None, bm, 0.125, [], [], deterministic=True)
     steps = kernel.last_plan.steps  # a deterministic call: the two kernels, each row one writer
     assert len(kernel._plans) == 2 and not steps["dkdv"].constexprs["FUSED_DQ"]
     assert steps["dq"].grid == (L // 128, 2, 1) and steps["dq"].constexprs["BLOCK_M"] == 128
-    assert steps["dkdv"].constexprs["RESIDENT_IN_REGISTERS"] and not steps["dq"].constexprs["RESIDENT_IN_REGISTERS"]
+    assert steps["dkdv"].constexprs["RESIDENT_IN_REGISTERS"] and "RESIDENT_IN_REGISTERS" not in steps["dq"].constexprs
     window = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (qi - ki < 64), None, None, L, L, device="cpu")
     kernel(q, q, q, q, torch.zeros(1, 2, L), q, None, window, 0.125, [], [])
     assert len(kernel._plans) == 3

@@ -265,8 +265,8 @@ DECODE_MERGE = KernelParams("flex_attention_decode_merge", [
 
 _RESIDENT_IN_REGISTERS = _constexprs(
     "RESIDENT_IN_REGISTERS",
-    doc="each consumer holds the tiles it keeps for its whole walk (forward: Q; dQ: Q and dO; dK/dV: K and V) in "
-        "registers, as its S and dP products' first operand ([Note] Resident tiles in registers, kernels/sm90.py)")
+    doc="each consumer holds the tile it keeps for its whole walk (forward: Q; dK/dV: K and V) in registers, as "
+        "its S (and dP) products' first operand ([Note] Resident tiles in registers, kernels/sm90.py)")
 
 SM90_FORWARD = KernelParams("flex_attention_forward_sm90", [
     _tensors("Q", "K", "V", "OUT", doc="2-D tensor descriptors over each tensor's storage ([Note] 2-D views)"),
@@ -323,7 +323,6 @@ SM90_BACKWARD_DQ = KernelParams("flex_attention_backward_dq_sm90", [
     _SPARSE_LAYOUT,
     _SM90_TILES,
     _MOD_FLAGS,
-    _RESIDENT_IN_REGISTERS,
 ], doc="Hopper, Gluon: one program per 128 queries of one query head, a loader warp and two consumer warpgroups")
 
 KERNELS = {
@@ -460,8 +459,8 @@ SM90_BACKWARD_HELPERS = _by_name(
     _values("dq_tables", "off_z", "off_hq", "off_hkv", "start_m", "num_partial", "num_full", "partial_idx", "full_idx",
             doc="dQ: the program's batch, heads and query block, and its row of the block tables"),
     _values("dq_flags", "SM_SCALE", "Q_LEN", "HAS_SCORE_MOD", "SCALE_FIRST", "HAS_PARTIAL_BLOCKS",
-            "SPARSE_KV_BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "STAGES", "RESIDENT_IN_REGISTERS",
-            doc="dQ: the scale, the query length, which mods run, the tiles, where Q and dO are held"),
+            "SPARSE_KV_BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "STAGES",
+            doc="dQ: the scale, the query length, which mods run, the tiles"),
 )
 
 # What codegen.render hands each family's template besides the mods: its kernels' declarations, by

@@ -59,7 +59,7 @@ CONSUMER_REGS = 240  # registers per thread of a consumer warpgroup (the loader 
 # dP products are that shape (64 keys x 64 queries a consumer); at head dim 64 a query tile moved
 # about 190 KB through shared memory (products, ring, dS and dQ tiles), about 1500 cycles against
 # 1280 of tensor-core work: the kernel waited on shared memory. Each consumer keeps one tile for its
-# whole walk (forward: its 64 rows of Q; dQ: Q and dO; dK/dV: its 64 keys of K and V), so it can
+# whole walk (forward: its 64 rows of Q; dK/dV: its 64 keys of K and V; dQ: Q and dO), so it can
 # load that tile into registers once and read only the second operand from shared memory. It costs
 # 16 registers a thread per tile at head dim 64, 32 at 128. Measured against shared memory (H200,
 # Triton 3.6, bf16, 16k tokens; docs/benchmarks.md):
@@ -69,14 +69,14 @@ CONSUMER_REGS = 240  # registers per thread of a consumer warpgroup (the loader 
 # - forward at head dim 64: 1.009-1.011x (8 rounds) on noop, causal, prefix LM and the model's 16k,
 #   the same bits. At 128, seven variants: 0.99-1.04x in a first run, 0.99-1.015x in a second of 8
 #   rounds (documents 0.99x in both): no gain worth 32 registers, so 128 keeps shared memory.
-# - dQ at head dim 64 (Q and dO): 0.97x causal and 0.99x prefix LM; at 128 it spilled. Shared
-#   memory for both.
+# - dQ at head dim 64 (Q and dO): 0.97x causal and 0.99x prefix LM; at 128 it spilled. The dQ
+#   kernel has no such flag (the form measured was removed).
 # A/B runs: docs/data/resident_tiles_h200_2026-11-28.json.
 RESIDENT_TILES = {("forward", 64), ("dkdv", 64)}
 
 
 def resident_in_registers(kernel: str, head_dim: int) -> bool:
-    """Whether ``kernel`` ("forward", "dq" or "dkdv") keeps its resident tiles in registers ([Note]
+    """Whether ``kernel`` ("forward" or "dkdv") keeps its resident tiles in registers ([Note]
     Resident tiles in registers)."""
     return (kernel, head_dim) in RESIDENT_TILES
 

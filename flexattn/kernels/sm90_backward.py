@@ -225,8 +225,7 @@ class Sm90BackwardKernel(GluonFamily):
         )
         dkdv = dict(common, BLOCK_M=QUERY_TILE, BLOCK_N=BLOCK, STAGES=DKDV_STAGES[E], FUSED_DQ=fused_dq,
                     RESIDENT_IN_REGISTERS=resident_in_registers("dkdv", E))
-        dq = dict(common, BLOCK_M=BLOCK, BLOCK_N=BLOCK, STAGES=DQ_STAGES[E],
-                  RESIDENT_IN_REGISTERS=resident_in_registers("dq", E))
+        dq = dict(common, BLOCK_M=BLOCK, BLOCK_N=BLOCK, STAGES=DQ_STAGES[E])
         SM90_BACKWARD_DKDV.check_constexprs(dkdv)
         SM90_BACKWARD_DQ.check_constexprs(dq)
         preprocess = dict(V_HEAD_DIM=E, V_HEAD_DIM_P2=E, BLOCK_M=PREPROCESS_ROWS, HAS_DLSE=has_dlse)
