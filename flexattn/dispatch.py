@@ -29,8 +29,8 @@ from .errors import BackendUnavailableError, InvalidInputError
 from .kernels import ahead
 from .kernels import (
     MAX_AUTO_QUERY_LEN, Sm90Unavailable, backward_kernel, decode_kernel, descriptor_ready, forward_kernel,
-    in_output_layout, interpreter_enabled, output_layout, sm90_auto_reason, sm90_backward_auto_reason,
-    sm90_backward_kernel, sm90_forward_kernel, unsupported_reason,
+    in_output_layout, interpreter_enabled, output_layout, sm90_auto_reason, sm90_backward_kernel,
+    sm90_forward_kernel, unsupported_reason,
 )
 from .kernels.launch import FLOAT8_DTYPES
 from .kernels.tables import backward_tables, launch_tables
@@ -324,8 +324,9 @@ _PORTABLE_BACKWARD_TUNING = frozenset({"BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOC
 def sm90_backward_choice(call: Call, q, k, v, float32_kv_grads: bool = False, grad_out=None):
     """``(kernel, reason)`` for the backward, as sm90_forward_choice is for the forward."""
     def reason(kernel):
-        return (kernel.unsupported_reason(q, k, v, call.block_mask, float32_kv_grads, grad_out),
-                lambda: sm90_backward_auto_reason(q, call.block_mask))
+        # AUTO takes every call the kernels can run: they were measured faster than the portable
+        # backward on every case, rows of three key blocks included (docs/benchmarks.md, 2026-11-28).
+        return (kernel.unsupported_reason(q, k, v, call.block_mask, float32_kv_grads, grad_out), lambda: None)
 
     return _gluon_choice(call, q, "backward", _PORTABLE_BACKWARD_TUNING, sm90_backward_kernel, reason)
 

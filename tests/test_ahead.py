@@ -118,7 +118,8 @@ def record_compile_and_hit():
     B, H, L, D = 1, 2, 512, 64
     block_mask = create_block_mask(causal, None, None, L, L, device="cpu")
     traced = trace_mod(causal, "mask_mod")[0]
-    # Causal: the dK/dV and dQ kernels; no mod at all: dQ added in the dK/dV kernel (sm90_backward.fuses_dq).
+    # Causal, deterministic: the dK/dV and dQ kernels; no mod at all: dQ added in the dK/dV kernel
+    # (sm90_backward.fuses_dq).
     families = [(sm90.Sm90ForwardKernel(None, mask, tanh_approx=True),
                  sm90_backward.Sm90BackwardKernel(None, mask, tanh_approx=True)) for mask in (traced, None)]
     q = torch.empty(B, H, L, D, dtype=torch.bfloat16, device="meta")
@@ -128,7 +129,7 @@ def record_compile_and_hit():
     def run_all():
         for forward, backward in families:
             forward(q, q, q, block_mask, 0.125, [], [], need_lse=True)
-            backward(q, q, q, q, lse, q, None, block_mask, 0.125, [], [])
+            backward(q, q, q, q, lse, q, None, block_mask, 0.125, [], [], deterministic=backward.has_mask_mod)
 
     # 1. Recorded: nothing compiled or launched here, no plan kept, no launch counted.
     with ahead.compiling_ahead():

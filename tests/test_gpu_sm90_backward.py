@@ -153,19 +153,16 @@ def test_reruns_are_bit_identical(head_dim, plans):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("variant", ["noop", "causal", "alibi", "softcap", "document_mask"])
-def test_both_forms(variant, head_dim, plans, monkeypatch):
+def test_both_forms(variant, head_dim, plans):
     # [Note] dQ in the dK/dV kernel: the form without a dQ kernel (turns at head dim 64, each
-    # consumer's columns at 128) and the two-kernel form a deterministic call takes, each under the
-    # flash-attention rule against float64, and AUTO's choice between them.
+    # consumer's columns at 128), AUTO's choice, and the two-kernel form a deterministic call takes,
+    # each under the flash-attention rule against float64.
     B, H, L = 2, 4, 1024
     score_mod, mask_mod = CATALOGUE[variant].build(B, H, L, L, DEVICE)
     leaves = qkv_leaves(B, H, H, L, L, head_dim)
     gluon_gradients(leaves, plain(score_mod), mask_mod)
-    auto_fuses = score_mod is not None or mask_mod is None or head_dim == 128
-    monkeypatch.setattr(sm90_backward, "fuses_dq", lambda head_dim, deterministic, *mods: not deterministic)
-    gluon_gradients(leaves, plain(score_mod), mask_mod)
     gluon_gradients(leaves, plain(score_mod), mask_mod, options={**GLUON, "DETERMINISTIC": True})
-    assert [("dq" in steps) for steps in plans] == [not auto_fuses, False, True]
+    assert [("dq" in steps) for steps in plans] == [False, True]
 
 
 def test_auto_takes_it_and_triton_pins_the_portable_backward():

@@ -68,7 +68,7 @@ def explain(score_mod: Optional[Callable], mask_mod: Optional[Callable], B: int,
         if reason is None:
             form = ""
             if stage == "backward":
-                fused = fuses_dq(head_dim, deterministic(None), score is not None, mask is not None)
+                fused = fuses_dq(head_dim, deterministic(None))
                 form = "; dQ added in the dK/dV kernel, no dQ kernel" if fused else "; dK/dV and dQ kernels"
             lines.append((stage, f"Gluon Hopper kernels (templates/{family}.py.jinja){form}"))
         else:

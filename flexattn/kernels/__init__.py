@@ -17,11 +17,10 @@ from .launch import in_output_layout, interpreter_enabled, output_layout
 from .sm90 import Sm90ForwardKernel, Sm90Unavailable, descriptor_ready, sm90_forward_kernel
 from .sm90 import auto_reason as sm90_auto_reason
 from .sm90_backward import Sm90BackwardKernel, sm90_backward_kernel
-from .sm90_backward import auto_reason as sm90_backward_auto_reason
 
 __all__ = [
     "BackwardKernel", "backward_kernel", "DecodeKernel", "decode_kernel", "MAX_AUTO_QUERY_LEN", "unsupported_reason",
     "ForwardKernel", "forward_kernel", "interpreter_enabled", "Sm90ForwardKernel", "Sm90Unavailable",
-    "sm90_forward_kernel", "sm90_auto_reason", "Sm90BackwardKernel", "sm90_backward_kernel", "sm90_backward_auto_reason",
+    "sm90_forward_kernel", "sm90_auto_reason", "Sm90BackwardKernel", "sm90_backward_kernel",
     "output_layout", "in_output_layout", "descriptor_ready",
 ]

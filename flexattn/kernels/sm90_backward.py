@@ -5,10 +5,10 @@ launches.
 Warp-specialised like the sm90 forward (kernels/sm90.py): a loader warp feeds two consumer
 warpgroups through an mbarrier ring. dK/dV walks the BlockMask's transposed tables and dQ its
 forward tables, the same tables the portable backward walks (kernels/tables.py), with the same
-lowered mods and the score_mod's lowered gradient. At head dim 64, with a score_mod or no mod, the
-dK/dV kernel also adds dQ into a float32 buffer and no dQ kernel runs ([Note] dQ in the dK/dV
-kernel). Otherwise, and always for a deterministic call, each output row is written by one program,
-no atomics, so the result does not depend on scheduling (bit-identical from run to run).
+lowered mods and the score_mod's lowered gradient. The dK/dV kernel also adds dQ into a float32
+buffer, and no dQ kernel runs ([Note] dQ in the dK/dV kernel), except for a deterministic call: there
+the dQ kernel runs and each output row is written by one program, no atomics, so the result does not
+depend on scheduling (bit-identical from run to run).
 
 It covers the common case; :func:`problem_reason` and ``Sm90BackwardKernel.unsupported_reason`` say
 why a call is outside it (learnable captured tensors, a broadcast key/value batch, context
@@ -41,10 +41,14 @@ from .sm90 import problem_reason as forward_problem_reason
 from .tables import backward_tables, launch_tables
 
 __all__ = ["Sm90BackwardKernel", "Sm90Unavailable", "WarmSm90Backward", "sm90_backward_kernel", "problem_reason",
-           "auto_reason", "fuses_dq", "launches"]
+           "fuses_dq", "launches"]
 
 launches = 0  # backward calls run by this family (tests check the Gluon path really ran)
-QUERY_TILE = 64  # dK/dV walks each listed 128-row query block as two tiles of 64 rows
+# dK/dV walks each listed 128-row query block as two tiles of 64 rows. Tiles of 128 rows, as
+# FlashAttention-3 has at head dim 64, measured 0.71-0.95x on the seven paper cases at d=64 (H200,
+# 2026-11-28, docs/benchmarks.md): a thread then holds 32 LSE and 32 DELTA values beside S^T and dP^T
+# (64 registers each), and the fused form spilled.
+QUERY_TILE = 64
 # Ring depths: dK/dV holds K and V (128 rows) and STAGES slots of Q and dO (64 rows); dQ holds Q and
 # dO (128 rows) and STAGES slots of K and V (128 rows). Both fit in 228 KB with these depths.
 # dK/dV at d=64, backward us on an H200 (bf16, d=64, [B, L, 3, H, D] storage, GPU time; 2, 3, 4 and 5
@@ -66,7 +70,10 @@ PREPROCESS_ROWS = 64
 # - head dim 128: each consumer multiplies all of it by its 64 of K's columns, on the tensor cores
 #   beside dK's product, and adds a 64 x 64 tile. A whole 64 x 128 dQ tile in one consumer, on top of
 #   dK and dV's 128 registers a thread, spilled (the turns' form there: 1.04x without a mask, 0.78x
-#   causal, and 226 KB of shared memory against this form's 194 KB).
+#   causal, and 226 KB of shared memory against this form's 194 KB). dQ's product is issued before
+#   dK's, so that its tile goes to shared memory and the copy engine while dK's runs: 1.00-1.03x on
+#   the seven paper cases at 16k and 1.07x causal at 4k (H200, 2026-11-28); the same order in the
+#   turns at d=64 measured 0.97-1.02x and was not kept.
 # Measured against the two kernels (bf16, 16k tokens, docs/benchmarks.md):
 # - turns, d=64 (H100): 1.05-1.06x without mods, 1.12-1.15x with ALiBi and soft-cap (the dQ kernel
 #   ran the score_mod and its gradient again); with a mask_mod alone 1.00-1.05x causal and 1.01x
@@ -87,21 +94,20 @@ PREPROCESS_ROWS = 64
 # - one reduce per consumer of its 64 keys' part: 0.92-0.97x at d=64 without a score_mod, 0.72-0.91x
 #   at d=128: the doubled traffic costs more than the products saved.
 # - a mask_mod alone at d=64 with one loop (H200, Triton 3.6, 2026-11-28): causal 0.97-1.04x (B1 H12
-#   16k to B4 H12 4k), sliding window 1.01x, prefix LM 1.04x: too uneven to move the rule.
+#   16k to B4 H12 4k), sliding window 1.01x, prefix LM 1.04x: too uneven to move the rule then;
+#   again once K and V stayed in registers ([Note] Resident tiles in registers in kernels/sm90.py;
+#   H200, later that day): causal 1.03x, sliding window 1.06x, prefix LM 1.03x, documents 1.13x
+#   (B4 H16 16k), causal 1.01x (B1 H12 16k), and the causal 12-layer model at 4k and 16k level
+#   (425k and 254k tokens/s against 427k and 254k). So the rule went.
 # The one loop and the d=128 form passed the GPU tests under Triton 3.6 to 3.9 at the same speed.
-# So dQ joins the dK/dV kernel at head dim 64 with a score_mod or without any mod, and at head dim
-# 128 always. The order of the additions depends on scheduling, so those sums are not
+# So dQ joins the dK/dV kernel at head dims 64 and 128, whatever the mods. The order of the additions depends on scheduling, so those sums are not
 # bit-identical from run to run: a deterministic call (options.deterministic) keeps the two kernels,
 # whose every output row has one writer.
 
 
-def fuses_dq(head_dim: int, deterministic: bool, has_score_mod: bool, has_mask_mod: bool) -> bool:
+def fuses_dq(head_dim: int, deterministic: bool) -> bool:
     """Whether dQ is added in the dK/dV kernel ([Note] dQ in the dK/dV kernel) rather than by its own."""
-    if deterministic:
-        return False
-    if head_dim == 64:
-        return has_score_mod or not has_mask_mod
-    return head_dim == 128
+    return not deterministic and head_dim in (64, 128)
 
 
 def dq_acc_columns(head_dim: int) -> int:
@@ -141,23 +147,6 @@ def problem_reason(q, k, v, block_mask, float32_kv_grads: bool = False,
     return None
 
 
-# AUTO's rule: the Gluon backward was faster than the portable one on 13 of the 14 paper cases (H100,
-# Triton 3.6, bf16, 16k tokens, docs/benchmarks.md): 1.11-1.29x at head dim 128 and 1.07-1.23x at
-# 64, but 0.97x with documents at head dim 64 (4.8 key blocks a row), where the fixed cost of a
-# warp-specialised program is paid over few tiles; sliding window (8.7 blocks a row) was 1.20x.
-AUTO_MIN_BLOCKS_D64 = 6
-
-
-def auto_reason(q, block_mask) -> Optional[str]:
-    """Why AUTO leaves an eligible call to the portable backward, measured faster there (None: it does not)."""
-    if q.shape[-1] == 64:
-        mean_blocks = launch_tables(block_mask).stats.mean_blocks
-        if mean_blocks < AUTO_MIN_BLOCKS_D64:
-            return (f"at head dim 64 the portable backward is faster on rows of few key blocks "
-                    f"({mean_blocks:.1f} on average, under {AUTO_MIN_BLOCKS_D64})")
-    return None
-
-
 class Sm90BackwardKernel(GluonFamily):
     """The sm90 backward of one pair of traced mods: one compiled source per lowering variant, one
     launch plan per problem (see [Note] Cache keys in kernels/family.py)."""
@@ -192,7 +181,7 @@ class Sm90BackwardKernel(GluonFamily):
         dQ may be added in the dK/dV kernel (``fuses_dq``)."""
         global launches
         tables = launch_tables(block_mask)
-        fused_dq = fuses_dq(q.shape[-1], deterministic, self.has_score_mod, self.has_mask_mod)
+        fused_dq = fuses_dq(q.shape[-1], deterministic)
         key = self._problem(q, k, v, out, grad_out, grad_lse, tables, scale, fused_dq)
 
         def launch(plan: Plan):
@@ -244,7 +233,7 @@ class Sm90BackwardKernel(GluonFamily):
     def kept_plan(self, q, k, v, out, grad_out, grad_lse, block_mask, scale: float, deterministic: bool) -> Optional[Plan]:
         """The plan of this problem once its first launch compiled (None before): for a caller that
         launches it again through ``warm_launch`` (compile.py, [Note] Warm calls of the backward op)."""
-        fused_dq = fuses_dq(q.shape[-1], deterministic, self.has_score_mod, self.has_mask_mod)
+        fused_dq = fuses_dq(q.shape[-1], deterministic)
         return self._plans.get(self._problem(q, k, v, out, grad_out, grad_lse, launch_tables(block_mask), scale,
                                              fused_dq))
 
