@@ -100,9 +100,10 @@ PREPROCESS_ROWS = 64
 #   (B4 H16 16k), causal 1.01x (B1 H12 16k), and the causal 12-layer model at 4k and 16k level
 #   (425k and 254k tokens/s against 427k and 254k). So the rule went.
 # The one loop and the d=128 form passed the GPU tests under Triton 3.6 to 3.9 at the same speed.
-# So dQ joins the dK/dV kernel at head dims 64 and 128, whatever the mods. The order of the additions depends on scheduling, so those sums are not
-# bit-identical from run to run: a deterministic call (options.deterministic) keeps the two kernels,
-# whose every output row has one writer.
+# So dQ joins the dK/dV kernel at head dims 64 and 128, whatever the mods. The order of the
+# additions depends on scheduling, so those sums are not bit-identical from run to run: a
+# deterministic call (options.deterministic) keeps the two kernels, whose every output row has one
+# writer.
 
 
 def fuses_dq(head_dim: int, deterministic: bool) -> bool:

@@ -879,11 +879,11 @@ class _Emitter:
             a, b = (self.as_vec(x, node) for x in node.args[:2])
             products = [self.scalar_expression(node, LOWERINGS[aten.mul], out.dtype, [x, y], {})
                         for x, y in zip(a.items, b.items)]  # fmt: skip
-            source, dims, keepdim = Vec(tuple(products), a.shape), None, False
+            source, dims = Vec(tuple(products), a.shape), None
         else:
+            # keepdim only adds size-1 dims, which the output's shape (out.shape, below) carries.
             source = self.as_vec(node.args[0], node)
             dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-            keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
         rank = len(source.shape)
         if dims is None or dims == []:
             reduced = list(range(rank))
