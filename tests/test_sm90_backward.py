@@ -81,7 +81,7 @@ def test_learnable_tensors_take_the_portable_backward(monkeypatch):
 
 
 def test_auto_takes_rows_of_few_key_blocks(monkeypatch):
-    # AUTO's backward has no rule of its own past what the kernels can run: rows of three to six key
+    # AUTO's backward has no rule of its own past what the kernels can run: rows of three to nine key
     # blocks at head dim 64 were measured faster here too (dispatch.sm90_backward_choice).
     def everything(b, h, q_idx, kv_idx):
         return q_idx >= 0
@@ -94,7 +94,8 @@ def test_auto_takes_rows_of_few_key_blocks(monkeypatch):
         kernel, reason = dispatch.sm90_backward_choice(call, q, q, q)
         assert isinstance(kernel, sm90_backward.Sm90BackwardKernel) and reason is None
         pinned = call._replace(options={"BACKEND": "TRITON"})
-        assert dispatch.sm90_backward_choice(pinned, q, q, q) == (None, "kernel_options BACKEND='TRITON' pins the portable kernels")
+        assert dispatch.sm90_backward_choice(pinned, q, q, q) == (
+            None, "kernel_options BACKEND='TRITON' pins the portable kernels")
 
 
 class _FailingKernel:
