@@ -95,6 +95,52 @@ def test_score_mods(variant):
     check_forward(*qkv(B, H, H, L, 64, torch.bfloat16), score_mod, mask_mod)
 
 
+def launched_steps(monkeypatch) -> list:
+    """The forward steps the Gluon family launches from now on (a list that fills as it runs)."""
+    steps = []
+    real = sm90.Sm90ForwardKernel._launch
+
+    def launch(self, plan, *args):
+        steps.append(plan.steps["forward"])
+        return real(self, plan, *args)
+
+    monkeypatch.setattr(sm90.Sm90ForwardKernel, "_launch", launch)
+    return steps
+
+
+@pytest.mark.parametrize("variant, B, Hq, Hkv, L, layout", [
+    ("noop", 2, 4, 4, 1280, "bhnd"),  # 20 slices of 64 rows: the last program repeats 64 rows
+    ("noop", 1, 8, 2, 1152, "bhnd"),  # 18 slices: every program full; GQA 4:1
+    ("softcap", 2, 4, 4, 640, "bnhd"),  # 10 slices: the last program repeats 128 rows
+    ("alibi", 1, 4, 4, 128, "bnhd"),  # one program, two of its consumers on the same rows
+    ("noop", 1, 2, 2, 4096, "bhnd"),  # 32 key blocks: three consumers under the rule as it is
+])
+def test_three_consumers_on_unmasked_calls(variant, B, Hq, Hkv, L, layout, monkeypatch):
+    # [Note] Three consumers on an unmasked walk (kernels/sm90.py): programs of 192 rows, the last of a
+    # (batch, head) reaching past the queries; checked against float64, LSE included.
+    steps = launched_steps(monkeypatch)
+    monkeypatch.setattr(sm90, "THREE_CONSUMERS_MIN_KEY_BLOCKS", 0)  # the short rows' programs too
+    score_mod, _ = CATALOGUE[variant].build(B, Hq, L, L, DEVICE)
+    if layout == "bnhd":
+        q = torch.randn(B, L, Hq, 64, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
+        k, v = (torch.randn(B, L, Hkv, 64, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+    else:
+        q, k, v = qkv(B, Hq, Hkv, L, 64, torch.bfloat16)
+    check_forward(q, k, v, score_mod, None, gqa=Hq != Hkv)
+    assert steps[-1].constexprs["CONSUMERS"] == 3 and steps[-1].grid[0] == -(-L // 192)
+
+
+def test_a_mask_head_dim_128_or_short_rows_keep_two_consumers(monkeypatch):
+    steps = launched_steps(monkeypatch)
+    B, H, L = 1, 2, 1024
+    score_mod, mask_mod = CATALOGUE["causal"].build(B, H, L, L, DEVICE)
+    check_forward(*qkv(B, H, H, L, 64, torch.bfloat16), score_mod, mask_mod)
+    check_forward(*qkv(B, H, H, L, 128, torch.bfloat16))
+    check_forward(*qkv(B, H, H, L, 64, torch.bfloat16))  # 8 key blocks: too few for three
+    assert [step.constexprs["CONSUMERS"] for step in steps] == [2, 2, 2]
+    assert [step.grid[0] for step in steps] == [L // 128] * 3
+
+
 def test_transposed_layout_and_broadcast_kv_batch():
     # [B, N, H, D] storage read as [B, H, N, D] (heads side by side in a row), K/V of batch 1.
     B, H, L, E = 2, 4, 1024, 64

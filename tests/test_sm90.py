@@ -208,20 +208,22 @@ def _offline_compile_available() -> bool:
 
 @pytest.mark.skipif(not _offline_compile_available(),
                     reason="needs a Triton of sm90.GLUON_COMPILES_ON with its ptxas (offline sm90 compile)")
-def test_causal_kernel_compiles_for_sm90_offline():
-    """The rendered causal kernel through Triton's whole pipeline for sm90: its two consumer
-    warpgroups issue wgmma and it fits the shared memory of an H100. In a process of its own
-    without TRITON_INTERPRET (under the interpreter @triton.jit hooks cannot be compiled); about 5 s."""
+@pytest.mark.parametrize("variant, consumers", [("causal", 2), ("noop", 3)])
+def test_kernel_compiles_for_sm90_offline(variant, consumers):
+    """The rendered kernel through Triton's whole pipeline for sm90 (causal with two consumer
+    warpgroups; noop with three, [Note] Three consumers on an unmasked walk): its consumers issue
+    wgmma and it fits the shared memory of an H100. In a process of its own without
+    TRITON_INTERPRET (under the interpreter @triton.jit hooks cannot be compiled); about 5 s."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    code = "import test_sm90; test_sm90.compile_causal_offline()"
+    code = f"import test_sm90; test_sm90.compile_offline({variant!r}, {consumers})"
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
                           text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "compiled" in done.stdout
 
 
-def compile_causal_offline():
+def compile_offline(variant: str, consumers: int):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -229,7 +231,7 @@ def compile_causal_offline():
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
-    kernel, _ = family("causal")
+    kernel, _ = family(variant)
     D = 64
     rows = torch.empty(2 * L, D, dtype=torch.bfloat16)
     half = gl.NVMMASharedLayout.get_default_for([64, D], gl.bfloat16)
@@ -238,9 +240,11 @@ def compile_causal_offline():
                   128: TensorDescriptor(rows, [2 * L, D], [D, 1], [128, D], tile)}
     constexprs = dict(SPARSE_Z=1, SPARSE_HQ=1, GQA_GROUP=1, HEAD_DIM=D, SPARSE_Q_BLOCK_SIZE=128,
                       SPARSE_KV_BLOCK_SIZE=128, BLOCK_M=128, BLOCK_N=128, STAGES=sm90.STAGES[D],
-                      CONSUMER_REGS=sm90.CONSUMER_REGS, HAS_SCORE_MOD=False, SCALE_FIRST=False,
-                      HAS_PARTIAL_BLOCKS=True, HAS_FULL_BLOCKS=True, OUTPUT_LSE=True,
-                      RESIDENT_IN_REGISTERS=sm90.resident_in_registers("forward", D))
+                      CONSUMER_REGS=sm90.CONSUMER_REGS if consumers == 2 else sm90.THREE_CONSUMER_REGS,
+                      HAS_SCORE_MOD=False, SCALE_FIRST=False, HAS_PARTIAL_BLOCKS=kernel.has_mask_mod,
+                      HAS_FULL_BLOCKS=True, OUTPUT_LSE=True, CONSUMERS=consumers,
+                      RESIDENT_IN_REGISTERS=consumers == 2 and sm90.resident_in_registers("forward", D))
+    constexprs["BLOCK_M"] = 64 * consumers
     signature = {}
     for name in SM90_FORWARD.names():
         if name in constexprs:
@@ -284,6 +288,36 @@ def test_a_plan_is_made_once_and_kept(monkeypatch):
     wide = bhnd(D=128)
     kernel(wide, wide, wide, bm, 0.125, [], [], need_lse=True)
     assert not kernel.last_plan.steps["forward"].constexprs["RESIDENT_IN_REGISTERS"]
+
+
+def test_three_consumers_only_on_long_unmasked_walks_at_head_dim_64(monkeypatch):
+    # [Note] Three consumers on an unmasked walk: the mask of a call without one (marked every block
+    # full by construction), no mask_mod, head dim 64, at least THREE_CONSUMERS_MIN_KEY_BLOCKS key blocks.
+    from flexattn.masks import dense_block_mask
+
+    monkeypatch.setattr(sm90, "problem_reason", lambda *args: None)
+    launched = []
+    noop, _ = family("noop")
+    causal_kernel, causal_instance = family("causal")
+    for kernel in (noop, causal_kernel):
+        monkeypatch.setattr(kernel, "_launch", lambda plan, *args: launched.append(plan) or ("out", "lse"))
+    long = sm90.THREE_CONSUMERS_MIN_KEY_BLOCKS * 128
+    q, wide = bhnd(N=long), bhnd(N=long, D=128)
+    noop(q, q, q, dense_block_mask(long, long, torch.device("cpu")), 0.125, [], [], need_lse=True)
+    step = launched[-1].steps["forward"]
+    assert step.constexprs["CONSUMERS"] == 3 and step.constexprs["BLOCK_M"] == 192
+    assert step.grid == (-(-long // 192), 2, 1) and step.constexprs["CONSUMER_REGS"] == sm90.THREE_CONSUMER_REGS
+    assert not step.constexprs["RESIDENT_IN_REGISTERS"]  # 160 registers: Q stays in shared memory
+    SM90_FORWARD.check_constexprs(step.constexprs)
+    two = [(noop, wide, dense_block_mask(long, long, torch.device("cpu"))),  # head dim 128
+           (noop, bhnd(N=long - 128), dense_block_mask(long - 128, long - 128, torch.device("cpu"))),  # too few key blocks
+           (noop, q, create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, None, None, long, long,
+                                       device="cpu")),  # a mask the caller built: not marked
+           (causal_kernel, q, causal_instance.block_mask(1, 2, long, long, "cpu"))]
+    for kernel, x, mask in two:
+        kernel(x, x, x, mask, 0.125, [], [], need_lse=True)
+        step = launched[-1].steps["forward"]
+        assert step.constexprs["CONSUMERS"] == 2 and step.grid[0] == x.shape[2] // 128
 
 
 def test_the_launcher_packs_what_the_kernel_declares(monkeypatch):

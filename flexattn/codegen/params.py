@@ -285,7 +285,11 @@ SM90_FORWARD = KernelParams("flex_attention_forward_sm90", [
     _MOD_FLAGS,
     _constexprs("OUTPUT_LSE"),
     _RESIDENT_IN_REGISTERS,
-], doc="Hopper, Gluon: one program per 128 queries of one query head, a loader warp and two consumer warpgroups")
+    _constexprs("CONSUMERS", doc="consumer warpgroups of 64 query rows: 2 (BLOCK_M 128, the BlockMask's query block), "
+                                 "or 3 (BLOCK_M 192) on a walk every row shares ([Note] Three consumers on an unmasked "
+                                 "walk, kernels/sm90.py)"),
+], doc="Hopper, Gluon: one program per 128 (or 192) queries of one query head, a loader warp and two (or three) "
+       "consumer warpgroups")
 
 _SM90_TILES = _constexprs("HEAD_DIM", "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "STAGES",
                           "CONSUMER_REGS")
@@ -431,7 +435,9 @@ SM90_FORWARD_HELPERS = _by_name(
     _values("mod_flags", "SM_SCALE", "HAS_SCORE_MOD", "SCALE_FIRST", "HAS_PARTIAL_BLOCKS", "SPARSE_KV_BLOCK_SIZE",
             doc="the scale, which mods run, and the key block size the mods' kv_idx is counted in"),
     _values("shape", "Q_LEN", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "STAGES", "OUTPUT_LSE", "RESIDENT_IN_REGISTERS",
-            doc="the query length, the tiles, the ring's depth, whether the LSE is written, where Q is held"),
+            "CONSUMERS",
+            doc="the query length, the tiles, the ring's depth, whether the LSE is written, where Q is held, how "
+                "many consumer warpgroups"),
 )
 
 # The sm90 backward's partitions, one set of groups per kernel (passed by position, as above).

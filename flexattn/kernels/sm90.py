@@ -1,8 +1,8 @@
 """The Hopper (sm90) forward family: one Gluon kernel per pair of traced mods
 (templates/forward_sm90.py.jinja), its launch plans and its launches.
 
-A warp-specialised FlashAttention forward (a loader warp feeding two consumer warpgroups through an
-mbarrier ring, as FlashAttention-3 does) that walks the BlockMask's forward tables as the portable
+A warp-specialised FlashAttention forward (a loader warp feeding two consumer warpgroups, three on
+a call without a mask at head dim 64, through an mbarrier ring, as FlashAttention-3 does) that walks the BlockMask's forward tables as the portable
 forward does and writes the same output and LSE, so the portable Triton backward runs after it
 unchanged. It covers the common case only; :func:`problem_reason` and
 ``Sm90ForwardKernel.unsupported_reason`` say why a call is outside it, and dispatch.py then runs
@@ -20,6 +20,7 @@ import torch
 from ..codegen.params import SM90_FORWARD
 from ..errors import BackendUnavailableError
 from ..lowering import index_bounds, lowering_variants
+from ..masks import EVERY_BLOCK_FULL
 from ..trace import TracedMod
 from .ahead import recording
 from .family import KernelFamily, Plan, Step, cached_kernel
@@ -73,6 +74,23 @@ CONSUMER_REGS = 240  # registers per thread of a consumer warpgroup (the loader 
 #   kernel has no such flag (the form measured was removed).
 # A/B runs: docs/data/resident_tiles_h200_2026-11-28.json.
 RESIDENT_TILES = {("forward", 64), ("dkdv", 64)}
+
+# [Note] Three consumers on an unmasked walk. A call without a BlockMask and without a mask_mod
+# walks every key block, as full, in order, in every row (masks/create.py dense_block_mask, marked
+# EVERY_BLOCK_FULL by construction). Its programs need not follow the BlockMask's 128-row query
+# blocks, so a program can take 192 rows: three consumer warpgroups read each K/V tile the loader
+# brings, as FlashAttention-3 and -4 do at head dim 64. Three consumers and the loader leave 160
+# registers a consumer thread: Q stays in shared memory there. The last program of a (batch, head)
+# may reach past the queries: its consumers there repeat the last 64 rows (consumer_row in the
+# template), writing the same values. Kernel time on an H200 (Triton 3.6, bf16, head dim 64), two
+# consumers vs three: B1 H12 4k 0.117 vs 0.113 ms, B4 H16 4k 0.611 vs 0.589, B2 H16 8k 1.167 vs 1.119,
+# B1 H12 16k 1.720 vs 1.589, B4 H16 16k 9.55 vs 8.75 (1.04-1.09x); with few key blocks a row fewer,
+# longer programs lose: B8 H12 1k (8 blocks) 0.076 vs 0.082, B1 H16 2k (16) 0.044 vs 0.060.
+# At head dim 128 a consumer's output tile alone takes 64 of its 160 registers: two consumers there.
+# docs/benchmarks.md; docs/data/three_consumers_h200_2026-11-28.json.
+THREE_CONSUMERS = {64: True, 128: False}
+THREE_CONSUMERS_MIN_KEY_BLOCKS = 24
+THREE_CONSUMER_REGS = 160
 
 
 def resident_in_registers(kernel: str, head_dim: int) -> bool:
@@ -263,14 +281,16 @@ class Sm90ForwardKernel(GluonFamily):
         (checked by the caller with ``unsupported_reason`` first, for everything else)."""
         global launches
         tables = launch_tables(block_mask)
-        key = self._problem(q, k, v, tables, scale, need_lse)
+        consumers = self._consumers(q, block_mask)
+        key = self._problem(q, k, v, tables, scale, need_lse, consumers)
 
         def launch(plan: Plan):
             return self._launch(plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse)
 
         plan = self._plans.get(key)
         if plan is None:
-            plan, result = self._first_launch(key, q, k, lambda: self._plan(q, k, v, tables, scale, need_lse), launch)
+            plan, result = self._first_launch(
+                key, q, k, lambda: self._plan(q, k, v, tables, scale, need_lse, consumers), launch)
         else:
             result = launch(plan)
         if not recording():
@@ -279,14 +299,21 @@ class Sm90ForwardKernel(GluonFamily):
         return result
 
     @staticmethod
-    def _problem(q, k, v, tables, scale, need_lse) -> tuple:
+    def _problem(q, k, v, tables, scale, need_lse, consumers: int) -> tuple:
         return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-                tables.plan_key, need_lse, scale > 0)
+                tables.plan_key, need_lse, scale > 0, consumers)
+
+    def _consumers(self, q, block_mask) -> int:
+        """Consumer warpgroups a program of this call has ([Note] Three consumers on an unmasked walk)."""
+        unmasked = not self.has_mask_mod and bool(block_mask.peek_derived(EVERY_BLOCK_FULL))
+        long_rows = block_mask.seq_lengths[1] >= THREE_CONSUMERS_MIN_KEY_BLOCKS * BLOCK
+        return 3 if unmasked and long_rows and THREE_CONSUMERS.get(q.shape[-1], False) else 2
 
     def kept_plan(self, q, k, v, block_mask, scale: float, *, need_lse: bool) -> Optional[Plan]:
         """The plan of this problem once its first launch compiled (None before): for a caller that
         launches it again through ``warm_launch`` (compile.py, [Note] Warm calls of the forward op)."""
-        return self._plans.get(self._problem(q, k, v, launch_tables(block_mask), scale, need_lse))
+        return self._plans.get(self._problem(q, k, v, launch_tables(block_mask), scale, need_lse,
+                                             self._consumers(q, block_mask)))
 
     def warm_launch(self, plan: Plan, q, k, v, tables, scale: float, *, need_lse: bool) -> "WarmSm90Launch":
         """``plan`` (from kept_plan) for the later calls of this call's problem, which the caller keys
@@ -294,23 +321,24 @@ class Sm90ForwardKernel(GluonFamily):
         score_captured, mask_captured)``."""
         return WarmSm90Launch(self, plan, q, k, v, tables, scale, need_lse)
 
-    def _plan(self, q, k, v, tables, scale, need_lse) -> Plan:
+    def _plan(self, q, k, v, tables, scale, need_lse, consumers: int) -> Plan:
         B, Hq, L, E = q.shape
         Hkv, S = k.shape[1], k.shape[2]
         compiled = self.compiled(index_bounds(B, Hq, L, S))
         constexprs = dict(
             SPARSE_Z=tables.kv_num_blocks.shape[0], SPARSE_HQ=tables.kv_num_blocks.shape[1], GQA_GROUP=Hq // Hkv,
-            HEAD_DIM=E, SPARSE_Q_BLOCK_SIZE=BLOCK, SPARSE_KV_BLOCK_SIZE=BLOCK, BLOCK_M=BLOCK, BLOCK_N=BLOCK,
-            STAGES=STAGES[E], CONSUMER_REGS=CONSUMER_REGS,
+            HEAD_DIM=E, SPARSE_Q_BLOCK_SIZE=BLOCK, SPARSE_KV_BLOCK_SIZE=BLOCK, BLOCK_M=64 * consumers, BLOCK_N=BLOCK,
+            STAGES=STAGES[E], CONSUMER_REGS=CONSUMER_REGS if consumers == 2 else THREE_CONSUMER_REGS, CONSUMERS=consumers,
             HAS_SCORE_MOD=self.has_score_mod,
             # The mods see the scaled score; the scale folds into the exp2 only when it is positive.
             SCALE_FIRST=self.has_score_mod or scale <= 0,
             HAS_PARTIAL_BLOCKS=self.has_mask_mod, HAS_FULL_BLOCKS=tables.has_full,
-            OUTPUT_LSE=need_lse, RESIDENT_IN_REGISTERS=resident_in_registers("forward", E),
+            OUTPUT_LSE=need_lse, RESIDENT_IN_REGISTERS=consumers == 2 and resident_in_registers("forward", E),
             num_warps=4,  # the default partition: consumer warpgroup 0
         )
         SM90_FORWARD.check_constexprs(constexprs)
-        return Plan(compiled, {"forward": Step(SM90_FORWARD, (L // BLOCK, Hq, B), constexprs)}, (L, S),
+        grid = (-(-L // (64 * consumers)), Hq, B)
+        return Plan(compiled, {"forward": Step(SM90_FORWARD, grid, constexprs)}, (L, S),
                     q.element_size())
 
     def _launch(self, plan: Plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse):
