@@ -242,7 +242,7 @@ def compile_offline(variant: str, consumers: int):
                       SPARSE_KV_BLOCK_SIZE=128, BLOCK_M=128, BLOCK_N=128, STAGES=sm90.STAGES[D],
                       CONSUMER_REGS=sm90.CONSUMER_REGS if consumers == 2 else sm90.THREE_CONSUMER_REGS,
                       HAS_SCORE_MOD=False, SCALE_FIRST=False, HAS_PARTIAL_BLOCKS=kernel.has_mask_mod,
-                      HAS_FULL_BLOCKS=True, OUTPUT_LSE=True, CONSUMERS=consumers,
+                      HAS_FULL_BLOCKS=True, OUTPUT_LSE=True, CONSUMERS=consumers, TAKE_TURNS=consumers == 3,
                       RESIDENT_IN_REGISTERS=consumers == 2 and sm90.resident_in_registers("forward", D))
     constexprs["BLOCK_M"] = 64 * consumers
     signature = {}
@@ -308,6 +308,7 @@ def test_three_consumers_only_on_long_unmasked_walks_at_head_dim_64(monkeypatch)
     assert step.constexprs["CONSUMERS"] == 3 and step.constexprs["BLOCK_M"] == 192
     assert step.grid == (-(-long // 192), 2, 1) and step.constexprs["CONSUMER_REGS"] == sm90.THREE_CONSUMER_REGS
     assert not step.constexprs["RESIDENT_IN_REGISTERS"]  # 160 registers: Q stays in shared memory
+    assert step.constexprs["TAKE_TURNS"]  # [Note] Turns on the tensor cores
     SM90_FORWARD.check_constexprs(step.constexprs)
     two = [(noop, wide, dense_block_mask(long, long, torch.device("cpu"))),  # head dim 128
            (noop, bhnd(N=long - 128), dense_block_mask(long - 128, long - 128, torch.device("cpu"))),  # too few key blocks
@@ -318,6 +319,7 @@ def test_three_consumers_only_on_long_unmasked_walks_at_head_dim_64(monkeypatch)
         kernel(x, x, x, mask, 0.125, [], [], need_lse=True)
         step = launched[-1].steps["forward"]
         assert step.constexprs["CONSUMERS"] == 2 and step.grid[0] == x.shape[2] // 128
+        assert not step.constexprs["TAKE_TURNS"]
 
 
 def test_the_launcher_packs_what_the_kernel_declares(monkeypatch):

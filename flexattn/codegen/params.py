@@ -288,6 +288,8 @@ SM90_FORWARD = KernelParams("flex_attention_forward_sm90", [
     _constexprs("CONSUMERS", doc="consumer warpgroups of 64 query rows: 2 (BLOCK_M 128, the BlockMask's query block), "
                                  "or 3 (BLOCK_M 192) on a walk every row shares ([Note] Three consumers on an unmasked "
                                  "walk, kernels/sm90.py)"),
+    _constexprs("TAKE_TURNS", doc="the consumers issue their products in a fixed round ([Note] Turns on the tensor "
+                                  "cores, kernels/sm90.py)"),
 ], doc="Hopper, Gluon: one program per 128 (or 192) queries of one query head, a loader warp and two (or three) "
        "consumer warpgroups")
 
@@ -425,8 +427,8 @@ DECODE_HELPERS = _by_name(
 # The sm90 kernel's partitions: gl.warp_specialize hands each one a tuple, so every group, the
 # constexprs too, is passed by position (a constexpr value stays one through the call).
 SM90_FORWARD_HELPERS = _by_name(
-    _values("ring", "q_bufs", "k_smem", "v_smem", "q_bar", "k_ready", "v_ready", "k_empty", "v_empty",
-            doc="the shared-memory buffers and the mbarriers of the Q buffers and the K/V ring"),
+    _values("ring", "q_bufs", "k_smem", "v_smem", "q_bar", "k_ready", "v_ready", "k_empty", "v_empty", "turns",
+            doc="the shared-memory buffers and the mbarriers of the Q buffers and the K/V ring, and the consumers' turns"),
     _values("views", "Q", "K", "V", "OUT", "LSE", "row_qz", "row_qh", "col_qh", "row_kz", "row_kh", "col_kh",
             "row_vz", "row_vh", "col_vh", "row_oz", "row_oh", "col_oh",
             doc="the descriptors and where a (batch, head) starts in them"),
@@ -435,9 +437,9 @@ SM90_FORWARD_HELPERS = _by_name(
     _values("mod_flags", "SM_SCALE", "HAS_SCORE_MOD", "SCALE_FIRST", "HAS_PARTIAL_BLOCKS", "SPARSE_KV_BLOCK_SIZE",
             doc="the scale, which mods run, and the key block size the mods' kv_idx is counted in"),
     _values("shape", "Q_LEN", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "STAGES", "OUTPUT_LSE", "RESIDENT_IN_REGISTERS",
-            "CONSUMERS",
+            "CONSUMERS", "TAKE_TURNS",
             doc="the query length, the tiles, the ring's depth, whether the LSE is written, where Q is held, how "
-                "many consumer warpgroups"),
+                "many consumer warpgroups, whether they take turns"),
 )
 
 # The sm90 backward's partitions, one set of groups per kernel (passed by position, as above).

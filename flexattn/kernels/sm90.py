@@ -91,6 +91,14 @@ RESIDENT_TILES = {("forward", 64), ("dkdv", 64)}
 THREE_CONSUMERS = {64: True, 128: False}
 THREE_CONSUMERS_MIN_KEY_BLOCKS = 24
 THREE_CONSUMER_REGS = 160
+# [Note] Turns on the tensor cores. Three consumers issue their products in a fixed round (0, 1, 2,
+# 0, ...): before issuing a step's S_j and P_{j-1} V_{j-1} a consumer waits for its turn, and hands
+# the turn on after issuing (FlashAttention-3's and -4's scheduler barrier, here one mbarrier per
+# consumer). Each consumer's softmax then runs while the next ones' products do. Kernel time, H200,
+# d=64, no mask, three consumers without and with turns: B4 H16 16k 8.84 vs 8.34 ms, B1 H12 16k 1.64
+# vs 1.53, B2 H16 8k 1.13 vs 1.03, B4 H16 4k 0.584 vs 0.537 (1.06-1.09x), soft-capping 1.00x; the
+# same bits. Two consumers measured no gain from it (0.96-1.01x, twice): they take no turns.
+# docs/data/three_consumers_turns_h200_2026-11-28.json.
 
 
 def resident_in_registers(kernel: str, head_dim: int) -> bool:
@@ -329,6 +337,7 @@ class Sm90ForwardKernel(GluonFamily):
             SPARSE_Z=tables.kv_num_blocks.shape[0], SPARSE_HQ=tables.kv_num_blocks.shape[1], GQA_GROUP=Hq // Hkv,
             HEAD_DIM=E, SPARSE_Q_BLOCK_SIZE=BLOCK, SPARSE_KV_BLOCK_SIZE=BLOCK, BLOCK_M=64 * consumers, BLOCK_N=BLOCK,
             STAGES=STAGES[E], CONSUMER_REGS=CONSUMER_REGS if consumers == 2 else THREE_CONSUMER_REGS, CONSUMERS=consumers,
+            TAKE_TURNS=consumers == 3,
             HAS_SCORE_MOD=self.has_score_mod,
             # The mods see the scaled score; the scale folds into the exp2 only when it is positive.
             SCALE_FIRST=self.has_score_mod or scale <= 0,
