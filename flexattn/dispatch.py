@@ -135,7 +135,7 @@ _DEBUG = debug_enabled()
 
 # What a step of a plan is called in the report, and the constexprs it shows.
 _STEP_NAMES = {"forward": "", "dkdv": "dK/dV ", "dq": "dQ ", "partial": "", "merge": "merge "}
-_SHOWN = ("BLOCK_M", "BLOCK_N", "NUM_SPLITS", "STAGES", "num_warps", "num_stages")
+_SHOWN = ("BLOCK_M", "BLOCK_N", "NUM_SPLITS", "STAGES", "CONSUMERS", "num_warps", "num_stages")
 
 
 def _kernel_plan(plan) -> str:
