@@ -311,7 +311,8 @@ def test_three_consumers_only_on_long_unmasked_walks_at_head_dim_64(monkeypatch)
     assert step.constexprs["TAKE_TURNS"]  # [Note] Turns on the tensor cores
     SM90_FORWARD.check_constexprs(step.constexprs)
     two = [(noop, wide, dense_block_mask(long, long, torch.device("cpu"))),  # head dim 128
-           (noop, bhnd(N=long - 128), dense_block_mask(long - 128, long - 128, torch.device("cpu"))),  # too few key blocks
+           # too few key blocks
+           (noop, bhnd(N=long - 128), dense_block_mask(long - 128, long - 128, torch.device("cpu"))),
            (noop, q, create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, None, None, long, long,
                                        device="cpu")),  # a mask the caller built: not marked
            (causal_kernel, q, causal_instance.block_mask(1, 2, long, long, "cpu"))]

@@ -428,7 +428,8 @@ DECODE_HELPERS = _by_name(
 # constexprs too, is passed by position (a constexpr value stays one through the call).
 SM90_FORWARD_HELPERS = _by_name(
     _values("ring", "q_bufs", "k_smem", "v_smem", "q_bar", "k_ready", "v_ready", "k_empty", "v_empty", "turns",
-            doc="the shared-memory buffers and the mbarriers of the Q buffers and the K/V ring, and the consumers' turns"),
+            doc="the shared-memory buffers and the mbarriers of the Q buffers and the K/V ring, and the "
+                "consumers' turns"),
     _values("views", "Q", "K", "V", "OUT", "LSE", "row_qz", "row_qh", "col_qh", "row_kz", "row_kh", "col_kh",
             "row_vz", "row_vh", "col_vh", "row_oz", "row_oh", "col_oh",
             doc="the descriptors and where a (batch, head) starts in them"),

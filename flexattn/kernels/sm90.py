@@ -2,11 +2,11 @@
 (templates/forward_sm90.py.jinja), its launch plans and its launches.
 
 A warp-specialised FlashAttention forward (a loader warp feeding two consumer warpgroups, three on
-a call without a mask at head dim 64, through an mbarrier ring, as FlashAttention-3 does) that walks the BlockMask's forward tables as the portable
-forward does and writes the same output and LSE, so the portable Triton backward runs after it
-unchanged. It covers the common case only; :func:`problem_reason` and
-``Sm90ForwardKernel.unsupported_reason`` say why a call is outside it, and dispatch.py then runs
-the portable forward (or raises, when ``BACKEND='GLUON'`` pinned this one).
+a call without a mask at head dim 64, through an mbarrier ring, as FlashAttention-3 does) that
+walks the BlockMask's forward tables as the portable forward does and writes the same output and
+LSE, so the portable Triton backward runs after it unchanged. It covers the common case only;
+:func:`problem_reason` and ``Sm90ForwardKernel.unsupported_reason`` say why a call is outside it,
+and dispatch.py then runs the portable forward (or raises, when ``BACKEND='GLUON'`` pinned this one).
 """
 
 from __future__ import annotations
@@ -336,7 +336,8 @@ class Sm90ForwardKernel(GluonFamily):
         constexprs = dict(
             SPARSE_Z=tables.kv_num_blocks.shape[0], SPARSE_HQ=tables.kv_num_blocks.shape[1], GQA_GROUP=Hq // Hkv,
             HEAD_DIM=E, SPARSE_Q_BLOCK_SIZE=BLOCK, SPARSE_KV_BLOCK_SIZE=BLOCK, BLOCK_M=64 * consumers, BLOCK_N=BLOCK,
-            STAGES=STAGES[E], CONSUMER_REGS=CONSUMER_REGS if consumers == 2 else THREE_CONSUMER_REGS, CONSUMERS=consumers,
+            STAGES=STAGES[E], CONSUMERS=consumers,
+            CONSUMER_REGS=CONSUMER_REGS if consumers == 2 else THREE_CONSUMER_REGS,
             TAKE_TURNS=consumers == 3,
             HAS_SCORE_MOD=self.has_score_mod,
             # The mods see the scaled score; the scale folds into the exp2 only when it is positive.
