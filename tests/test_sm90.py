@@ -321,6 +321,16 @@ def test_three_consumers_only_on_long_unmasked_walks_at_head_dim_64(monkeypatch)
         step = launched[-1].steps["forward"]
         assert step.constexprs["CONSUMERS"] == 2 and step.grid[0] == x.shape[2] // 128
         assert not step.constexprs["TAKE_TURNS"]
+    # A table of the unmasked call's mask written in place (the same values here, so the shared mask
+    # stays right): the mark by construction no longer holds, and neither does the shared walk.
+    longer = long + 128
+    mask = dense_block_mask(longer, longer, torch.device("cpu"))
+    x = bhnd(N=longer)
+    noop(x, x, x, mask, 0.125, [], [], need_lse=True)
+    assert launched[-1].steps["forward"].constexprs["CONSUMERS"] == 3
+    mask.full_kv_indices[0, 0, 0, 0] = mask.full_kv_indices[0, 0, 0, 0].clone()
+    noop(x, x, x, mask, 0.125, [], [], need_lse=True)
+    assert launched[-1].steps["forward"].constexprs["CONSUMERS"] == 2
 
 
 def test_the_launcher_packs_what_the_kernel_declares(monkeypatch):
