@@ -533,6 +533,9 @@ def _forward_outputs(query, out, lse, mx, need_max: bool):
 #   way, and makes its own entry;
 # * the process state the choices read: the interpreter switch, float32 matmul precision, torch's
 #   determinism switch.
+# None inside a CUDA-graph capture: its replays must read the tables as they are then, with no
+# consecutive-block flags or transposed tables found before it (kernels/tables.py [Note] Tables read
+# at each replay).
 # Only a call that launched one settled plan of the portable or Gluon forward is kept (forward_relaunch
 # in dispatch.py); the captured tensors' contents are read at launch, so new contents need no new entry.
 _WARM: dict = {}  # problem -> _WarmForward
@@ -600,6 +603,8 @@ def _warm_key(parts: list, tensors: tuple, tables: tuple, grad_flags: bool = Tru
     ``grad_flags``: requires_grad among them, which the forward's choices read and the backward's
     do not) and the tables' identities: a key of [Note] Warm calls of the forward op and of the
     backward's."""
+    if tables[0] is not None and _capturing(tables[0]):
+        return None  # a capture takes the long way: kernels/tables.py [Note] Tables read at each replay
     parts += [interpreter_enabled(), torch.get_float32_matmul_precision(), torch.are_deterministic_algorithms_enabled()]
     for t in tensors:
         parts.append(None if t is None else (t.shape, t.stride(), t.dtype, t.device, grad_flags and t.requires_grad,

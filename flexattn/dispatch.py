@@ -146,7 +146,7 @@ def _kernel_plan(plan) -> str:
             continue  # the backward's preprocess: nothing to choose
         c = step.constexprs
         shown = [f"{key}={c[key]}" for key in _SHOWN if key in c]
-        shown += [key for key in ("USE_TMA", "HOST_DESCRIPTORS", "WARP_SPECIALIZE") if c.get(key)]
+        shown += [key for key in ("USE_TMA", "HOST_DESCRIPTORS", "WARP_SPECIALIZE", "UNION_WALK") if c.get(key)]
         steps.append(_STEP_NAMES[role] + " ".join(shown))
     return f"{'; '.join(steps)}, kernel {plan.compiled.module.__file__}"
 

@@ -69,6 +69,13 @@ def qkv(B, Hq, Hkv, L, E, dtype):
     return tuple(torch.randn(B, h, L, E, device=DEVICE, dtype=dtype) for h in (Hq, Hkv, Hkv))
 
 
+def qkv_in_layout(B, Hq, Hkv, L, layout):
+    """Head dim 64, bf16, in [B, H, N, D] storage ("bhnd") or [B, N, H, D] storage seen as [B, H, N, D]."""
+    if layout == "bhnd":
+        return qkv(B, Hq, Hkv, L, 64, torch.bfloat16)
+    return tuple(torch.randn(B, L, h, 64, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2) for h in (Hq, Hkv, Hkv))
+
+
 VARIANTS = ("noop", "causal", "sliding_window", "document_mask", "prefix_lm")
 
 
@@ -121,16 +128,90 @@ def test_three_consumers_on_unmasked_calls(variant, B, Hq, Hkv, L, layout, monke
     steps = launched_steps(monkeypatch)
     monkeypatch.setattr(sm90, "THREE_CONSUMERS_MIN_KEY_BLOCKS", 0)  # the short rows' programs too
     score_mod, _ = CATALOGUE[variant].build(B, Hq, L, L, DEVICE)
-    if layout == "bnhd":
-        q = torch.randn(B, L, Hq, 64, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
-        k, v = (torch.randn(B, L, Hkv, 64, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
-    else:
-        q, k, v = qkv(B, Hq, Hkv, L, 64, torch.bfloat16)
+    q, k, v = qkv_in_layout(B, Hq, Hkv, L, layout)
     check_forward(q, k, v, score_mod, None, gqa=Hq != Hkv)
     assert steps[-1].constexprs["CONSUMERS"] == 3 and steps[-1].grid[0] == -(-L // 192)
 
 
-def test_a_mask_head_dim_128_or_short_rows_keep_two_consumers(monkeypatch):
+@pytest.mark.parametrize("variant, B, Hq, Hkv, L, layout", [
+    ("causal", 2, 4, 4, 1280, "bhnd"),  # 7 programs: the last one's three consumers in one query block
+    ("sliding_window", 1, 8, 2, 1152, "bhnd"),  # every program full; GQA 4:1
+    ("document_mask", 2, 4, 4, 3200, "bnhd"),  # 17 programs, the last repeats 64 rows; per-batch documents
+    ("prefix_lm", 1, 4, 4, 128, "bnhd"),  # one program, one query block
+    ("alibi", 1, 4, 4, 1408, "bhnd"),  # a score_mod with the causal mask
+    ("causal", 1, 2, 2, 6144, "bhnd"),  # 24.5 key blocks a row: three consumers under the rule as it is
+])
+def test_three_consumers_on_masked_calls(variant, B, Hq, Hkv, L, layout, monkeypatch):
+    # [Note] Programs across query blocks (kernels/sm90.py): a 192-row program walks the union of its
+    # two query blocks' walks; the blocks not listed for a consumer's rows keep nothing there.
+    steps = launched_steps(monkeypatch)
+    if L < 6144:
+        monkeypatch.setattr(sm90, "THREE_CONSUMERS_MIN_KEY_BLOCKS", 0)  # the short rows' programs too
+    score_mod, mask_mod = CATALOGUE[variant].build(B, Hq, L, L, DEVICE)
+    q, k, v = qkv_in_layout(B, Hq, Hkv, L, layout)
+    check_forward(q, k, v, score_mod, mask_mod, gqa=Hq != Hkv, mask_heads=variant == "document_mask")
+    step = steps[-1]
+    assert step.constexprs["CONSUMERS"] == 3 and step.constexprs["UNION_WALK"] and step.grid[0] == -(-L // 192)
+
+
+def test_three_consumers_follow_each_masks_walks(monkeypatch):
+    # Two masks of one shape, and one mask's tables rewritten in place between calls: each call walks
+    # its own mask's present tables (the program walks are derived again), never an earlier call's.
+    steps = launched_steps(monkeypatch)
+    monkeypatch.setattr(sm90, "THREE_CONSUMERS_MIN_KEY_BLOCKS", 0)  # the narrow window's programs too
+    B, H, L = 1, 2, 3072
+    q, k, v = qkv(B, H, H, L, 64, torch.bfloat16)
+
+    def window(w):
+        return lambda b, h, qi, ki: (qi >= ki) & (qi - ki < w)
+
+    masks = {w: create_block_mask(window(w), None, None, L, L, device=DEVICE) for w in (256, 2048)}
+    for w in (256, 2048, 256):
+        out = flex_attention(q, k, v, block_mask=masks[w], kernel_options=GLUON)
+        gold, _, _ = reference_attention(q.double(), k.double(), v.double(), mask_mod=window(w))
+        assert rel_err(out, gold) < 1e-2, f"window {w}"
+    mask = masks[256]
+    wide = masks[2048]
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        getattr(mask, name).copy_(getattr(wide, name))
+    mask.mask_mod = wide.mask_mod
+    out = flex_attention(q, k, v, block_mask=mask, kernel_options=GLUON)
+    gold, _, _ = reference_attention(q.double(), k.double(), v.double(), mask_mod=window(2048))
+    assert rel_err(out, gold) < 1e-2, "the rewritten tables"
+    assert [step.constexprs["UNION_WALK"] for step in steps] == [True] * 4
+
+
+def test_a_capture_walks_the_tables_as_they_are_at_each_replay(monkeypatch):
+    # [Note] Programs across query blocks: walks derived before a capture would stay in its replays
+    # whatever the tables hold by then, so a capture takes two consumers and the tables themselves.
+    steps = launched_steps(monkeypatch)
+    monkeypatch.setattr(sm90, "THREE_CONSUMERS_MIN_KEY_BLOCKS", 0)  # the diagonal alone too, at the end
+    B, H, L = 1, 2, 6144
+    q, k, v = qkv(B, H, H, L, 64, torch.bfloat16)
+    mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, L, L, device=DEVICE)
+
+    def attend():
+        return flex_attention(q, k, v, block_mask=mask, kernel_options=GLUON)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        attend()
+    torch.cuda.current_stream().wait_stream(side)
+    assert steps[-1].constexprs["UNION_WALK"]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = attend()
+    assert not steps[-1].constexprs["UNION_WALK"] and steps[-1].constexprs["CONSUMERS"] == 2
+    mask.full_kv_num_blocks.zero_()  # only the diagonal blocks are left
+    graph.replay()
+    gold, _, _ = reference_attention(q.double(), k.double(), v.double(),
+                                     mask_mod=lambda b, h, qi, ki: (qi >= ki) & (qi // 128 == ki // 128))
+    assert rel_err(static, gold) < 1e-2
+    assert rel_err(attend(), gold) < 1e-2 and steps[-1].constexprs["UNION_WALK"]  # eager: derived again
+
+
+def test_head_dim_128_or_short_rows_keep_two_consumers(monkeypatch):
     steps = launched_steps(monkeypatch)
     B, H, L = 1, 2, 1024
     score_mod, mask_mod = CATALOGUE["causal"].build(B, H, L, L, DEVICE)

@@ -208,10 +208,11 @@ def _offline_compile_available() -> bool:
 
 @pytest.mark.skipif(not _offline_compile_available(),
                     reason="needs a Triton of sm90.GLUON_COMPILES_ON with its ptxas (offline sm90 compile)")
-@pytest.mark.parametrize("variant, consumers", [("causal", 2), ("noop", 3)])
+@pytest.mark.parametrize("variant, consumers", [("causal", 2), ("noop", 3), ("causal", 3)])
 def test_kernel_compiles_for_sm90_offline(variant, consumers):
     """The rendered kernel through Triton's whole pipeline for sm90 (causal with two consumer
-    warpgroups; noop with three, [Note] Three consumers on an unmasked walk): its consumers issue
+    warpgroups; noop with three, [Note] Three consumers on an unmasked walk; causal with three, [Note]
+    Programs across query blocks): its consumers issue
     wgmma and it fits the shared memory of an H100. In a process of its own without
     TRITON_INTERPRET (under the interpreter @triton.jit hooks cannot be compiled); about 5 s."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -243,6 +244,7 @@ def compile_offline(variant: str, consumers: int):
                       CONSUMER_REGS=sm90.CONSUMER_REGS if consumers == 2 else sm90.THREE_CONSUMER_REGS,
                       HAS_SCORE_MOD=False, SCALE_FIRST=False, HAS_PARTIAL_BLOCKS=kernel.has_mask_mod,
                       HAS_FULL_BLOCKS=True, OUTPUT_LSE=True, CONSUMERS=consumers, TAKE_TURNS=consumers == 3,
+                      UNION_WALK=consumers == 3 and kernel.has_mask_mod,
                       RESIDENT_IN_REGISTERS=consumers == 2 and sm90.resident_in_registers("forward", D))
     constexprs["BLOCK_M"] = 64 * consumers
     signature = {}
@@ -253,7 +255,7 @@ def compile_offline(variant: str, consumers: int):
             signature[name] = mangle_type(descriptor[64 if name in ("Q", "OUT") else 128])
         elif name == "LSE":
             signature[name] = "*fp32"
-        elif name in ("KV_NUM_BLKS", "KV_IDX", "FULL_KV_NUM_BLKS", "FULL_KV_IDX"):
+        elif name in ("KV_NUM_BLKS", "KV_IDX", "FULL_KV_NUM_BLKS", "FULL_KV_IDX", "WALK_NUM", "WALK"):
             signature[name] = "*i32"
         else:
             signature[name] = "fp32" if name == "SM_SCALE" else "i32"
@@ -290,10 +292,11 @@ def test_a_plan_is_made_once_and_kept(monkeypatch):
     assert not kernel.last_plan.steps["forward"].constexprs["RESIDENT_IN_REGISTERS"]
 
 
-def test_three_consumers_only_on_long_unmasked_walks_at_head_dim_64(monkeypatch):
+def test_three_consumers_only_on_long_walks_at_head_dim_64(monkeypatch):
     # [Note] Three consumers on an unmasked walk: the mask of a call without one (marked every block
     # full by construction), no mask_mod, head dim 64, at least THREE_CONSUMERS_MIN_KEY_BLOCKS key blocks.
-    from flexattn.masks import dense_block_mask
+    # [Note] Programs across query blocks: with a mask_mod, the union of two query blocks' walks.
+    from flexattn.masks import BlockMask, dense_block_mask
 
     monkeypatch.setattr(sm90, "problem_reason", lambda *args: None)
     launched = []
@@ -314,13 +317,28 @@ def test_three_consumers_only_on_long_unmasked_walks_at_head_dim_64(monkeypatch)
            # too few key blocks
            (noop, bhnd(N=long - 128), dense_block_mask(long - 128, long - 128, torch.device("cpu"))),
            (noop, q, create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, None, None, long, long,
-                                       device="cpu")),  # a mask the caller built: not marked
-           (causal_kernel, q, causal_instance.block_mask(1, 2, long, long, "cpu"))]
+                                       device="cpu")),  # a mask the caller built, without a mask_mod
+           (causal_kernel, bhnd(N=long - 128), causal_instance.block_mask(1, 2, long - 128, long - 128, "cpu"))]
+    # Causal rows of 48 key blocks visit 24.5 on average.
+    causal_mask = causal_instance.block_mask(1, 2, 2 * long, 2 * long, "cpu")
+    q2 = bhnd(N=2 * long)
+    tables = [causal_mask.kv_num_blocks, causal_mask.kv_indices, causal_mask.full_kv_num_blocks,
+              causal_mask.full_kv_indices]
+    # Rows of fewer key blocks on average than THREE_CONSUMERS_MIN_KEY_BLOCKS (a window of 2 blocks).
+    two.append((causal_kernel, q, create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 256),
+                                                    None, None, long, long, device="cpu")))
+    # A compiled call's mask (one call): the walks would be derived at every call.
+    two.append((causal_kernel, q2, BlockMask.from_launch_tables((2 * long, 2 * long), *tables, one_call=True)))
     for kernel, x, mask in two:
         kernel(x, x, x, mask, 0.125, [], [], need_lse=True)
         step = launched[-1].steps["forward"]
         assert step.constexprs["CONSUMERS"] == 2 and step.grid[0] == x.shape[2] // 128
-        assert not step.constexprs["TAKE_TURNS"]
+        assert not step.constexprs["TAKE_TURNS"] and not step.constexprs["UNION_WALK"]
+    causal_kernel(q2, q2, q2, causal_mask, 0.125, [], [], need_lse=True)
+    step = launched[-1].steps["forward"]
+    assert step.constexprs["CONSUMERS"] == 3 and step.constexprs["UNION_WALK"] and step.constexprs["TAKE_TURNS"]
+    assert step.grid == (-(-2 * long // 192), 2, 1)
+    assert causal_kernel.kept_plan(q2, q2, q2, causal_mask, 0.125, need_lse=True) is None  # no warm launch
     # A table of the unmasked call's mask written in place (the same values here, so the shared mask
     # stays right): the mark by construction no longer holds, and neither does the shared walk.
     longer = long + 128
@@ -331,6 +349,53 @@ def test_three_consumers_only_on_long_unmasked_walks_at_head_dim_64(monkeypatch)
     mask.full_kv_indices[0, 0, 0, 0] = mask.full_kv_indices[0, 0, 0, 0].clone()
     noop(x, x, x, mask, 0.125, [], [], need_lse=True)
     assert launched[-1].steps["forward"].constexprs["CONSUMERS"] == 2
+
+
+def brute_force_walks(partial: torch.Tensor, full: torch.Tensor, q_len: int):
+    """[Note] Programs across query blocks spelled out: per program of 192 rows (consumers of 64, the
+    last clamped to the queries), the key blocks either of its query blocks lists, ascending, with
+    what each block is to its first and last query block (0 not listed, 1 partial, 2 full)."""
+    kinds = partial.int() + 2 * full.int()
+    walks = []
+    for start in range(0, q_len, 192):
+        rows = [min(start + 64 * c, q_len - 64) // 128 for c in range(3)]
+        first, last = kinds[rows[0]], kinds[rows[-1]]
+        walks.append([(j, int(first[j]), int(last[j])) for j in range(kinds.shape[1]) if first[j] or last[j]])
+    return walks
+
+
+@pytest.mark.parametrize("q_len, kv_len", [(1280, 1280), (3200, 2048), (128, 384), (1152, 1152)])
+def test_program_walks_against_brute_force(q_len, kv_len):
+    from flexattn.kernels.tables import program_walks
+    from flexattn.masks import BlockMask
+
+    gen = torch.Generator().manual_seed(q_len + kv_len)
+    rows, cols = q_len // 128, kv_len // 128
+    listed = torch.rand(2, 3, rows, cols, generator=gen)
+    partial, full = listed < 0.3, listed > 0.6  # some rows empty, some all full
+
+    def tables(dense):
+        num = dense.sum(-1).int()
+        idx = torch.argsort(dense.int(), dim=-1, descending=True, stable=True).int()
+        return num, idx
+
+    mask = BlockMask.from_kv_blocks(*tables(partial), *tables(full), BLOCK_SIZE=128, seq_lengths=(q_len, kv_len))
+    walks = program_walks(mask, 192, 64)
+    assert walks.num.shape == (2, 3, -(-q_len // 192)) and walks.entries.shape == (2, 3, -(-q_len // 192), cols)
+    for b in range(2):
+        for h in range(3):
+            want = brute_force_walks(partial[b, h], full[b, h], q_len)
+            for p, expected in enumerate(want):
+                got = [(int(e) >> 4, (int(e) >> 2) & 3, int(e) & 3) for e in walks.entries[b, h, p, :walks.num[b, h, p]]]
+                assert got == expected, (b, h, p)
+    assert program_walks(mask, 192, 64) is walks  # kept on the mask
+    # A table written in place: the walks are derived again, from the new content.
+    mask.full_kv_num_blocks.zero_()
+    again = program_walks(mask, 192, 64)
+    assert again is not walks
+    expected = brute_force_walks(partial[0, 0], torch.zeros_like(full[0, 0]), q_len)
+    assert [(int(e) >> 4, (int(e) >> 2) & 3, int(e) & 3) for e in again.entries[0, 0, 0, :again.num[0, 0, 0]]] \
+        == expected[0]
 
 
 def test_the_launcher_packs_what_the_kernel_declares(monkeypatch):

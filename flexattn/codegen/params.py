@@ -272,6 +272,9 @@ SM90_FORWARD = KernelParams("flex_attention_forward_sm90", [
     _tensors("Q", "K", "V", "OUT", doc="2-D tensor descriptors over each tensor's storage ([Note] 2-D views)"),
     _tensors("LSE"),
     _tensors("KV_NUM_BLKS", "KV_IDX", "FULL_KV_NUM_BLKS", "FULL_KV_IDX", doc="the BlockMask's forward tables"),
+    _tensors("WALK_NUM", "WALK", doc="UNION_WALK: each program's walk across two query blocks (kernels/tables.py "
+                                     "ProgramWalks); otherwise stand-ins, not read"),
+    _scalars("WALK_ROWS", "WALK_COLS", doc="the walks' rows (programs) and width"),
     _scalars("row_qz", "row_qh", "col_qh", "row_kz", "row_kh", "col_kh", "row_vz", "row_vh", "col_vh",
              "row_oz", "row_oh", "col_oh",
              doc="where a (batch, head)'s rows start in each descriptor: rows per batch and head, columns per head"),
@@ -290,6 +293,8 @@ SM90_FORWARD = KernelParams("flex_attention_forward_sm90", [
                                  "walk, kernels/sm90.py)"),
     _constexprs("TAKE_TURNS", doc="the consumers issue their products in a fixed round ([Note] Turns on the tensor "
                                   "cores, kernels/sm90.py)"),
+    _constexprs("UNION_WALK", doc="three consumers whose program spans two query blocks walk the union of their walks "
+                                  "([Note] Programs across query blocks, kernels/sm90.py)"),
 ], doc="Hopper, Gluon: one program per 128 (or 192) queries of one query head, a loader warp and two (or three) "
        "consumer warpgroups")
 
@@ -435,8 +440,10 @@ SM90_FORWARD_HELPERS = _by_name(
             doc="the descriptors and where a (batch, head) starts in them"),
     _values("tables", "off_z", "off_hq", "off_hkv", "start_m", "num_partial", "num_full", "partial_idx", "full_idx",
             doc="the program's batch, heads and query block, and its row of the block tables"),
-    _values("mod_flags", "SM_SCALE", "HAS_SCORE_MOD", "SCALE_FIRST", "HAS_PARTIAL_BLOCKS", "SPARSE_KV_BLOCK_SIZE",
-            doc="the scale, which mods run, and the key block size the mods' kv_idx is counted in"),
+    _values("mod_flags", "SM_SCALE", "HAS_SCORE_MOD", "SCALE_FIRST", "HAS_PARTIAL_BLOCKS", "UNION_WALK",
+            "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE",
+            doc="the scale, which mods run, whether the walk is a union of two query blocks' walks, and the "
+                "block sizes (the mods' kv_idx is counted in key blocks)"),
     _values("shape", "Q_LEN", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "STAGES", "OUTPUT_LSE", "RESIDENT_IN_REGISTERS",
             "CONSUMERS", "TAKE_TURNS",
             doc="the query length, the tiles, the ring's depth, whether the LSE is written, where Q is held, how "

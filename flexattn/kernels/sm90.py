@@ -29,7 +29,7 @@ from .launch import (
     empty_strided_output, interpreter_enabled, kv_strides, launch, mod_launch_args,
 )
 from .launch_order import rows_alike, tail_pairs
-from .tables import launch_tables
+from .tables import launch_tables, program_walks
 
 __all__ = ["Sm90ForwardKernel", "WarmSm90Launch", "GluonFamily", "Sm90Unavailable", "sm90_forward_kernel",
            "problem_reason", "descriptor_ready", "device_reason", "shape_reason", "auto_reason",
@@ -99,6 +99,26 @@ THREE_CONSUMER_REGS = 160
 # vs 1.53, B2 H16 8k 1.13 vs 1.03, B4 H16 4k 0.584 vs 0.537 (1.06-1.09x), soft-capping 1.00x; the
 # same bits. Two consumers measured no gain from it (0.96-1.01x, twice): they take no turns.
 # docs/data/three_consumers_turns_h200_2026-11-28.json.
+#
+# [Note] Programs across query blocks. With a mask_mod, rows of different query blocks walk
+# different key blocks, and a 192-row program spans two of the BlockMask's 128-row query blocks
+# (its first consumer's and its last one's; the middle one's is one of the two, since 64 divides
+# 128). Such a program walks the union of the two blocks' walks (kernels/tables.py ProgramWalks,
+# derived once per table content and kept on the mask). Each entry says what its block is to the
+# first and to the last query block: full (no mask_mod), partial (the mask_mod decides) or not
+# listed, where that consumer keeps nothing of the tile (its products are spent, its rows stay
+# exact). Under a causal mask that is one tile in about a row's walk, at the diagonal. The walk is
+# in ascending key order, where two consumers walk partial blocks first: sums in another order, not
+# the same bits. Not for masks made for one call (a compiled call's: the walks would be derived at
+# every call), nor inside a CUDA-graph capture: its replays would read walks derived before it,
+# whatever the tables hold by then, where the tables themselves are read as they are at each replay.
+# Nor on short walks (fewer than THREE_CONSUMERS_MIN_KEY_BLOCKS key blocks a row on average), where
+# the union's extra tiles weigh more. Kernel time on an H200 (bf16, head dim 64), two consumers vs
+# three: causal B4 H16 16k 4.69 vs 4.34 ms (1.08x), prefix LM 1.07x, causal B2 H16 8k 1.07x, B1 H12
+# 16k 1.09x, B4 H16 4k (16.5 blocks a row) 0.99x; sliding window (8.7) 0.89x, documents (4.8)
+# 0.73x. docs/benchmarks.md; docs/data/union_walks_h200_2026-11-28.json. UNION_WALKS: the head
+# dims where it runs.
+UNION_WALKS = {64: True, 128: False}
 
 
 def resident_in_registers(kernel: str, head_dim: int) -> bool:
@@ -290,10 +310,11 @@ class Sm90ForwardKernel(GluonFamily):
         global launches
         tables = launch_tables(block_mask)
         consumers = self._consumers(q, block_mask)
+        walks = self._walks(block_mask, consumers)
         key = self._problem(q, k, v, tables, scale, need_lse, consumers)
 
         def launch(plan: Plan):
-            return self._launch(plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse)
+            return self._launch(plan, q, k, v, tables, walks, scale, score_captured, mask_captured, need_lse)
 
         plan = self._plans.get(key)
         if plan is None:
@@ -312,16 +333,32 @@ class Sm90ForwardKernel(GluonFamily):
                 tables.plan_key, need_lse, scale > 0, consumers)
 
     def _consumers(self, q, block_mask) -> int:
-        """Consumer warpgroups a program of this call has ([Note] Three consumers on an unmasked walk)."""
-        unmasked = not self.has_mask_mod and bool(block_mask.peek_derived(EVERY_BLOCK_FULL))
-        long_rows = block_mask.seq_lengths[1] >= THREE_CONSUMERS_MIN_KEY_BLOCKS * BLOCK
-        return 3 if unmasked and long_rows and THREE_CONSUMERS.get(q.shape[-1], False) else 2
+        """Consumer warpgroups a program of this call has ([Note] Three consumers on an unmasked walk,
+        [Note] Programs across query blocks)."""
+        E = q.shape[-1]
+        if not THREE_CONSUMERS.get(E, False) or block_mask.seq_lengths[1] < THREE_CONSUMERS_MIN_KEY_BLOCKS * BLOCK:
+            return 2
+        if not self.has_mask_mod:
+            return 3 if block_mask.peek_derived(EVERY_BLOCK_FULL) else 2
+        if not UNION_WALKS.get(E, False) or block_mask.serves_one_call:
+            return 2
+        if launch_tables(block_mask).stats.mean_blocks < THREE_CONSUMERS_MIN_KEY_BLOCKS:
+            return 2  # short walks: the union's extra tiles weigh more (sliding window, documents)
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            return 2  # a replay would read walks derived before the capture, whatever the tables hold then
+        return 3
+
+    def _walks(self, block_mask, consumers: int):
+        """The program walks of a UNION_WALK launch ([Note] Programs across query blocks), else None."""
+        return program_walks(block_mask, 192, 64) if consumers == 3 and self.has_mask_mod else None
 
     def kept_plan(self, q, k, v, block_mask, scale: float, *, need_lse: bool) -> Optional[Plan]:
         """The plan of this problem once its first launch compiled (None before): for a caller that
         launches it again through ``warm_launch`` (compile.py, [Note] Warm calls of the forward op)."""
-        return self._plans.get(self._problem(q, k, v, launch_tables(block_mask), scale, need_lse,
-                                             self._consumers(q, block_mask)))
+        consumers = self._consumers(q, block_mask)
+        if consumers == 3 and self.has_mask_mod:
+            return None  # a warm launch takes no program walks; masks of compiled calls never have them
+        return self._plans.get(self._problem(q, k, v, launch_tables(block_mask), scale, need_lse, consumers))
 
     def warm_launch(self, plan: Plan, q, k, v, tables, scale: float, *, need_lse: bool) -> "WarmSm90Launch":
         """``plan`` (from kept_plan) for the later calls of this call's problem, which the caller keys
@@ -338,7 +375,7 @@ class Sm90ForwardKernel(GluonFamily):
             HEAD_DIM=E, SPARSE_Q_BLOCK_SIZE=BLOCK, SPARSE_KV_BLOCK_SIZE=BLOCK, BLOCK_M=64 * consumers, BLOCK_N=BLOCK,
             STAGES=STAGES[E], CONSUMERS=consumers,
             CONSUMER_REGS=CONSUMER_REGS if consumers == 2 else THREE_CONSUMER_REGS,
-            TAKE_TURNS=consumers == 3,
+            TAKE_TURNS=consumers == 3, UNION_WALK=consumers == 3 and self.has_mask_mod,
             HAS_SCORE_MOD=self.has_score_mod,
             # The mods see the scaled score; the scale folds into the exp2 only when it is positive.
             SCALE_FIRST=self.has_score_mod or scale <= 0,
@@ -351,16 +388,16 @@ class Sm90ForwardKernel(GluonFamily):
         return Plan(compiled, {"forward": Step(SM90_FORWARD, grid, constexprs)}, (L, S),
                     q.element_size())
 
-    def _launch(self, plan: Plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse):
+    def _launch(self, plan: Plan, q, k, v, tables, walks, scale, score_captured, mask_captured, need_lse):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         B, Hq, L, E = q.shape
         step = plan.steps["forward"]
         out = empty_attention_output(q, E)
         lse = empty_output((B, Hq, L), torch.float32, q.device) if need_lse else out
-        recipes, fixed = _problem_args(step, q, k, v, out, tables, scale)
+        recipes, fixed = _problem_args(step, q, k, v, out, tables, walks, scale)
         descriptors = [TensorDescriptor(t, *recipe) for t, recipe in zip((q, k, v, out), recipes)]
-        args = _pack(self, descriptors, lse, tables, score_captured, mask_captured, fixed)
+        args = _pack(self, descriptors, lse, tables, walks, score_captured, mask_captured, fixed)
         launch(plan.compiled.kernel(SM90_FORWARD), step.grid, args, step.constexprs)
         return out, (lse if need_lse else None)
 
@@ -381,7 +418,7 @@ class WarmSm90Launch:
         self.need_lse = need_lse
         sample = empty_attention_output(q, E)  # the output's layout, and its descriptor's shape
         self.out_shape, self.out_strides, self.stats_shape = tuple(sample.shape), sample.stride(), (B, Hq, L)
-        self.recipes, self.fixed = _problem_args(step, q, k, v, sample, tables, scale)
+        self.recipes, self.fixed = _problem_args(step, q, k, v, sample, tables, None, scale)
         # Descriptors without the tensors: nothing of this call's is kept.
         self.templates = [descriptor_template(TensorDescriptor(t, *recipe))
                           for t, recipe in zip((q, k, v, sample), self.recipes)]
@@ -398,14 +435,14 @@ class WarmSm90Launch:
             d_q, d_k, d_v, d_out = (TensorDescriptor(t, *recipe) for t, recipe in zip((q, k, v, out), self.recipes))
         else:
             d_q, d_k, d_v, d_out = (descriptor_over(d, t) for d, t in zip(self.templates, (q, k, v, out)))
-        args = _pack(family, (d_q, d_k, d_v, d_out), lse, tables, score_captured, mask_captured, self.fixed)
+        args = _pack(family, (d_q, d_k, d_v, d_out), lse, tables, None, score_captured, mask_captured, self.fixed)
         self.launch(args, fresh_aligned=not (out.data_ptr() | lse.data_ptr()) & 15)
         launches += 1
         family.last_plan = self.plan
         return out, (lse if self.need_lse else None), None
 
 
-def _problem_args(step: Step, q, k, v, out, tables, scale: float) -> tuple[list, dict]:
+def _problem_args(step: Step, q, k, v, out, tables, walks, scale: float) -> tuple[list, dict]:
     """``(recipes, fixed)``: the arguments of Q's, K's, V's and the output's descriptors after their
     tensor (2-D shape, strides, block, layout), and the launch's ints and floats. The same for every
     call of one problem, so a warm launch works them out once."""
@@ -424,19 +461,23 @@ def _problem_args(step: Step, q, k, v, out, tables, scale: float) -> tuple[list,
         row_vz=vv.row_z, row_vh=vv.row_h, col_vh=vv.col_h, row_oz=ov.row_z, row_oh=ov.row_h, col_oh=ov.col_h,
         SPARSE_ROWS=tables.kv_num_blocks.shape[2], IDX_COLS=tables.kv_indices.shape[3],
         FULL_IDX_COLS=tables.full_kv_indices.shape[3], Q_LEN=L, SM_SCALE=scale,
+        WALK_ROWS=0 if walks is None else walks.entries.shape[2], WALK_COLS=0 if walks is None else walks.entries.shape[3],
         TAIL_PAIRS=tail_pairs(step.grid, q.device, rows_alike(tables, k.shape[2], BLOCK)),
     )
     return recipes, fixed
 
 
-def _pack(family: Sm90ForwardKernel, descriptors, lse, tables, score_captured, mask_captured, fixed: dict) -> tuple:
-    """The Gluon forward's arguments: the four descriptors, the LSE buffer, the tables, the mods'
-    tensors, and ``fixed`` (_problem_args)."""
+def _pack(family: Sm90ForwardKernel, descriptors, lse, tables, walks, score_captured, mask_captured,
+          fixed: dict) -> tuple:
+    """The Gluon forward's arguments: the four descriptors, the LSE buffer, the tables and the program
+    walks (None: the tables stand in), the mods' tensors, and ``fixed`` (_problem_args)."""
     d_q, d_k, d_v, d_out = descriptors
     return SM90_FORWARD.pack(
         Q=d_q, K=d_k, V=d_v, OUT=d_out, LSE=lse,
         KV_NUM_BLKS=tables.kv_num_blocks, KV_IDX=tables.kv_indices, FULL_KV_NUM_BLKS=tables.full_kv_num_blocks,
         FULL_KV_IDX=tables.full_kv_indices,
+        WALK_NUM=tables.kv_num_blocks if walks is None else walks.num,
+        WALK=tables.kv_indices if walks is None else walks.entries,
         mods=mod_launch_args(score_captured if family.has_score_mod else (),
                              mask_captured if family.has_mask_mod else ()),
         **fixed,

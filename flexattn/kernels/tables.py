@@ -1,6 +1,7 @@
 """Tables the kernels read, derived from a BlockMask: checked, ascending and contiguous forward
 tables with their row statistics (``launch_tables``), the backward's transposed tables
-(``backward_tables``) and the decode kernels' check that a GQA group's heads list the same blocks
+(``backward_tables``), the walks of Hopper forward programs that span two query blocks
+(``program_walks``) and the decode kernels' check that a GQA group's heads list the same blocks
 (``groups_share_tables``).
 
 Each is kept on the mask under its own DerivedKey ([Note] Derived data in masks/block_mask.py), so a
@@ -20,7 +21,8 @@ from .ahead import recording
 
 __all__ = [
     "RowStats", "LaunchTables", "LAUNCH_TABLES", "launch_tables", "checked_launch_tables", "preset_row_stats",
-    "block_mask_row_stats", "BackwardTables",
+    "block_mask_row_stats", "ProgramWalks", "WALK_NOT_LISTED", "WALK_PARTIAL", "WALK_FULL", "program_walks",
+    "BackwardTables",
     "BACKWARD_TABLES", "backward_tables", "groups_share_tables", "assume_groups_differ",
 ]
 
@@ -131,10 +133,56 @@ def _check_no_repeats(pairs, tables) -> None:
 
 LAUNCH_TABLES = DerivedKey("launch tables")
 
+# [Note] Tables read at each replay. A CUDA graph replays the kernels it captured, on the tensors it
+# captured, whatever those hold by then: CUDA graphs' static-input recipe copies the next batch's
+# mask into the captured mask's tables before each replay. What a call derived from the tables
+# before the capture (kept on the mask, BlockMask.derived) would stay in every replay as it was.
+# So inside a capture:
+# - the kernels read the mask's own tables, or copies made inside the graph (contiguous and sorted
+#   again at each replay), never copies kept from before;
+# - the forward's consecutive-block flags, on which results depend, are off; the mean row length
+#   measured before the capture steers speed only and is kept;
+# - the backward's transposed tables are made inside the graph, at each replay;
+# - decoding takes GQA groups as listing different blocks (always right), and the Hopper forward
+#   does not walk the unions of two query blocks (kernels/sm90.py [Note] Programs across query blocks).
+# The checks of range and order ran once, before the capture, on the tables as they were then: a
+# replay cannot read them back. The all-full mask of a call without one is marked so by construction
+# and keeps its flags.
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
 
 def launch_tables(block_mask: BlockMask) -> LaunchTables:
-    """The checked tables and row statistics of ``block_mask``, computed once per table content."""
-    return block_mask.derived(LAUNCH_TABLES, _tables_for_launch)
+    """The checked tables and row statistics of ``block_mask``, computed once per table content
+    (inside a CUDA-graph capture, tables read at each replay: [Note] Tables read at each replay)."""
+    tables = block_mask.derived(LAUNCH_TABLES, _tables_for_launch)
+    if _capturing(block_mask.kv_num_blocks) and not block_mask.peek_derived(EVERY_BLOCK_FULL):
+        return _read_at_replay(block_mask, tables)
+    return tables
+
+
+def _read_at_replay(block_mask: BlockMask, checked: LaunchTables) -> LaunchTables:
+    """``checked`` as a capture may launch it: the mask's own tables (or copies made in the graph) and
+    no consecutive-block flags."""
+    nb, idx = block_mask.kv_num_blocks, block_mask.kv_indices
+    fnb, fidx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
+    has_full = fnb is not None
+    pairs = [(checked.kv_num_blocks, checked.kv_indices, nb, idx)]
+    if has_full:
+        pairs.append((checked.full_kv_num_blocks, checked.full_kv_indices, fnb, fidx))
+    read = []
+    for kept_num, kept_idx, num, ind in pairs:
+        if kept_num is num and kept_idx is ind:
+            read += [num, ind]  # the check found them contiguous and ascending: launched as they are
+        else:  # copies: made again inside the graph, from the tables as they are at each replay
+            num = num.contiguous()
+            read += [num, ascending(num, ind).contiguous()]
+    if not has_full:
+        read += read[:2]
+    stats = RowStats(checked.stats.mean_blocks, False, False)
+    return LaunchTables(*read, has_full, stats, (tuple(read[0].shape), has_full, stats))
 
 
 def _tables_for_launch(block_mask: BlockMask) -> LaunchTables:
@@ -184,6 +232,58 @@ def block_mask_row_stats(block_mask: BlockMask) -> RowStats:
     return launch_tables(block_mask).stats
 
 
+# ------------------------------------------------------------------------------------ program walks
+
+
+class ProgramWalks(NamedTuple):
+    """The key blocks a forward program of ``rows`` query rows walks when its rows span two of the
+    BlockMask's query blocks (kernels/sm90.py [Note] Programs across query blocks): the union of the
+    two blocks' rows of the tables, ascending. Each entry is ``block << 4 | first << 2 | last``, where
+    ``first`` and ``last`` say what the block is to the program's first and last query block: 0 not
+    listed, 1 partial (the mask_mod runs), 2 full. Kept on the mask (BlockMask.derived)."""
+
+    num: torch.Tensor  # [B, H, programs] int32: entries used in each row
+    entries: torch.Tensor  # [B, H, programs, key blocks] int32
+
+
+WALK_NOT_LISTED, WALK_PARTIAL, WALK_FULL = 0, 1, 2
+
+
+def _compute_program_walks(block_mask: BlockMask, rows: int, sub_rows: int) -> ProgramWalks:
+    tables = launch_tables(block_mask)
+    q_len, kv_len = block_mask.seq_lengths
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    cols = -(-kv_len // kv_block)
+    kinds = ordered_to_dense(tables.kv_num_blocks, tables.kv_indices, cols) * WALK_PARTIAL
+    if tables.has_full:
+        kinds = torch.maximum(kinds, ordered_to_dense(tables.full_kv_num_blocks, tables.full_kv_indices, cols)
+                              * WALK_FULL)
+    device = kinds.device
+    starts = torch.arange(0, q_len, rows, device=device)
+    # A program's first and last sub-blocks of rows (its consumers' rows; the last program's are
+    # clamped to the queries, as the kernel clamps them) and the query blocks they lie in.
+    first = torch.clamp(starts, max=q_len - sub_rows) // q_block
+    last = torch.clamp(starts + rows - sub_rows, max=q_len - sub_rows) // q_block
+    codes = (kinds[:, :, first] << 2) | kinds[:, :, last]  # [B, H, programs, cols]
+    listed = codes != 0
+    # Listed blocks first, ascending, then the others (a stable sort on "not listed").
+    order = torch.argsort((~listed).to(torch.int8), dim=-1, stable=True)
+    blocks = torch.arange(cols, device=device, dtype=torch.int32)
+    entries = torch.gather((blocks << 4) | codes.to(torch.int32), -1, order)
+    return ProgramWalks(listed.sum(-1, dtype=torch.int32).contiguous(), entries.to(torch.int32).contiguous())
+
+
+def _walks_key(rows: int, sub_rows: int) -> DerivedKey:
+    return DerivedKey("walks of programs across query blocks", (rows, sub_rows))
+
+
+def program_walks(block_mask: BlockMask, rows: int, sub_rows: int) -> ProgramWalks:
+    """The walks of forward programs of ``rows`` query rows, made of sub-blocks of ``sub_rows`` that
+    each lie in one query block (ProgramWalks); computed once per table content."""
+    return block_mask.derived(_walks_key(rows, sub_rows),
+                              lambda mask: _compute_program_walks(mask, rows, sub_rows))
+
+
 # ------------------------------------------------------------------------------------ backward
 
 
@@ -223,7 +323,10 @@ BACKWARD_TABLES = DerivedKey("backward tables")
 
 
 def backward_tables(block_mask: BlockMask) -> BackwardTables:
-    """The transposed tables the backward walks, computed once per table content."""
+    """The transposed tables the backward walks, computed once per table content (inside a CUDA-graph
+    capture, in the graph: [Note] Tables read at each replay)."""
+    if _capturing(block_mask.kv_num_blocks):
+        return _compute_backward_tables(block_mask)
     return block_mask.derived(BACKWARD_TABLES, _compute_backward_tables)
 
 
@@ -244,7 +347,11 @@ def assume_groups_differ(block_mask: BlockMask, group: int) -> None:
 
 def groups_share_tables(block_mask: BlockMask, group: int) -> bool:
     """Whether the query heads of every GQA group list the same key blocks (per batch and row), so
-    one program can walk them for the whole group. One host sync per mask content."""
+    one program can walk them for the whole group. One host sync per mask content; inside a CUDA-graph
+    capture, False for a mask of several heads ([Note] Tables read at each replay)."""
+    if _capturing(block_mask.kv_num_blocks) and group > 1 and block_mask.kv_num_blocks.shape[1] > 1:
+        return False
+
     def compute(mask: BlockMask) -> bool:
         tables = launch_tables(mask)
         heads = tables.kv_num_blocks.shape[1]

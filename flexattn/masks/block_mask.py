@@ -188,6 +188,12 @@ class BlockMask:
         self.BLOCK_SIZE = as_block_size(BLOCK_SIZE)
         self.mask_mod = mask_mod
 
+    @property
+    def serves_one_call(self) -> bool:
+        """Whether the mask was made for one call (``from_launch_tables(..., one_call=True)``), so
+        what is derived from it is dropped with it."""
+        return bool(self.__dict__.get("_one_call"))
+
     # ---------------------------------------------------------------------------- derived data
 
     def derived(self, key: DerivedKey, compute: Callable[["BlockMask"], Any]) -> Any:
