@@ -69,11 +69,11 @@ def qkv(B, Hq, Hkv, L, E, dtype):
     return tuple(torch.randn(B, h, L, E, device=DEVICE, dtype=dtype) for h in (Hq, Hkv, Hkv))
 
 
-def qkv_in_layout(B, Hq, Hkv, L, layout):
-    """Head dim 64, bf16, in [B, H, N, D] storage ("bhnd") or [B, N, H, D] storage seen as [B, H, N, D]."""
+def qkv_in_layout(B, Hq, Hkv, L, layout, dtype=torch.bfloat16):
+    """Head dim 64 in [B, H, N, D] storage ("bhnd") or [B, N, H, D] storage seen as [B, H, N, D]."""
     if layout == "bhnd":
-        return qkv(B, Hq, Hkv, L, 64, torch.bfloat16)
-    return tuple(torch.randn(B, L, h, 64, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2) for h in (Hq, Hkv, Hkv))
+        return qkv(B, Hq, Hkv, L, 64, dtype)
+    return tuple(torch.randn(B, L, h, 64, device=DEVICE, dtype=dtype).transpose(1, 2) for h in (Hq, Hkv, Hkv))
 
 
 VARIANTS = ("noop", "causal", "sliding_window", "document_mask", "prefix_lm")
@@ -135,6 +135,7 @@ def test_three_consumers_on_unmasked_calls(variant, B, Hq, Hkv, L, layout, monke
 
 @pytest.mark.parametrize("variant, B, Hq, Hkv, L, layout", [
     ("causal", 2, 4, 4, 1280, "bhnd"),  # 7 programs: the last one's three consumers in one query block
+    ("causal", 1, 4, 4, 1280, "fp16"),  # the same in float16
     ("sliding_window", 1, 8, 2, 1152, "bhnd"),  # every program full; GQA 4:1
     ("document_mask", 2, 4, 4, 3200, "bnhd"),  # 17 programs, the last repeats 64 rows; per-batch documents
     ("prefix_lm", 1, 4, 4, 128, "bnhd"),  # one program, one query block
@@ -148,7 +149,10 @@ def test_three_consumers_on_masked_calls(variant, B, Hq, Hkv, L, layout, monkeyp
     if L < 6144:
         monkeypatch.setattr(sm90, "THREE_CONSUMERS_MIN_KEY_BLOCKS", 0)  # the short rows' programs too
     score_mod, mask_mod = CATALOGUE[variant].build(B, Hq, L, L, DEVICE)
-    q, k, v = qkv_in_layout(B, Hq, Hkv, L, layout)
+    if layout == "fp16":
+        q, k, v = qkv_in_layout(B, Hq, Hkv, L, "bhnd", torch.float16)
+    else:
+        q, k, v = qkv_in_layout(B, Hq, Hkv, L, layout)
     check_forward(q, k, v, score_mod, mask_mod, gqa=Hq != Hkv, mask_heads=variant == "document_mask")
     step = steps[-1]
     assert step.constexprs["CONSUMERS"] == 3 and step.constexprs["UNION_WALK"] and step.grid[0] == -(-L // 192)

@@ -325,8 +325,9 @@ def test_three_consumers_only_on_long_walks_at_head_dim_64(monkeypatch):
     tables = [causal_mask.kv_num_blocks, causal_mask.kv_indices, causal_mask.full_kv_num_blocks,
               causal_mask.full_kv_indices]
     # Rows of fewer key blocks on average than THREE_CONSUMERS_MIN_KEY_BLOCKS (a window of 2 blocks).
-    two.append((causal_kernel, q, create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 256),
-                                                    None, None, long, long, device="cpu")))
+    window = create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 256), None, None,
+                               long, long, device="cpu")
+    two.append((causal_kernel, q, window))
     # A compiled call's mask (one call): the walks would be derived at every call.
     two.append((causal_kernel, q2, BlockMask.from_launch_tables((2 * long, 2 * long), *tables, one_call=True)))
     for kernel, x, mask in two:
@@ -364,6 +365,12 @@ def brute_force_walks(partial: torch.Tensor, full: torch.Tensor, q_len: int):
     return walks
 
 
+def decoded(walks, b: int, h: int, program: int) -> list:
+    """A program's walk as (key block, kind to its first query block, kind to its last) triples."""
+    entries = walks.entries[b, h, program, :walks.num[b, h, program]].tolist()
+    return [(e >> 4, (e >> 2) & 3, e & 3) for e in entries]
+
+
 @pytest.mark.parametrize("q_len, kv_len", [(1280, 1280), (3200, 2048), (128, 384), (1152, 1152)])
 def test_program_walks_against_brute_force(q_len, kv_len):
     from flexattn.kernels.tables import program_walks
@@ -386,16 +393,14 @@ def test_program_walks_against_brute_force(q_len, kv_len):
         for h in range(3):
             want = brute_force_walks(partial[b, h], full[b, h], q_len)
             for p, expected in enumerate(want):
-                got = [(int(e) >> 4, (int(e) >> 2) & 3, int(e) & 3) for e in walks.entries[b, h, p, :walks.num[b, h, p]]]
-                assert got == expected, (b, h, p)
+                assert decoded(walks, b, h, p) == expected, (b, h, p)
     assert program_walks(mask, 192, 64) is walks  # kept on the mask
     # A table written in place: the walks are derived again, from the new content.
     mask.full_kv_num_blocks.zero_()
     again = program_walks(mask, 192, 64)
     assert again is not walks
     expected = brute_force_walks(partial[0, 0], torch.zeros_like(full[0, 0]), q_len)
-    assert [(int(e) >> 4, (int(e) >> 2) & 3, int(e) & 3) for e in again.entries[0, 0, 0, :again.num[0, 0, 0]]] \
-        == expected[0]
+    assert decoded(again, 0, 0, 0) == expected[0]
 
 
 def test_the_launcher_packs_what_the_kernel_declares(monkeypatch):

@@ -461,7 +461,8 @@ def _problem_args(step: Step, q, k, v, out, tables, walks, scale: float) -> tupl
         row_vz=vv.row_z, row_vh=vv.row_h, col_vh=vv.col_h, row_oz=ov.row_z, row_oh=ov.row_h, col_oh=ov.col_h,
         SPARSE_ROWS=tables.kv_num_blocks.shape[2], IDX_COLS=tables.kv_indices.shape[3],
         FULL_IDX_COLS=tables.full_kv_indices.shape[3], Q_LEN=L, SM_SCALE=scale,
-        WALK_ROWS=0 if walks is None else walks.entries.shape[2], WALK_COLS=0 if walks is None else walks.entries.shape[3],
+        WALK_ROWS=0 if walks is None else walks.entries.shape[2],
+        WALK_COLS=0 if walks is None else walks.entries.shape[3],
         TAIL_PAIRS=tail_pairs(step.grid, q.device, rows_alike(tables, k.shape[2], BLOCK)),
     )
     return recipes, fixed

@@ -147,7 +147,8 @@ LAUNCH_TABLES = DerivedKey("launch tables")
 #   does not walk the unions of two query blocks (kernels/sm90.py [Note] Programs across query blocks).
 # The checks of range and order ran once, before the capture, on the tables as they were then: a
 # replay cannot read them back. The all-full mask of a call without one is marked so by construction
-# and keeps its flags.
+# and keeps its flags. A kernel the capture launches first (its flags off) compiles there: checked on
+# an H200 with empty caches, portable and Gluon, forward and backward.
 
 
 def _capturing(t: torch.Tensor) -> bool:
