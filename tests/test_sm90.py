@@ -328,6 +328,8 @@ def test_three_consumers_only_on_long_walks_at_head_dim_64(monkeypatch):
     window = create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 256), None, None,
                                long, long, device="cpu")
     two.append((causal_kernel, q, window))
+    # A mask of another Q_LEN (the public API refuses it; a caller inside might not).
+    two.append((causal_kernel, q2, causal_instance.block_mask(1, 2, 2 * long + 128, 2 * long + 128, "cpu")))
     # A compiled call's mask (one call): the walks would be derived at every call.
     two.append((causal_kernel, q2, BlockMask.from_launch_tables((2 * long, 2 * long), *tables, one_call=True)))
     for kernel, x, mask in two:

@@ -342,6 +342,8 @@ class Sm90ForwardKernel(GluonFamily):
             return 3 if block_mask.peek_derived(EVERY_BLOCK_FULL) else 2
         if not UNION_WALKS.get(E, False) or block_mask.serves_one_call:
             return 2
+        if block_mask.seq_lengths[0] != q.shape[2]:
+            return 2  # the walks clamp the last program's rows to the mask's Q_LEN, the kernel to the query's
         if launch_tables(block_mask).stats.mean_blocks < THREE_CONSUMERS_MIN_KEY_BLOCKS:
             return 2  # short walks: the union's extra tiles weigh more (sliding window, documents)
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
