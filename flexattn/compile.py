@@ -61,7 +61,7 @@ from .dispatch import (
     run_backward, run_forward,
 )
 from .errors import InvalidInputError
-from .graphs import may_keep_allocations
+from .graphs import capturing, may_keep_allocations
 from .kernels import ahead, interpreter_enabled, output_layout
 from .kernels.tables import (
     BACKWARD_TABLES, LaunchTables, RowStats, assume_groups_differ, checked_launch_tables, launch_tables,
@@ -405,10 +405,6 @@ def _kept(mask: BlockMask) -> Optional[_Kept]:
     return None
 
 
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 def _shape_of(mask: BlockMask) -> tuple:
     nb = mask.kv_num_blocks
     return (tuple(nb.shape), tuple(mask.kv_indices.shape), mask.full_kv_num_blocks is not None, nb.device,
@@ -419,7 +415,7 @@ def _checked(mask: BlockMask) -> Optional[_Kept]:
     """The first mask of its table shape: checked now (one host sync) and kept, row statistics and all."""
     nb = mask.kv_num_blocks
     shape = _shape_of(mask)
-    if shape in _SHAPES_CHECKED or _capturing(nb):
+    if shape in _SHAPES_CHECKED or capturing(nb):
         return None
     if len(_SHAPES_CHECKED) >= _SHAPES_KEPT:  # the oldest goes: a mask of its shape is checked again
         del _SHAPES_CHECKED[next(iter(_SHAPES_CHECKED))]
@@ -603,7 +599,7 @@ def _warm_key(parts: list, tensors: tuple, tables: tuple, grad_flags: bool = Tru
     ``grad_flags``: requires_grad among them, which the forward's choices read and the backward's
     do not) and the tables' identities: a key of [Note] Warm calls of the forward op and of the
     backward's."""
-    if tables[0] is not None and _capturing(tables[0]):
+    if tables[0] is not None and capturing(tables[0]):
         return None  # a capture takes the long way: kernels/tables.py [Note] Tables read at each replay
     parts += [interpreter_enabled(), torch.get_float32_matmul_precision(), torch.are_deterministic_algorithms_enabled()]
     for t in tensors:

@@ -18,10 +18,15 @@ import threading
 
 import torch
 
-__all__ = ["may_keep_allocations", "copied_outside_graph_pools"]
+__all__ = ["capturing", "may_keep_allocations", "copied_outside_graph_pools"]
 
 _copier: "concurrent.futures.ThreadPoolExecutor | None" = None
 _copier_lock = threading.Lock()
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a CUDA tensor and this thread's current stream is capturing a CUDA graph."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def may_keep_allocations(device: torch.device) -> bool:

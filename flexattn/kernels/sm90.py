@@ -19,6 +19,7 @@ import torch
 
 from ..codegen.params import SM90_FORWARD
 from ..errors import BackendUnavailableError
+from ..graphs import capturing
 from ..lowering import index_bounds, lowering_variants
 from ..masks import EVERY_BLOCK_FULL
 from ..trace import TracedMod
@@ -346,7 +347,7 @@ class Sm90ForwardKernel(GluonFamily):
             return 2  # the walks clamp the last program's rows to the mask's Q_LEN, the kernel to the query's
         if launch_tables(block_mask).stats.mean_blocks < THREE_CONSUMERS_MIN_KEY_BLOCKS:
             return 2  # short walks: the union's extra tiles weigh more (sliding window, documents)
-        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        if capturing(q):
             return 2  # a replay would read walks derived before the capture, whatever the tables hold then
         return 3
 

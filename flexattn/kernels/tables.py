@@ -16,12 +16,13 @@ import torch
 
 from ..errors import InvalidInputError
 from ..masks import EVERY_BLOCK_FULL, TABLES_IN_RANGE, BlockMask, DerivedKey
+from ..graphs import capturing
 from ..masks.layout import ascending, dense_to_ordered, ordered_to_dense
 from .ahead import recording
 
 __all__ = [
     "RowStats", "LaunchTables", "LAUNCH_TABLES", "launch_tables", "checked_launch_tables", "preset_row_stats",
-    "block_mask_row_stats", "ProgramWalks", "WALK_NOT_LISTED", "WALK_PARTIAL", "WALK_FULL", "program_walks",
+    "block_mask_row_stats", "ProgramWalks", "WALK_PARTIAL", "WALK_FULL", "program_walks",
     "BackwardTables",
     "BACKWARD_TABLES", "backward_tables", "groups_share_tables", "assume_groups_differ",
 ]
@@ -67,7 +68,7 @@ def _table_checks(num: torch.Tensor, idx: torch.Tensor, cols: int) -> list[torch
 def _compute_launch_tables(block_mask: BlockMask) -> LaunchTables:
     """One host sync per mask: row statistics and the checks the kernel relies on."""
     nb, idx = block_mask.kv_num_blocks, block_mask.kv_indices
-    if nb.is_cuda and torch.cuda.is_current_stream_capturing():
+    if capturing(nb):
         # CUDA's own error here ("operation not permitted when stream is capturing") says nothing of why.
         raise InvalidInputError(
             "block_mask: its tables must be read back to the host once to be checked, which a CUDA-graph "
@@ -151,15 +152,11 @@ LAUNCH_TABLES = DerivedKey("launch tables")
 # an H200 with empty caches, portable and Gluon, forward and backward.
 
 
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 def launch_tables(block_mask: BlockMask) -> LaunchTables:
     """The checked tables and row statistics of ``block_mask``, computed once per table content
     (inside a CUDA-graph capture, tables read at each replay: [Note] Tables read at each replay)."""
     tables = block_mask.derived(LAUNCH_TABLES, _tables_for_launch)
-    if _capturing(block_mask.kv_num_blocks) and not block_mask.peek_derived(EVERY_BLOCK_FULL):
+    if capturing(block_mask.kv_num_blocks) and not block_mask.peek_derived(EVERY_BLOCK_FULL):
         return _read_at_replay(block_mask, tables)
     return tables
 
@@ -247,7 +244,7 @@ class ProgramWalks(NamedTuple):
     entries: torch.Tensor  # [B, H, programs, key blocks] int32
 
 
-WALK_NOT_LISTED, WALK_PARTIAL, WALK_FULL = 0, 1, 2
+WALK_PARTIAL, WALK_FULL = 1, 2  # 0: not listed
 
 
 def _compute_program_walks(block_mask: BlockMask, rows: int, sub_rows: int) -> ProgramWalks:
@@ -326,7 +323,7 @@ BACKWARD_TABLES = DerivedKey("backward tables")
 def backward_tables(block_mask: BlockMask) -> BackwardTables:
     """The transposed tables the backward walks, computed once per table content (inside a CUDA-graph
     capture, in the graph: [Note] Tables read at each replay)."""
-    if _capturing(block_mask.kv_num_blocks):
+    if capturing(block_mask.kv_num_blocks):
         return _compute_backward_tables(block_mask)
     return block_mask.derived(BACKWARD_TABLES, _compute_backward_tables)
 
@@ -350,7 +347,7 @@ def groups_share_tables(block_mask: BlockMask, group: int) -> bool:
     """Whether the query heads of every GQA group list the same key blocks (per batch and row), so
     one program can walk them for the whole group. One host sync per mask content; inside a CUDA-graph
     capture, False for a mask of several heads ([Note] Tables read at each replay)."""
-    if _capturing(block_mask.kv_num_blocks) and group > 1 and block_mask.kv_num_blocks.shape[1] > 1:
+    if capturing(block_mask.kv_num_blocks) and group > 1 and block_mask.kv_num_blocks.shape[1] > 1:
         return False
 
     def compute(mask: BlockMask) -> bool:
