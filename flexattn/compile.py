@@ -64,8 +64,8 @@ from .errors import InvalidInputError
 from .graphs import capturing, may_keep_allocations
 from .kernels import ahead, interpreter_enabled, output_layout
 from .kernels.tables import (
-    BACKWARD_TABLES, LaunchTables, RowStats, assume_groups_differ, checked_launch_tables, launch_tables,
-    preset_row_stats,
+    BACKWARD_TABLES, PROGRAM_WALKS, LaunchTables, RowStats, assume_groups_differ, checked_launch_tables,
+    launch_tables, preset_row_stats,
 )
 from .lowering import index_bounds, index_dtype
 from .masks import FACTORY_ATTRIBUTE, BlockMask, dense_block_mask, version_of
@@ -334,7 +334,10 @@ def _block_mask(query, key, tables, block_size, seq_lengths, group: int, stats: 
     if tables[0] is None:
         return dense_block_mask(L, S, query.device)
     tables = [None if t is None else t.contiguous() for t in tables]
-    mask = BlockMask.from_launch_tables(tuple(seq_lengths), *tables, BLOCK_SIZE=tuple(block_size), one_call=True)
+    # What this call derives is kept for the next calls on its tables where allocations may be kept
+    # (graphs.py): not in a CUDA-graph tree's warm-up, whose allocations are the graph's.
+    mask = BlockMask.from_launch_tables(tuple(seq_lengths), *tables, BLOCK_SIZE=tuple(block_size), one_call=True,
+                                        derived_kept=may_keep_allocations(query.device))
     kept = None if stats is not None else _kept(mask) or _checked(mask)
     if stats is not None:
         preset_row_stats(mask, stats)
@@ -343,6 +346,8 @@ def _block_mask(query, key, tables, block_size, seq_lengths, group: int, stats: 
             preset_row_stats(mask, kept.stats)
         if kept.backward is not None:
             mask.preset_derived(BACKWARD_TABLES, kept.backward)
+        if kept.walks is not None:
+            mask.preset_derived(PROGRAM_WALKS, kept.walks)
     else:
         hint = _SHAPES_CHECKED.get(_shape_of(mask))
         if hint is not None:  # see [Note] What a compiled call's mask derives, kept
@@ -363,6 +368,8 @@ def _block_mask(query, key, tables, block_size, seq_lengths, group: int, stats: 
 #   consecutive-block path, so a step never waits for the GPU for its mask;
 # * the backward's transposed tables (computed on the device), kept after a backward outside a
 #   capture (inside one, they are written only when the graph replays);
+# * the forward's program walks (kernels/sm90.py [Note] Programs across query blocks, computed on
+#   the device), kept after a forward that walked them (never inside a capture);
 # * per table shape, the mean row length of the first mask checked: the density that the launch
 #   choices (AUTO's Gluon or portable kernel, tile sizes) assume for a mask of that shape whose
 #   contents the host does not know (one rebuilt every step, or the static copy a CUDA-graph capture
@@ -374,12 +381,13 @@ _SHAPES_KEPT = 1024  # lengths that keep changing (a decoding loop) must not pil
 
 
 class _Kept:
-    __slots__ = ("tables", "stamp", "stats", "backward", "__weakref__")  # warm backward entries refer to it weakly
+    # Warm entries (forward and backward) refer to it weakly.
+    __slots__ = ("tables", "stamp", "stats", "backward", "walks", "__weakref__")
 
     def __init__(self, mask: BlockMask, stats: Optional[RowStats]):
         self.tables = _weak_refs((mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices))
         self.stamp = _stamp(mask)
-        self.stats, self.backward = stats, None
+        self.stats, self.backward, self.walks = stats, None, None
 
 
 def _weak_refs(tables) -> tuple:
@@ -432,15 +440,31 @@ def _checked(mask: BlockMask) -> Optional[_Kept]:
 
 def _keep_backward_tables(mask: BlockMask) -> None:
     """After a backward on ``mask``: keep its transposed tables for the next calls on the same tables."""
-    tables = mask.peek_derived(BACKWARD_TABLES)
+    kept = _keep_derived(mask, BACKWARD_TABLES, lambda kept: kept.backward)
+    if kept is not None:
+        kept.backward = mask.peek_derived(BACKWARD_TABLES)
+
+
+def _keep_program_walks(mask: BlockMask) -> None:
+    """After a forward on ``mask``: keep the program walks it derived for the next calls on the same tables."""
+    kept = _keep_derived(mask, PROGRAM_WALKS, lambda kept: kept.walks)
+    if kept is not None:
+        kept.walks = mask.peek_derived(PROGRAM_WALKS)
+
+
+def _keep_derived(mask: BlockMask, key, held: Callable) -> Optional[_Kept]:
+    """The record of ``mask``'s tables that should now hold what ``mask`` derived under ``key``
+    (made if missing); None when nothing was derived, the record holds it already (no stream
+    queries on the steady state's path), or nothing may be kept on the device now."""
+    value = mask.peek_derived(key)
     kept = _kept(mask)
-    if tables is None or (kept is not None and kept.backward is tables):
-        return  # nothing derived, or already kept: no stream queries on the steady state's path
+    if value is None or (kept is not None and held(kept) is value):
+        return None
     if not may_keep_allocations(mask.kv_num_blocks.device):
-        return
+        return None
     if kept is None:
         kept = _KEPT[mask.kv_num_blocks] = _Kept(mask, None)
-    kept.backward = tables
+    return kept
 
 
 def _call(key: str, query, key_t, tables, block_size, seq_lengths, mask_captured, scale, needs_grad, need_max,
@@ -493,14 +517,18 @@ def _forward(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, f
         problem = _warm_problem(query, key, value, tables, score_captured, mask_captured, call_key, block_size,
                                 seq_lengths, scale, needs_grad, need_max)
         warm = None if problem is None else _WARM.get(problem)
+        outputs = None
         if warm is not None and warm.tables.holds(tables):
-            out, lse, mx = warm.run(query, key, value, tables, score_captured, mask_captured)
-            return _forward_outputs(query, out, lse, mx, need_max)
+            outputs = warm.run(query, key, value, tables, score_captured, mask_captured)
+        if outputs is not None:
+            return _forward_outputs(query, *outputs, need_max)
     call = _call(call_key, query, key, tables, block_size, seq_lengths, mask_captured, scale, needs_grad, need_max)
     score = _all_captured(call.score, list(score_captured), query.device)
     if needs_grad:
         prepare_backward(call, query, key, value, score)
     out, lse, mx = run_forward(call, query, key, value, score, True, need_max)
+    if kv_num_blocks is not None:
+        _keep_program_walks(call.block_mask)
     if problem is not None:
         _remember_warm(problem, call, query, key, value, tables, need_max)
     return _forward_outputs(query, out, lse, mx, need_max)
@@ -581,10 +609,18 @@ def _keep_warm(entries: dict, problem: tuple, entry) -> None:
 class _WarmForward(NamedTuple):
     tables: _WarmTables
     relaunch: Callable
+    walks_of: Optional[weakref.ref]  # a launch of program walks: the _Kept that holds the tables' walks
 
     def run(self, query, key, value, tables, score_captured, mask_captured):
-        return self.relaunch(query, key, value, *self.tables.arguments(tables, score_captured, mask_captured,
-                                                                         query.device))
+        """``(out, lse, max or None)``, or None when the walks kept for the tables are gone (the long
+        way then)."""
+        arguments = self.tables.arguments(tables, score_captured, mask_captured, query.device)
+        if self.walks_of is None:
+            return self.relaunch(query, key, value, *arguments)
+        kept = self.walks_of()
+        if kept is None or kept.walks is None or _KEPT.get(tables[0]) is not kept:
+            return None
+        return self.relaunch(query, key, value, *arguments, walks=kept.walks)
 
 
 def _warm_problem(query, key, value, tables, score_captured, mask_captured, call_key, block_size, seq_lengths,
@@ -615,8 +651,15 @@ def _warm_key(parts: list, tensors: tuple, tables: tuple, grad_flags: bool = Tru
 def _remember_warm(problem: tuple, call: Call, query, key, value, tables, need_max: bool) -> None:
     warm_tables = _warm_tables(call, tables)
     relaunch = None if warm_tables is None else forward_relaunch(call, query, key, value, need_max)
-    if relaunch is not None:
-        _keep_warm(_WARM, problem, _WarmForward(warm_tables, relaunch))
+    if relaunch is None:
+        return
+    walks_of = None
+    if getattr(relaunch, "takes_walks", False):
+        kept = _kept(call.block_mask)
+        if kept is None or kept.walks is None:
+            return  # the walks could not be kept: later calls derive them, the long way
+        walks_of = weakref.ref(kept)
+    _keep_warm(_WARM, problem, _WarmForward(warm_tables, relaunch, walks_of))
 
 
 _LIBRARY.impl("flex_attention", _forward_body, "CompositeExplicitAutograd")

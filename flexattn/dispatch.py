@@ -225,7 +225,8 @@ def forward_relaunch(call: Call, q, k, v, need_max: bool):
     None)`` for later calls of the same problem (same mods, options, shapes, strides, dtypes, 16-byte
     alignment and table statistics; compile.py keys them, [Note] Warm calls of the forward op), or
     None where there is no such single launch to repeat: another backend, FP8 or mixed dtypes, a
-    plan still settling, the debug report on."""
+    plan still settling, the debug report on. A relaunch whose ``takes_walks`` is true also takes
+    ``walks=``, the program walks of the tables it is given (kernels/sm90.py)."""
     if _DEBUG or call.backend != "TRITON" or not q.dtype == k.dtype == v.dtype or q.dtype in FLOAT8_DTYPES:
         return None
     tables = launch_tables(call.block_mask)
@@ -233,7 +234,8 @@ def forward_relaunch(call: Call, q, k, v, need_max: bool):
         gluon, reason = sm90_forward_choice(call, q, k, v, need_max)
         if gluon is not None and reason is None:
             plan = gluon.kept_plan(q, k, v, call.block_mask, call.scale, need_lse=True)
-            return None if plan is None else gluon.warm_launch(plan, q, k, v, tables, call.scale, need_lse=True)
+            return None if plan is None else gluon.warm_launch(plan, q, k, v, call.block_mask, call.scale,
+                                                               need_lse=True)
     kernel = forward_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
     plan = kernel.kept_plan(q, k, v, call.block_mask, call.scale, need_lse=True, need_max=need_max,
                             options=call.options)

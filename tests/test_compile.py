@@ -958,3 +958,42 @@ def test_compiled_calls_on_inference_mode_masks_read_their_tables_once_per_shape
             for _ in range(2):
                 assert rel_err(compiled(q, k, v, block_mask=bm, kernel_options=options), expected) < 1e-5
     assert len(reads) == 1
+
+
+def test_program_walks_are_kept_per_table_and_follow_changes_in_place(monkeypatch):
+    # [Note] What a compiled call's mask derives, kept: each call makes a new BlockMask on the op's
+    # tables; the Gluon forward's program walks (kernels/sm90.py [Note] Programs across query blocks)
+    # derived by one call are handed to the next calls on the same tables, until a table changes,
+    # and a warm launch of union walks takes them from the current record only.
+    import flexattn.compile as compiled_module
+    from flexattn.kernels.tables import PROGRAM_WALKS, program_walks
+
+    monkeypatch.setattr(compiled_module, "_KEPT", compiled_module.WeakTensorKeyDictionary())
+    bm = create_block_mask(causal, 2, 1, 1024, 1024, device="cpu")
+    tables = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+    q = torch.empty(2, 1, 1024, 64)
+
+    def op_mask():
+        return compiled_module._block_mask(q, q, tables, bm.BLOCK_SIZE, bm.seq_lengths, 1)
+
+    class Arguments:  # the warm entry's tables part, reduced to what run() asks of it
+        def arguments(self, tables, score_captured, mask_captured, device):
+            return ()
+
+    first = op_mask()
+    assert not first.serves_one_call  # its maker keeps what it derives: the walks pay
+    assert first.peek_derived(PROGRAM_WALKS) is None
+    walks = program_walks(first)
+    compiled_module._keep_program_walks(first)
+    assert op_mask().peek_derived(PROGRAM_WALKS) is walks  # the next layer's call: not derived again
+    warm = compiled_module._WarmForward(Arguments(), lambda *a, walks: walks,
+                                        weakref.ref(compiled_module._kept(first)))
+    assert warm.run(q, q, q, tables, [], []) is walks
+    bm.kv_indices[0, 0, 3, 0] = 0  # written in place (the same value): the stamp no longer holds
+    again = op_mask()
+    assert again.peek_derived(PROGRAM_WALKS) is None
+    fresh = program_walks(again)
+    assert fresh is not walks
+    compiled_module._keep_program_walks(again)
+    assert op_mask().peek_derived(PROGRAM_WALKS) is fresh
+    assert warm.run(q, q, q, tables, [], []) is None  # another record now: the long way

@@ -215,6 +215,59 @@ def test_a_capture_walks_the_tables_as_they_are_at_each_replay(monkeypatch):
     assert rel_err(attend(), gold) < 1e-2 and steps[-1].constexprs["UNION_WALK"]  # eager: derived again
 
 
+def test_compiled_calls_walk_unions_and_follow_their_tables(monkeypatch):
+    # compile.py keeps the program walks per table ([Note] What a compiled call's mask derives, kept):
+    # a compiled call's first launch derives them, its warm launches take the kept ones. A table
+    # written in place, or a new mask of the same shape, is walked as it is: the walks are derived
+    # again, never an earlier call's. Checked against float64, forward and backward.
+    steps = launched_steps(monkeypatch)
+    warm_steps = []
+    real_warm = sm90.WarmSm90Launch.__call__
+
+    def warm(self, *args, **kwargs):
+        result = real_warm(self, *args, **kwargs)
+        if result is not None:
+            warm_steps.append(self.plan.steps["forward"])
+        return result
+
+    monkeypatch.setattr(sm90.WarmSm90Launch, "__call__", warm)
+    B, H, L = 1, 2, 6144  # causal rows of 24.5 key blocks on average: three consumers under the rule
+    q, k, v = (t.requires_grad_() for t in qkv(B, H, H, L, 64, torch.bfloat16))
+    attend = torch.compile(lambda q, k, v, bm: flex_attention(q, k, v, block_mask=bm, kernel_options=GLUON),
+                           fullgraph=True)
+
+    def check(mask, mask_mod, what):
+        q.grad = k.grad = v.grad = None
+        out = attend(q, k, v, mask)
+        out.backward(torch.ones_like(out))
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        gold, _, _ = reference_attention(*leaves, mask_mod=mask_mod)
+        gold.backward(torch.ones_like(gold))
+        for name, ours, want in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad),
+                                    (gold, *(t.grad for t in leaves))):
+            assert rel_err(ours, want) < 1e-2, f"{what}: {name}"
+
+    def causal(b, h, qi, ki):
+        return qi >= ki
+
+    def diagonal(b, h, qi, ki):
+        return (qi >= ki) & (qi // 128 == ki // 128)
+
+    def window(b, h, qi, ki):
+        return (qi >= ki) & (qi - ki < 1024)
+
+    mask = create_block_mask(causal, None, None, L, L, device=DEVICE)
+    for call in range(3):
+        check(mask, causal, f"call {call}")
+    assert steps and all(step.constexprs["UNION_WALK"] for step in steps)
+    assert warm_steps and all(step.constexprs["UNION_WALK"] for step in warm_steps)
+    mask.full_kv_num_blocks.zero_()  # only the diagonal blocks are left, in place
+    for call in range(2):
+        check(mask, diagonal, f"the tables written in place, call {call}")
+    check(create_block_mask(window, None, None, L, L, device=DEVICE), window, "a new mask of the same shape")
+    assert all(step.constexprs["UNION_WALK"] for step in steps + warm_steps)
+
+
 def test_head_dim_128_or_short_rows_keep_two_consumers(monkeypatch):
     steps = launched_steps(monkeypatch)
     B, H, L = 1, 2, 1024

@@ -24,6 +24,7 @@ from flexattn.codegen import render
 from flexattn.codegen.params import SM90_FORWARD
 from flexattn.dispatch import Call, pick_backend
 from flexattn.errors import BackendUnavailableError, InvalidInputError
+from flexattn.kernels.tables import program_walks
 from flexattn.lowering import index_bounds, lowering_variants
 from flexattn.options import resolve_backend_name
 from flexattn.trace import trace_mod
@@ -341,7 +342,20 @@ def test_three_consumers_only_on_long_walks_at_head_dim_64(monkeypatch):
     step = launched[-1].steps["forward"]
     assert step.constexprs["CONSUMERS"] == 3 and step.constexprs["UNION_WALK"] and step.constexprs["TAKE_TURNS"]
     assert step.grid == (-(-2 * long // 192), 2, 1)
-    assert causal_kernel.kept_plan(q2, q2, q2, causal_mask, 0.125, need_lse=True) is None  # no warm launch
+    # A compiled call's mask whose maker keeps what is derived per table (compile.py): the walks pay.
+    kept = BlockMask.from_launch_tables((2 * long, 2 * long), *tables, one_call=True, derived_kept=True)
+    assert not kept.serves_one_call
+    causal_kernel(q2, q2, q2, kept, 0.125, [], [], need_lse=True)
+    assert launched[-1].steps["forward"].constexprs["UNION_WALK"]
+    # Its warm launch takes the walks of each call's tables, and launches nothing without them.
+    plan = causal_kernel.kept_plan(q2, q2, q2, kept, 0.125, need_lse=True)
+    assert plan is launched[-1]
+    warm = causal_kernel.warm_launch(plan, q2, q2, q2, kept, 0.125, need_lse=True)
+    assert warm.takes_walks
+    tables_now = sm90.launch_tables(kept)
+    assert warm(q2, q2, q2, tables_now, [], []) is None
+    shorter = program_walks(causal_instance.block_mask(1, 2, 2 * long - 128, 2 * long - 128, "cpu"))
+    assert warm(q2, q2, q2, tables_now, [], [], walks=shorter) is None
     # A table of the unmasked call's mask written in place (the same values here, so the shared mask
     # stays right): the mark by construction no longer holds, and neither does the shared walk.
     longer = long + 128

@@ -110,15 +110,19 @@ THREE_CONSUMER_REGS = 160
 # listed, where that consumer keeps nothing of the tile (its products are spent, its rows stay
 # exact). Under a causal mask that is one tile in about a row's walk, at the diagonal. The walk is
 # in ascending key order, where two consumers walk partial blocks first: sums in another order, not
-# the same bits. Not for masks made for one call (a compiled call's: the walks would be derived at
-# every call), nor inside a CUDA-graph capture: its replays would read walks derived before it,
-# whatever the tables hold by then, where the tables themselves are read as they are at each replay.
+# the same bits. Not for masks made for one call whose walks nobody keeps (they would be derived
+# at every call; a compiled call's mask has them kept per table by compile.py, [Note] What a
+# compiled call's mask derives, kept), nor inside a CUDA-graph capture: its replays would read walks
+# derived before it, whatever the tables hold by then, where the tables themselves are read as they
+# are at each replay.
 # Nor on short walks (fewer than THREE_CONSUMERS_MIN_KEY_BLOCKS key blocks a row on average), where
 # the union's extra tiles weigh more. Kernel time on an H200 (bf16, head dim 64), two consumers vs
 # three: causal B4 H16 16k 4.69 vs 4.34 ms (1.08x), prefix LM 1.07x, causal B2 H16 8k 1.07x, B1 H12
 # 16k 1.09x, B4 H16 4k (16.5 blocks a row) 0.99x; sliding window (8.7) 0.89x, documents (4.8)
-# 0.73x. docs/benchmarks.md; docs/data/union_walks_h200_2026-11-28.json. UNION_WALKS: the head
-# dims where it runs.
+# 0.73x. docs/benchmarks.md; docs/data/union_walks_h200_2026-11-28.json. Compiled calls (walks kept
+# per table, taken by the warm launches), kernel time against two consumers: causal B4 H16 16k,
+# B1 H12 16k, B2 H16 8k and prefix LM 1.04-1.05x (docs/data/compiled_union_walks_h200_2026-11-28.json).
+# UNION_WALKS: the head dims where it runs.
 UNION_WALKS = {64: True, 128: False}
 
 
@@ -353,21 +357,21 @@ class Sm90ForwardKernel(GluonFamily):
 
     def _walks(self, block_mask, consumers: int):
         """The program walks of a UNION_WALK launch ([Note] Programs across query blocks), else None."""
-        return program_walks(block_mask, 192, 64) if consumers == 3 and self.has_mask_mod else None
+        return program_walks(block_mask) if consumers == 3 and self.has_mask_mod else None
 
     def kept_plan(self, q, k, v, block_mask, scale: float, *, need_lse: bool) -> Optional[Plan]:
         """The plan of this problem once its first launch compiled (None before): for a caller that
         launches it again through ``warm_launch`` (compile.py, [Note] Warm calls of the forward op)."""
         consumers = self._consumers(q, block_mask)
-        if consumers == 3 and self.has_mask_mod:
-            return None  # a warm launch takes no program walks; masks of compiled calls never have them
         return self._plans.get(self._problem(q, k, v, launch_tables(block_mask), scale, need_lse, consumers))
 
-    def warm_launch(self, plan: Plan, q, k, v, tables, scale: float, *, need_lse: bool) -> "WarmSm90Launch":
+    def warm_launch(self, plan: Plan, q, k, v, block_mask, scale: float, *, need_lse: bool) -> "WarmSm90Launch":
         """``plan`` (from kept_plan) for the later calls of this call's problem, which the caller keys
         (compile.py, [Note] Warm calls of the forward op). Call it as ``(q, k, v, tables,
-        score_captured, mask_captured)``."""
-        return WarmSm90Launch(self, plan, q, k, v, tables, scale, need_lse)
+        score_captured, mask_captured, walks=...)``: a plan of union walks takes the walks of the
+        call's tables (of the shape this call's have), any other none."""
+        walks = program_walks(block_mask) if plan.steps["forward"].constexprs["UNION_WALK"] else None
+        return WarmSm90Launch(self, plan, q, k, v, launch_tables(block_mask), walks, scale, need_lse)
 
     def _plan(self, q, k, v, tables, scale, need_lse, consumers: int) -> Plan:
         B, Hq, L, E = q.shape
@@ -411,7 +415,8 @@ class WarmSm90Launch:
     are worked out once from the first call; each call allocates, fills in its tensors and
     launches. ``(out, lse or None, None)``: the Gluon forward keeps no row maxima."""
 
-    def __init__(self, family: Sm90ForwardKernel, plan: Plan, q, k, v, tables, scale: float, need_lse: bool):
+    def __init__(self, family: Sm90ForwardKernel, plan: Plan, q, k, v, tables, walks, scale: float,
+                 need_lse: bool):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         B, Hq, L, E = q.shape
@@ -421,13 +426,24 @@ class WarmSm90Launch:
         self.need_lse = need_lse
         sample = empty_attention_output(q, E)  # the output's layout, and its descriptor's shape
         self.out_shape, self.out_strides, self.stats_shape = tuple(sample.shape), sample.stride(), (B, Hq, L)
-        self.recipes, self.fixed = _problem_args(step, q, k, v, sample, tables, None, scale)
+        self.recipes, self.fixed = _problem_args(step, q, k, v, sample, tables, walks, scale)
+        # The walks' shape the launch's ints were worked out for (None: a launch without walks).
+        self.walks_shape = None if walks is None else tuple(walks.entries.shape)
         # Descriptors without the tensors: nothing of this call's is kept.
         self.templates = [descriptor_template(TensorDescriptor(t, *recipe))
                           for t, recipe in zip((q, k, v, sample), self.recipes)]
 
-    def __call__(self, q, k, v, tables, score_captured, mask_captured):
+    @property
+    def takes_walks(self) -> bool:
+        """Whether each call must pass the program walks of its tables (a plan of union walks)."""
+        return self.walks_shape is not None
+
+    def __call__(self, q, k, v, tables, score_captured, mask_captured, walks=None):
+        """``(out, lse or None, None)``; None (nothing launched) when ``walks`` is missing or of
+        another shape than the first call's."""
         global launches
+        if (None if walks is None else tuple(walks.entries.shape)) != self.walks_shape:
+            return None
         device = q.device
         out = empty_strided_output(self.out_shape, self.out_strides, q.dtype, device)
         lse = empty_output(self.stats_shape, torch.float32, device) if self.need_lse else out
@@ -438,7 +454,7 @@ class WarmSm90Launch:
             d_q, d_k, d_v, d_out = (TensorDescriptor(t, *recipe) for t, recipe in zip((q, k, v, out), self.recipes))
         else:
             d_q, d_k, d_v, d_out = (descriptor_over(d, t) for d, t in zip(self.templates, (q, k, v, out)))
-        args = _pack(family, (d_q, d_k, d_v, d_out), lse, tables, None, score_captured, mask_captured, self.fixed)
+        args = _pack(family, (d_q, d_k, d_v, d_out), lse, tables, walks, score_captured, mask_captured, self.fixed)
         self.launch(args, fresh_aligned=not (out.data_ptr() | lse.data_ptr()) & 15)
         launches += 1
         family.last_plan = self.plan

@@ -22,7 +22,8 @@ from .ahead import recording
 
 __all__ = [
     "RowStats", "LaunchTables", "LAUNCH_TABLES", "launch_tables", "checked_launch_tables", "preset_row_stats",
-    "block_mask_row_stats", "ProgramWalks", "WALK_PARTIAL", "WALK_FULL", "program_walks",
+    "block_mask_row_stats", "ProgramWalks", "WALK_PARTIAL", "WALK_FULL", "program_walks", "PROGRAM_WALKS",
+    "UNION_PROGRAM_ROWS", "UNION_CONSUMER_ROWS",
     "BackwardTables",
     "BACKWARD_TABLES", "backward_tables", "groups_share_tables", "assume_groups_differ",
 ]
@@ -275,7 +276,13 @@ def _walks_key(rows: int, sub_rows: int) -> DerivedKey:
     return DerivedKey("walks of programs across query blocks", (rows, sub_rows))
 
 
-def program_walks(block_mask: BlockMask, rows: int, sub_rows: int) -> ProgramWalks:
+# The programs that walk unions: 192 query rows, three consumer warpgroups of 64 (kernels/sm90.py).
+UNION_PROGRAM_ROWS, UNION_CONSUMER_ROWS = 192, 64
+PROGRAM_WALKS = _walks_key(UNION_PROGRAM_ROWS, UNION_CONSUMER_ROWS)
+
+
+def program_walks(block_mask: BlockMask, rows: int = UNION_PROGRAM_ROWS,
+                  sub_rows: int = UNION_CONSUMER_ROWS) -> ProgramWalks:
     """The walks of forward programs of ``rows`` query rows, made of sub-blocks of ``sub_rows`` that
     each lie in one query block (ProgramWalks); computed once per table content."""
     return block_mask.derived(_walks_key(rows, sub_rows),

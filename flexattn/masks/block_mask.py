@@ -190,9 +190,10 @@ class BlockMask:
 
     @property
     def serves_one_call(self) -> bool:
-        """Whether the mask was made for one call (``from_launch_tables(..., one_call=True)``), so
-        what is derived from it is dropped with it."""
-        return bool(self.__dict__.get("_one_call"))
+        """Whether the mask was made for one call (``from_launch_tables(..., one_call=True)``) and
+        what is derived from it is dropped with it: not when its maker keeps that per table for the
+        next calls on the same tables (``derived_kept=True``)."""
+        return bool(self.__dict__.get("_one_call")) and not self.__dict__.get("_derived_kept")
 
     # ---------------------------------------------------------------------------- derived data
 
@@ -374,6 +375,7 @@ class BlockMask:
         BLOCK_SIZE: BlockSize = DEFAULT_BLOCK_SIZE,
         *,
         one_call: bool = False,
+        derived_kept: bool = False,
     ) -> "BlockMask":
         """A forward-only BlockMask on tables taken as they are: int32, ``[B, H, ROWS(, W)]``, contiguous,
         each row's used entries ascending and in range, as a BlockMask's own tables are. Nothing is
@@ -383,10 +385,14 @@ class BlockMask:
 
         ``one_call``: the mask serves one call and is dropped after it, and nothing writes its tables
         meanwhile, so what is derived from them holds for its whole life without version counters
-        (tables made under ``torch.inference_mode`` have none: ``version_of``)."""
+        (tables made under ``torch.inference_mode`` have none: ``version_of``). ``derived_kept``: the
+        maker keeps what calls derive from these tables, per table, for the next calls on them
+        (compile.py, [Note] What a compiled call's mask derives, kept), so deriving pays."""
         mask = cls.__new__(cls)
         if one_call:
             mask.__dict__["_one_call"] = True
+        if derived_kept:
+            mask.__dict__["_derived_kept"] = True
         mask.seq_lengths = tuple(seq_lengths)
         mask.kv_num_blocks, mask.kv_indices = kv_num_blocks, kv_indices
         mask.full_kv_num_blocks, mask.full_kv_indices = full_kv_num_blocks, full_kv_indices
