@@ -209,7 +209,7 @@ def compile_causal_offline():
         rows = torch.empty(2 * L, D, dtype=torch.bfloat16)
         descriptor = {r: TensorDescriptor(rows, [2 * L, D], [D, 1], [r, D],
                                           gl.NVMMASharedLayout.get_default_for([r, D], gl.bfloat16)) for r in (64, 128)}
-        sums = TensorDescriptor(torch.empty(2 * L, D), [2 * L, D], [D, 1], [64, sm90_backward.dq_acc_columns(D)],
+        sums = TensorDescriptor(torch.empty(2 * L, D), [2 * L, D], [D, 1], [64, sm90_backward.DQ_BOX_COLUMNS],
                                 sm90_backward._dq_acc_layout())
         stages = (sm90_backward.DKDV_STAGES if params is SM90_BACKWARD_DKDV else sm90_backward.DQ_STAGES)[D]
         constexprs = dict(SPARSE_Z=1, SPARSE_HQ=1, GQA_GROUP=1, HEAD_DIM=D, SPARSE_Q_BLOCK_SIZE=128,
@@ -327,7 +327,9 @@ def test_the_launcher_packs_what_the_kernels_declare(monkeypatch):
         (SM90_BACKWARD_DKDV, fused.steps["dkdv"].grid),
         (SM90_BACKWARD_DKDV, two_pass.steps["dkdv"].grid), (SM90_BACKWARD_DQ, two_pass.steps["dq"].grid)]
     sums = calls[0][2][SM90_BACKWARD_DKDV.names().index("DQ_ACC")]
-    assert sums.shape == [B * H * L, E] and sums.block_shape == [64, E] and sums.base.dtype == torch.float32
+    # 64-row boxes of 32 columns under the 128-byte swizzle ([Note] The float32 dQ tile in shared memory).
+    assert sums.shape == [B * H * L, E] and sums.block_shape == [64, 32] and sums.base.dtype == torch.float32
+    assert sums.layout.swizzle_byte_width == 128
     assert calls[0][3]["FUSED_DQ"] and not calls[1][3]["FUSED_DQ"]
     mods = len(kernel.compiled(None).spec.score_grad.kernel_params)  # the slopes and their stride
     for params, _, args, constexprs in calls:

@@ -304,7 +304,7 @@ _SM90_TILES = _constexprs("HEAD_DIM", "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SI
 SM90_BACKWARD_DKDV = KernelParams("flex_attention_backward_dkdv_sm90", [
     _tensors("Q", "K", "V", "DO", "DK", "DV", doc="2-D tensor descriptors over each tensor's storage"),
     _tensors("DQ_ACC", doc="FUSED_DQ: a float32 [batch * query heads * Q_LEN, HEAD_DIM] descriptor the kernel adds dQ "
-                           "into, in 64-row blocks of sm90_backward.dq_acc_columns(HEAD_DIM) columns"),
+                           "into, in boxes of 64 rows and sm90_backward.DQ_BOX_COLUMNS columns"),
     _tensors("LSE", "DELTA"),
     _tensors("Q_NUM_BLKS", "Q_IDX", "FULL_Q_NUM_BLKS", "FULL_Q_IDX", doc="the transposed tables"),
     _scalars("row_qz", "row_qh", "col_qh", "row_kz", "row_kh", "col_kh", "row_vz", "row_vh", "col_vh",
