@@ -237,6 +237,13 @@ def compile_causal_offline():
         assert len(re.findall(r"wgmma\.mma_async", compiled.asm["ptx"])) > 0
         assert compiled.metadata.shared <= 227 * 1024
         assert ("cp.reduce.async.bulk.tensor" in compiled.asm["ptx"]) == bool(fused)
+        if fused:
+            # The copy engine's box is the box the template adds by: a smaller one would add part of
+            # each tile ([Note] The float32 dQ tile in shared memory). Both consumers' code adds a
+            # 64-column tile, one box at a time.
+            boxes = [meta["block_size"] for meta in compiled.metadata.tensordesc_meta if meta["elem_size"] == 4]
+            assert boxes == [[64, sm90_backward.DQ_BOX_COLUMNS]]
+            assert compiled.asm["ptx"].count("cp.reduce.async.bulk.tensor") == 2 * 64 // sm90_backward.DQ_BOX_COLUMNS
         print("compiled")
 
 
