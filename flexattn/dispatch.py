@@ -264,7 +264,7 @@ def sm90_forward_choice(call: Call, q, k, v, need_max: bool):
     out before any family is built (nothing about the kernel is asked then)."""
     def reason(kernel):
         return (kernel.unsupported_reason(q, k, v, call.block_mask, need_max),
-                lambda: sm90_auto_reason(q, call.block_mask, call.score is not None))
+                lambda: sm90_auto_reason(q, call.block_mask, call.score is not None, call.mask is not None))
 
     return _gluon_choice(call, q, "forward", _PORTABLE_TUNING, sm90_forward_kernel, reason)
 

@@ -35,9 +35,9 @@ class FlexKernelOptions(TypedDict, total=False):
     query and key lengths that are multiples of 128, a BlockMask ``BLOCK_SIZE`` of 128, and mods
     Gluon compiles; the forward no ``max_scores``; the backward no learnable captured tensors and no
     broadcast key/value batch. AUTO takes them for such calls except where measured slower: the
-    forward at head dim 64 with a score_mod or on rows that visit fewer than 24 key blocks, the
-    backward at head dim 64 on rows of fewer than 6; and not when a tile option of the portable
-    kernel (``BLOCK_M``, ``BLOCK_M1``, ``num_warps``, ...) is set. ``flexattn kernel NAME --explain``
+    forward at head dim 64 with both a score_mod and a mask_mod, or on rows that visit fewer than 24
+    key blocks; and not when a tile option of the portable kernel (``BLOCK_M``, ``BLOCK_M1``,
+    ``num_warps``, ...) is set. ``flexattn kernel NAME --explain``
     says which a call takes and why.
     ``TRITON_DECODE``: the split-KV decode kernels (flash-decoding: the KV sequence split across
     programs, all query heads of a GQA group in one tile), for queries that fit in one query block

@@ -383,6 +383,22 @@ def test_auto_takes_it_and_triton_pins_the_portable_forward():
     torch.testing.assert_close(tuned, portable, atol=2e-3, rtol=2e-3)
 
 
+def test_auto_at_head_dim_64_takes_it_for_a_score_mod_alone():
+    # AUTO's rule (kernels/sm90.py): on long rows at head dim 64 a score_mod alone takes the Gluon
+    # forward; a score_mod with a mask_mod (ALiBi) keeps the portable one.
+    B, H, L = 1, 2, 4096
+    q, k, v = qkv(B, H, H, L, 64, torch.bfloat16)
+    softcap, _ = CATALOGUE["softcap"].build(B, H, L, L, DEVICE)
+    before = sm90.launches
+    auto = flex_attention(q, k, v, score_mod=softcap)
+    assert sm90.launches == before + 1
+    portable = flex_attention(q, k, v, score_mod=softcap, kernel_options={"BACKEND": "TRITON"})
+    torch.testing.assert_close(auto, portable, atol=2e-2, rtol=2e-2)
+    alibi, causal_mask = CATALOGUE["alibi"].build(B, H, L, L, DEVICE)
+    flex_attention(q, k, v, score_mod=alibi, block_mask=create_block_mask(causal_mask, None, None, L, L, device=DEVICE))
+    assert sm90.launches == before + 1
+
+
 def test_gluon_pinned_on_an_ineligible_call_names_the_reason():
     q, k, v = qkv(1, 2, 2, 1000, 64, torch.bfloat16)
     with pytest.raises(InvalidInputError, match="multiples of 128"):

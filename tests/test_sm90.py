@@ -132,7 +132,12 @@ def test_auto_rule_keeps_few_block_rows_at_head_dim_64_portable():
     assert sm90.auto_reason(bhnd(N=4096), long) is None  # 32 blocks a row
     causal = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 4096, 4096, device="cpu")
     assert "few key blocks (16.5" in sm90.auto_reason(bhnd(N=4096), causal)  # measured faster portable
-    assert "score_mod" in sm90.auto_reason(bhnd(N=4096), long, has_score_mod=True)
+    # A score_mod alone takes the Gluon forward on long rows; with a mask_mod too (ALiBi) it does not.
+    assert sm90.auto_reason(bhnd(N=4096), long, has_score_mod=True) is None
+    assert "few key blocks" in sm90.auto_reason(q, dense, has_score_mod=True)
+    assert "score_mod and a mask_mod" in sm90.auto_reason(bhnd(N=4096), causal, has_score_mod=True,
+                                                           has_mask_mod=True)
+    assert sm90.auto_reason(bhnd(N=4096, D=128), causal, has_score_mod=True, has_mask_mod=True) is None
     assert sm90.auto_reason(bhnd(N=4096, D=128), long, has_score_mod=True) is None
 
 
@@ -158,7 +163,7 @@ class _FailingKernel:
 
 def test_a_kernel_that_does_not_compile_falls_back_unless_pinned(monkeypatch):
     monkeypatch.setattr(dispatch, "sm90_forward_kernel", lambda *args, **kwargs: _FailingKernel())
-    monkeypatch.setattr(dispatch, "sm90_auto_reason", lambda q, block_mask, has_score_mod: None)
+    monkeypatch.setattr(dispatch, "sm90_auto_reason", lambda q, block_mask, has_score_mod, has_mask_mod: None)
     q = bhnd()
     bm = create_block_mask(causal, None, None, L, L, device="cpu")
     call = Call("TRITON", bm, 0.125, None, None, [], {}, torch.int32)

@@ -134,16 +134,22 @@ def resident_in_registers(kernel: str, head_dim: int) -> bool:
 
 launches = 0  # kernels launched by this family (tests check the Gluon path really ran)
 # AUTO's rule: at head dim 64 the portable forward is faster on rows that visit few key blocks (the
-# program's fixed cost, barriers and partitions, is paid over few tiles) and with a score_mod (its
-# arithmetic sits between the two matrix products, where a consumer warpgroup of 64 rows has no
-# slack). H100, Triton 3.6, bf16, B4 H16 16k tokens, TFLOP/s Gluon vs portable: sliding window (8.7
-# blocks a row) 337 vs 397, documents (4.8) 235 vs 303, ALiBi 322 vs 379, soft-cap 328 vs 356;
+# program's fixed cost, barriers and partitions, is paid over few tiles) and with a score_mod on a
+# masked walk (its arithmetic sits between the two matrix products, where a consumer warpgroup of 64
+# rows has no slack). First measured on an H100, Triton 3.6, bf16, B4 H16 16k tokens, TFLOP/s Gluon
+# vs portable: sliding window (8.7 blocks a row) 337 vs 397, documents (4.8) 235 vs 303, ALiBi 322 vs 379, soft-cap 328 vs 356;
 # noop 472 vs 472, causal 470 vs 459, prefix LM 474 vs 454. At head dim 128 Gluon won all seven
 # paper variants: noop 681 vs 585, causal 630 vs 532, ALiBi 512 vs 454, soft-cap 506 vs 482,
 # sliding window 500 vs 402, prefix LM 627 vs 517, documents 379 vs 344 (docs/benchmarks.md).
 # The threshold between 8.7 and 64 blocks: causal at the 12-layer model's shapes (H200, B x L = 16k
 # tokens, H12, [B, L, 3, H, D] storage), forward us Gluon vs portable: 1k (4.5 blocks a row) 159 vs
 # 116, 2k (8.5) 167 vs 173, 4k (16.5) 309 vs 259, 8k (32.5) 497 vs 498, 16k (64.5) 904 vs 1004.
+# A score_mod without a mask_mod takes the Gluon forward since its calls got three consumers ([Note]
+# Three consumers on an unmasked walk). H200, Triton 3.6, B8 H16 16k, TFLOP/s Gluon vs portable:
+# soft-cap 358 vs 333 and 360 vs 330 (two runs), a per-head temperature 446 vs 396, a table of
+# relative positions 241 vs 166; ALiBi without its causal mask 350 vs 384. With a mask_mod the
+# portable forward stays: ALiBi 306 vs 375 (B8 H16) and 308 vs 375 (B1 H12), where also a mask_mod
+# alone on few blocks does: sliding window 329 vs 365, documents 230 vs 302 (docs/benchmarks.md).
 AUTO_MIN_BLOCKS_D64 = 24
 
 
@@ -249,11 +255,11 @@ def shape_reason(q, k, v, block_mask, need_max: bool) -> Optional[str]:
     return None
 
 
-def auto_reason(q, block_mask, has_score_mod: bool = False) -> Optional[str]:
+def auto_reason(q, block_mask, has_score_mod: bool = False, has_mask_mod: bool = False) -> Optional[str]:
     """Why AUTO leaves an eligible call to the portable forward, measured faster there (None: it does not)."""
     if q.shape[-1] == 64:
-        if has_score_mod:
-            return "at head dim 64 the portable forward is faster with a score_mod"
+        if has_score_mod and has_mask_mod:
+            return "at head dim 64 the portable forward is faster with a score_mod and a mask_mod"
         mean_blocks = launch_tables(block_mask).stats.mean_blocks
         if mean_blocks < AUTO_MIN_BLOCKS_D64:
             return (f"at head dim 64 the portable forward is faster on rows of few key blocks "
