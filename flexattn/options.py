@@ -37,8 +37,7 @@ class FlexKernelOptions(TypedDict, total=False):
     broadcast key/value batch. AUTO takes them for such calls except where measured slower: the
     forward at head dim 64 with both a score_mod and a mask_mod, or on rows that visit fewer than 24
     key blocks; and not when a tile option of the portable kernel (``BLOCK_M``, ``BLOCK_M1``,
-    ``num_warps``, ...) is set. ``flexattn kernel NAME --explain``
-    says which a call takes and why.
+    ``num_warps``, ...) is set. ``flexattn kernel NAME --explain`` says which a call takes and why.
     ``TRITON_DECODE``: the split-KV decode kernels (flash-decoding: the KV sequence split across
     programs, all query heads of a GQA group in one tile), for queries that fit in one query block
     of the BlockMask; an error otherwise. Calls that need gradients or ``max_scores`` run the

@@ -137,10 +137,11 @@ launches = 0  # kernels launched by this family (tests check the Gluon path real
 # program's fixed cost, barriers and partitions, is paid over few tiles) and with a score_mod on a
 # masked walk (its arithmetic sits between the two matrix products, where a consumer warpgroup of 64
 # rows has no slack). First measured on an H100, Triton 3.6, bf16, B4 H16 16k tokens, TFLOP/s Gluon
-# vs portable: sliding window (8.7 blocks a row) 337 vs 397, documents (4.8) 235 vs 303, ALiBi 322 vs 379, soft-cap 328 vs 356;
-# noop 472 vs 472, causal 470 vs 459, prefix LM 474 vs 454. At head dim 128 Gluon won all seven
-# paper variants: noop 681 vs 585, causal 630 vs 532, ALiBi 512 vs 454, soft-cap 506 vs 482,
-# sliding window 500 vs 402, prefix LM 627 vs 517, documents 379 vs 344 (docs/benchmarks.md).
+# vs portable: sliding window (8.7 blocks a row) 337 vs 397, documents (4.8) 235 vs 303, ALiBi 322
+# vs 379, soft-cap 328 vs 356; noop 472 vs 472, causal 470 vs 459, prefix LM 474 vs 454. At head
+# dim 128 Gluon won all seven paper variants: noop 681 vs 585, causal 630 vs 532, ALiBi 512 vs 454,
+# soft-cap 506 vs 482, sliding window 500 vs 402, prefix LM 627 vs 517, documents 379 vs 344
+# (docs/benchmarks.md).
 # The threshold between 8.7 and 64 blocks: causal at the 12-layer model's shapes (H200, B x L = 16k
 # tokens, H12, [B, L, 3, H, D] storage), forward us Gluon vs portable: 1k (4.5 blocks a row) 159 vs
 # 116, 2k (8.5) 167 vs 173, 4k (16.5) 309 vs 259, 8k (32.5) 497 vs 498, 16k (64.5) 904 vs 1004.
