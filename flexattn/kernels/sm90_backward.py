@@ -103,7 +103,9 @@ PREPROCESS_ROWS = 64
 # So dQ joins the dK/dV kernel at head dims 64 and 128, whatever the mods. The order of the
 # additions depends on scheduling, so those sums are not bit-identical from run to run: a
 # deterministic call (options.deterministic) keeps the two kernels, whose every output row has one
-# writer.
+# writer. Adding dQ here in a fixed order instead (each query tile's parts in turn, counted in
+# memory) measured 1.12-1.46x the default against the two kernels' 1.04-1.29x (H200, 2026-11-29,
+# docs/benchmarks.md: the waits sat on the consumers).
 
 
 def fuses_dq(head_dim: int, deterministic: bool) -> bool:
