@@ -111,7 +111,8 @@ class FlexKernelOptions(TypedDict, total=False):
     DETERMINISTIC: bool
     """Triton backward: the gradients of learnable captured tensors are summed in a fixed order, so
     that two runs on the same inputs give the same bits (dQ, dK and dV are each written by one
-    program; a deterministic call also launches again until its problem's tiles have settled).
+    program, or on Hopper dQ's parts are added in a fixed order; a deterministic call also launches
+    again until its problem's tiles have settled).
     Default: ``torch.are_deterministic_algorithms_enabled()``, set by
     ``torch.use_deterministic_algorithms(True)``, which also covers the PyTorch backend's ops. The
     cost is a float32 copy of each learnable tensor's gradient per program (fewer copies, taken in

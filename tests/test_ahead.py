@@ -118,8 +118,9 @@ def record_compile_and_hit():
     B, H, L, D = 1, 2, 512, 64
     block_mask = create_block_mask(causal, None, None, L, L, device="cpu")
     traced = trace_mod(causal, "mask_mod")[0]
-    # Causal, deterministic: the dK/dV and dQ kernels; no mod at all: dQ added in the dK/dV kernel
-    # (sm90_backward.fuses_dq).
+    # Causal, deterministic, in the two-kernel form (ORDERS_DQ off): the dK/dV and dQ kernels; no mod
+    # at all: dQ added in the dK/dV kernel (sm90_backward.dq_form).
+    sm90_backward.ORDERS_DQ = "never"  # this process is the test's own
     families = [(sm90.Sm90ForwardKernel(None, mask, tanh_approx=True),
                  sm90_backward.Sm90BackwardKernel(None, mask, tanh_approx=True)) for mask in (traced, None)]
     q = torch.empty(B, H, L, D, dtype=torch.bfloat16, device="meta")

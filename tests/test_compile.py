@@ -828,10 +828,12 @@ def test_a_backward_whose_captured_tensor_wants_a_gradient_always_goes_the_long_
     import flexattn.compile as compiled_module
 
     monkeypatch.setattr(compiled_module, "_WARM_BACKWARD", {})
-    bias = torch.randn(H, requires_grad=True)
+    # A learnable temperature per head. (Not a bias added per head: softmax ignores a constant added
+    # to a row, so that gradient is zero and only rounding noise was compared.)
+    bias = (1 + 0.1 * torch.randn(H)).requires_grad_()
 
     def head_bias(score, b, h, q_idx, kv_idx):
-        return score + bias[h]
+        return score * bias[h]
 
     def attend(q, k, v, bm):
         return flex_attention(q, k, v, score_mod=head_bias, block_mask=bm, kernel_options={"BACKEND": "TRITON"})

@@ -133,36 +133,49 @@ def plans(monkeypatch):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_reruns_are_bit_identical(head_dim, plans):
-    # The two-kernel form: every output row has one writer. (ALiBi otherwise adds dQ in the dK/dV
-    # kernel, in an order that depends on scheduling; a deterministic call keeps the two.)
-    B, H, L = 2, 4, 2048
-    score_mod, mask_mod = CATALOGUE["alibi"].build(B, H, L, L, DEVICE)
-    leaves = qkv_leaves(B, H, H, L, L, head_dim)
-    block_mask = create_block_mask(mask_mod, None, None, L, L, device=DEVICE)
+@pytest.mark.parametrize("variant, gqa", [("alibi", 1), ("noop", 4), ("document_mask", 1)])
+@pytest.mark.parametrize("ordered", [True, False])
+def test_reruns_are_bit_identical(variant, gqa, ordered, head_dim, plans, monkeypatch):
+    # (Pinned: by default only masks whose rows visit every key block take the ordered form.)
+    # dQ added in the dK/dV kernel in a fixed order ([Note] Ordered dQ additions), and the two-kernel
+    # form (every output row has one writer): three runs, the same bits. Enough programs at once
+    # (B2 H8 4k: 256 dK/dV programs) that their order of arrival varies from run to run.
+    monkeypatch.setattr(sm90_backward, "ORDERS_DQ", "always" if ordered else "never")
+    B, H, L = 2, 8, 4096
+    score_mod, mask_mod = CATALOGUE[variant].build(B, H, L, L, DEVICE)
+    leaves = qkv_leaves(B, H, H // gqa, L, L, head_dim)
+    block_mask = create_block_mask(mask_mod, B, None, L, L, device=DEVICE) if mask_mod else None
     grad_out = torch.randn(B, H, L, head_dim, device=DEVICE, dtype=torch.bfloat16)
     runs = []
-    for _ in range(2):
+    for _ in range(3):
         out = flex_attention(leaves["q"], leaves["k"], leaves["v"], score_mod=score_mod, block_mask=block_mask,
-                             kernel_options={"DETERMINISTIC": True})
+                             enable_gqa=gqa > 1, kernel_options={"DETERMINISTIC": True})
         runs.append(torch.autograd.grad(out, list(leaves.values()), grad_out))
-    assert len(plans) == 2 and all("dq" in steps for steps in plans)
-    for first, second in zip(*runs):
-        assert torch.equal(first, second)
+    assert len(plans) == 3
+    assert all(("dq" in steps) != ordered and steps["dkdv"].constexprs["ORDERED_DQ"] == ordered for steps in plans)
+    for run in runs[1:]:
+        for first, again in zip(runs[0], run):
+            assert torch.equal(first, again)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("variant", ["noop", "causal", "alibi", "softcap", "document_mask"])
 def test_both_forms(variant, head_dim, plans):
     # [Note] dQ in the dK/dV kernel: the form without a dQ kernel (turns at head dim 64, each
-    # consumer's columns at 128), AUTO's choice, and the two-kernel form a deterministic call takes,
-    # each under the flash-attention rule against float64.
+    # consumer's columns at 128), AUTO's choice; the deterministic call's ordered additions ([Note]
+    # Ordered dQ additions); and the two-kernel form it falls back to, each under the
+    # flash-attention rule against float64.
     B, H, L = 2, 4, 1024
     score_mod, mask_mod = CATALOGUE[variant].build(B, H, L, L, DEVICE)
     leaves = qkv_leaves(B, H, H, L, L, head_dim)
     gluon_gradients(leaves, plain(score_mod), mask_mod)
-    gluon_gradients(leaves, plain(score_mod), mask_mod, options={**GLUON, "DETERMINISTIC": True})
-    assert [("dq" in steps) for steps in plans] == [False, True]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sm90_backward, "ORDERS_DQ", "always")
+        gluon_gradients(leaves, plain(score_mod), mask_mod, options={**GLUON, "DETERMINISTIC": True})
+        patch.setattr(sm90_backward, "ORDERS_DQ", "never")
+        gluon_gradients(leaves, plain(score_mod), mask_mod, options={**GLUON, "DETERMINISTIC": True})
+    assert [("dq" in steps) for steps in plans] == [False, False, True]
+    assert [steps["dkdv"].constexprs["ORDERED_DQ"] for steps in plans] == [False, True, False]
 
 
 def test_auto_takes_it_and_triton_pins_the_portable_backward():

@@ -27,6 +27,7 @@ from flexattn.cli.main import main
 from flexattn.codegen import render
 from flexattn.codegen.params import BACKWARD_PREPROCESS, SM90_BACKWARD_DKDV, SM90_BACKWARD_DQ
 from flexattn.dispatch import Call
+from flexattn.kernels.tables import backward_tables, dq_turns
 from flexattn.errors import InvalidInputError
 from flexattn.lowering import index_bounds, lowering_variants
 from flexattn.trace import trace_mod
@@ -152,8 +153,9 @@ def test_explain_names_each_stage_and_why(monkeypatch):
 
 
 def test_explain_names_the_gluon_backward_form(monkeypatch):
-    # Where the Gluon backward runs, --explain says whether dQ joins the dK/dV kernel (not
-    # deterministic, head dim 64 or 128: [Note] dQ in the dK/dV kernel) or has a kernel of its own.
+    # Where the Gluon backward runs, --explain says whether dQ joins the dK/dV kernel (head dim 64 or
+    # 128: [Note] dQ in the dK/dV kernel; in a fixed order when deterministic, [Note] Ordered dQ
+    # additions) or has a kernel of its own.
     monkeypatch.setattr(dispatch, "pick_backend", lambda q, options: "TRITON")
     monkeypatch.setattr(dispatch, "sm90_forward_choice", lambda *args, **kwargs: (None, None))
     monkeypatch.setattr(dispatch, "sm90_backward_choice", lambda *args, **kwargs: (None, None))
@@ -166,8 +168,11 @@ def test_explain_names_the_gluon_backward_form(monkeypatch):
     assert backward(128).endswith("dQ added in the dK/dV kernel, no dQ kernel")
     assert backward(128, causal).endswith("dQ added in the dK/dV kernel, no dQ kernel")
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert backward(64).endswith("dQ added in the dK/dV kernel in a fixed order, no dQ kernel")
+    assert backward(128).endswith("dQ added in the dK/dV kernel in a fixed order, no dQ kernel")
+    assert backward(128, causal).endswith("dK/dV and dQ kernels")  # rows unlike: sm90_backward.ORDERS_DQ
+    monkeypatch.setattr(sm90_backward, "ORDERS_DQ", "never")
     assert backward(64).endswith("dK/dV and dQ kernels")
-    assert backward(128).endswith("dK/dV and dQ kernels")
 
 
 def test_explain_on_the_command_line(capsys):
@@ -188,7 +193,7 @@ def test_causal_kernels_compile_for_sm90_offline():
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
                           text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 4
+    assert done.stdout.count("compiled") == 6
 
 
 def compile_causal_offline():
@@ -204,8 +209,11 @@ def compile_causal_offline():
     kernel, _ = family("causal")
     # dK/dV with dQ added by the copy engine ([Note] dQ in the dK/dV kernel: turns at head dim 64,
     # each consumer's columns at 128) and without, then dQ.
-    for params, D, block_m, fused in ((SM90_BACKWARD_DKDV, 64, 64, True), (SM90_BACKWARD_DKDV, 64, 64, False),
-                                      (SM90_BACKWARD_DQ, 64, 128, None), (SM90_BACKWARD_DKDV, 128, 64, True)):
+    # The deterministic form of each fused one adds in order ([Note] Ordered dQ additions).
+    for params, D, block_m, fused, ordered in (
+            (SM90_BACKWARD_DKDV, 64, 64, True, False), (SM90_BACKWARD_DKDV, 64, 64, False, False),
+            (SM90_BACKWARD_DQ, 64, 128, None, None), (SM90_BACKWARD_DKDV, 128, 64, True, False),
+            (SM90_BACKWARD_DKDV, 64, 64, True, True), (SM90_BACKWARD_DKDV, 128, 64, True, True)):
         rows = torch.empty(2 * L, D, dtype=torch.bfloat16)
         descriptor = {r: TensorDescriptor(rows, [2 * L, D], [D, 1], [r, D],
                                           gl.NVMMASharedLayout.get_default_for([r, D], gl.bfloat16)) for r in (64, 128)}
@@ -217,7 +225,8 @@ def compile_causal_offline():
                           CONSUMER_REGS=240, HAS_SCORE_MOD=False, SCALE_FIRST=False,
                           HAS_PARTIAL_BLOCKS=True, HAS_FULL_BLOCKS=True)
         if fused is not None:
-            constexprs.update(FUSED_DQ=fused, RESIDENT_IN_REGISTERS=sm90.resident_in_registers("dkdv", D))
+            constexprs.update(FUSED_DQ=fused, ORDERED_DQ=ordered,
+                              RESIDENT_IN_REGISTERS=sm90.resident_in_registers("dkdv", D))
         signature = {}
         for name in params.names():
             if name in constexprs:
@@ -228,7 +237,7 @@ def compile_causal_offline():
                 signature[name] = mangle_type(descriptor[128 if name in ("K", "V") else 64])
             elif name in ("LSE", "DELTA"):
                 signature[name] = "*fp32"
-            elif name.endswith(("NUM_BLKS", "_IDX")):
+            elif name.endswith(("NUM_BLKS", "_IDX", "_TURNS", "_ADDED", "_FIRST")):
                 signature[name] = "*i32"
             else:
                 signature[name] = "fp32" if name == "SM_SCALE" else "i32"
@@ -243,16 +252,65 @@ def compile_causal_offline():
             # 64-column tile, one box at a time.
             boxes = [meta["block_size"] for meta in compiled.metadata.tensordesc_meta if meta["elem_size"] == 4]
             assert boxes == [[64, sm90_backward.DQ_BOX_COLUMNS]]
-            assert compiled.asm["ptx"].count("cp.reduce.async.bulk.tensor") == 2 * 64 // sm90_backward.DQ_BOX_COLUMNS
+            # The ordered form's writer warp adds for both consumers: both halves at 128, one tile at 64.
+            adds = (2 if not ordered or D == 128 else 1) * 64 // sm90_backward.DQ_BOX_COLUMNS
+            assert compiled.asm["ptx"].count("cp.reduce.async.bulk.tensor") == adds
+        # The ordered form waits for its additions to land in memory, not only to be read (.read).
+        waits = re.findall(r"cp\.async\.bulk\.wait_group(\.read)?\s", compiled.asm["ptx"])
+        assert ("" in waits) == bool(ordered)
+        assert ("ld.acquire.gpu" in compiled.asm["ptx"]) == bool(ordered)
         print("compiled")
 
 
-def test_which_calls_add_dq_in_the_dkdv_kernel():
-    # [Note] dQ in the dK/dV kernel: head dims 64 and 128, whatever the mods, never when deterministic.
-    fuses_dq = sm90_backward.fuses_dq
-    assert fuses_dq(64, False) and fuses_dq(128, False)
-    assert not fuses_dq(64, True) and not fuses_dq(128, True)
-    assert not fuses_dq(96, False) and not fuses_dq(256, False)
+def test_which_calls_add_dq_in_the_dkdv_kernel(monkeypatch):
+    # [Note] dQ in the dK/dV kernel: head dims 64 and 128, whatever the mods; deterministic calls in a
+    # fixed order ([Note] Ordered dQ additions) where the mask's rows visit every key block and every
+    # program of a pair fits on the GPU at once, the two kernels otherwise.
+    def form(D, deterministic, alike=True, S=L):
+        return sm90_backward.dq_form(bhnd(D=D), bhnd(D=D, N=S), deterministic, alike)
+
+    assert form(64, False) == form(128, False) == form(64, False, alike=False) == (True, False)
+    assert form(64, True) == form(128, True) == (True, True)
+    assert form(64, True, alike=False) == form(128, True, alike=False) == (False, False)
+    assert form(96, False) == form(256, True) == (False, False)
+    monkeypatch.setattr(sm90_backward, "_sm_count", lambda device: 4)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert form(64, True, S=4 * 128) == (True, True)
+    assert form(64, True, S=5 * 128) == (False, False)  # five programs a pair on four SMs: two kernels
+    assert form(64, False, S=5 * 128) == (True, False)
+    monkeypatch.setattr(sm90_backward, "ORDERS_DQ", "always")
+    assert form(64, True, alike=False, S=4 * 128) == (True, True)
+    monkeypatch.setattr(sm90_backward, "ORDERS_DQ", "never")
+    assert form(128, True, S=4 * 128) == (False, False)
+
+
+@pytest.mark.parametrize("variant", ["noop", "causal", "document_mask", "prefix_lm", "sliding_window"])
+def test_dq_turns_follow_the_walks(variant):
+    # [Note] Ordered dQ additions: each query block's additions go in the order the rotated walks
+    # reach it (step, then key block), every listed entry has its own turn, and walks that begin at
+    # the same query block start apart.
+    B, H, N = 2, 3, 2048
+    mask_mod = CATALOGUE[variant].build(B, H, N, N, "cpu")[1] or (lambda b, h, q_idx, kv_idx: q_idx >= 0)
+    bm = create_block_mask(mask_mod, B, H, N, N, device="cpu")
+    bwd, turns = backward_tables(bm), dq_turns(bm)
+    lists = [(bwd.q_num_blocks, bwd.q_indices, turns.q_turns)]
+    if bwd.full_q_indices is not bwd.q_indices:
+        lists.append((bwd.full_q_num_blocks, bwd.full_q_indices, turns.full_q_turns))
+    for z in range(B):
+        for h in range(H):
+            arrivals, begins = {}, []
+            for c in range(bwd.q_num_blocks.shape[2]):
+                walk = [(ix[z, h, c, j].item(), tn[z, h, c, j].item()) for num, ix, tn in lists
+                        for j in range(num[z, h, c].item())]
+                first = turns.walk_first[z, h, c].item()
+                assert 0 <= first < max(len(walk), 1)
+                if walk:
+                    assert first == sum(b == walk[0][0] for b in begins) % len(walk)
+                    begins.append(walk[0][0])
+                for position, (block, turn) in enumerate(walk):
+                    arrivals.setdefault(block, []).append(((position - first) % len(walk), c, turn))
+            for block, seen in arrivals.items():
+                assert [turn for _, _, turn in sorted(seen)] == list(range(len(seen))), (variant, z, h, block)
 
 
 def test_a_plan_is_made_once_and_kept(monkeypatch):
@@ -280,14 +338,19 @@ def test_a_plan_is_made_once_and_kept(monkeypatch):
     assert steps["dkdv"].constexprs["BLOCK_M"] == 64
     # [Note] Resident tiles in registers (kernels/sm90.py): K and V at head dim 64; the dQ kernel has no such flag.
     assert steps["dkdv"].constexprs["RESIDENT_IN_REGISTERS"]
+    monkeypatch.setattr(sm90_backward, "ORDERS_DQ", "always")
     kernel(q, q, q, q, torch.zeros(1, 2, L), q, None, bm, 0.125, [], [], deterministic=True)
-    steps = kernel.last_plan.steps  # a deterministic call: the two kernels, each row one writer
-    assert len(kernel._plans) == 2 and not steps["dkdv"].constexprs["FUSED_DQ"]
+    steps = kernel.last_plan.steps  # a deterministic call: dQ in order ([Note] Ordered dQ additions)
+    assert len(kernel._plans) == 2 and "dq" not in steps and steps["dkdv"].constexprs["ORDERED_DQ"]
+    monkeypatch.setattr(sm90_backward, "ORDERS_DQ", "rows alike")
+    kernel(q, q, q, q, torch.zeros(1, 2, L), q, None, bm, 0.125, [], [], deterministic=True)
+    steps = kernel.last_plan.steps  # a causal mask's rows differ: the two kernels, each row one writer
+    assert len(kernel._plans) == 3 and not steps["dkdv"].constexprs["FUSED_DQ"]
     assert steps["dq"].grid == (L // 128, 2, 1) and steps["dq"].constexprs["BLOCK_M"] == 128
     assert steps["dkdv"].constexprs["RESIDENT_IN_REGISTERS"] and "RESIDENT_IN_REGISTERS" not in steps["dq"].constexprs
     window = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (qi - ki < 64), None, None, L, L, device="cpu")
     kernel(q, q, q, q, torch.zeros(1, 2, L), q, None, window, 0.125, [], [])
-    assert len(kernel._plans) == 3
+    assert len(kernel._plans) == 4
     wide = bhnd(D=128)  # head dim 128: K and V stay in shared memory (in registers they spilled)
     kernel(wide, wide, wide, wide, torch.zeros(1, 2, L), wide, None, bm, 0.125, [], [])
     assert not kernel.last_plan.steps["dkdv"].constexprs["RESIDENT_IN_REGISTERS"]
@@ -323,21 +386,33 @@ def test_the_launcher_packs_what_the_kernels_declare(monkeypatch):
     bm = instance.block_mask(B, H, L, L, "cpu")
     score_captured = trace_mod(instance.score_mod, "score_mod")[1]  # ALiBi's slopes
     assert len(score_captured) == 1
-    # Head dim 64 adds dQ in the dK/dV kernel; a deterministic call runs the dQ kernel instead.
-    for deterministic in (False, True):
+    # Head dim 64 adds dQ in the dK/dV kernel, a deterministic call in a fixed order ([Note] Ordered dQ
+    # additions); without that order, a deterministic call runs the dQ kernel instead.
+    for deterministic, ordered in ((False, "always"), (True, "always"), (True, "never")):
+        monkeypatch.setattr(sm90_backward, "ORDERS_DQ", ordered)
         dq, dk, dv, captured = kernel(q, k, v, out, lse, grad_out, None, bm, 0.125, score_captured, [],
                                       deterministic=deterministic)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and captured == [None]
         assert dq.dtype == q.dtype
-    fused, two_pass = [plan for plan in kernel._plans.values()]
+    fused, in_order, two_pass = [plan for plan in kernel._plans.values()]
     assert [(params, grid) for params, grid, _, _ in calls] == [
-        (SM90_BACKWARD_DKDV, fused.steps["dkdv"].grid),
+        (SM90_BACKWARD_DKDV, fused.steps["dkdv"].grid), (SM90_BACKWARD_DKDV, in_order.steps["dkdv"].grid),
         (SM90_BACKWARD_DKDV, two_pass.steps["dkdv"].grid), (SM90_BACKWARD_DQ, two_pass.steps["dq"].grid)]
+    # The ordered call's turns (kernels/tables.py DqTurns) and a zeroed count per 64 rows and 64 columns.
+    names = SM90_BACKWARD_DKDV.names()
+    ordered_args = calls[1][2]
+    turns = dq_turns(bm)
+    assert ordered_args[names.index("Q_TURNS")] is turns.q_turns
+    assert ordered_args[names.index("WALK_FIRST")] is turns.walk_first
+    added = ordered_args[names.index("DQ_ADDED")]
+    assert added.dtype == torch.int32 and added.numel() == 2 * B * H * L // 64 and not added.any()
+    assert calls[1][3]["ORDERED_DQ"] and not calls[0][3]["ORDERED_DQ"]
+    assert ordered_args[names.index("TAIL_PAIRS")] == 1  # the grid's order
     sums = calls[0][2][SM90_BACKWARD_DKDV.names().index("DQ_ACC")]
     # 64-row boxes of 32 columns under the 128-byte swizzle ([Note] The float32 dQ tile in shared memory).
     assert sums.shape == [B * H * L, E] and sums.block_shape == [64, 32] and sums.base.dtype == torch.float32
     assert sums.layout.swizzle_byte_width == 128
-    assert calls[0][3]["FUSED_DQ"] and not calls[1][3]["FUSED_DQ"]
+    assert calls[0][3]["FUSED_DQ"] and calls[1][3]["FUSED_DQ"] and not calls[2][3]["FUSED_DQ"]
     mods = len(kernel.compiled(None).spec.score_grad.kernel_params)  # the slopes and their stride
     for params, _, args, constexprs in calls:
         assert len(args) == params.argument_count(mods)

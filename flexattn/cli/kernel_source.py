@@ -43,7 +43,9 @@ def explain(score_mod: Optional[Callable], mask_mod: Optional[Callable], B: int,
     import torch
 
     from flexattn.dispatch import Call, choose_decode, pick_backend, sm90_backward_choice, sm90_forward_choice
-    from flexattn.kernels.sm90_backward import fuses_dq
+    from flexattn.kernels.launch_order import rows_alike
+    from flexattn.kernels.sm90_backward import dq_form
+    from flexattn.kernels.tables import launch_tables
     from flexattn.masks import create_block_mask
     from flexattn.options import deterministic
 
@@ -68,8 +70,11 @@ def explain(score_mod: Optional[Callable], mask_mod: Optional[Callable], B: int,
         if reason is None:
             form = ""
             if stage == "backward":
-                fused = fuses_dq(head_dim, deterministic(None))
-                form = "; dQ added in the dK/dV kernel, no dQ kernel" if fused else "; dK/dV and dQ kernels"
+                alike = rows_alike(launch_tables(block_mask), KV_LEN, block_mask.BLOCK_SIZE[1])
+                fused, ordered = dq_form(q, k, deterministic(None), alike)
+                form = "; dK/dV and dQ kernels"
+                if fused:
+                    form = f"; dQ added in the dK/dV kernel{' in a fixed order' if ordered else ''}, no dQ kernel"
             lines.append((stage, f"Gluon Hopper kernels (templates/{family}.py.jinja){form}"))
         else:
             portable = family.split("_")[0]

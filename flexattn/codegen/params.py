@@ -307,6 +307,9 @@ SM90_BACKWARD_DKDV = KernelParams("flex_attention_backward_dkdv_sm90", [
                            "into, in boxes of 64 rows and sm90_backward.DQ_BOX_COLUMNS columns"),
     _tensors("LSE", "DELTA"),
     _tensors("Q_NUM_BLKS", "Q_IDX", "FULL_Q_NUM_BLKS", "FULL_Q_IDX", doc="the transposed tables"),
+    _tensors("WALK_FIRST", "Q_TURNS", "FULL_Q_TURNS", "DQ_ADDED",
+             doc="ORDERED_DQ: each column's first walk entry and each table entry's turn (tables.DqTurns), and a "
+                 "zeroed int32 count of the parts added so far per 64-row query tile and 64 columns of dQ"),
     _scalars("row_qz", "row_qh", "col_qh", "row_kz", "row_kh", "col_kh", "row_vz", "row_vh", "col_vh",
              "row_doz", "row_doh", "col_doh", "row_dkz", "row_dkh", "col_dkh",
              doc="where a (batch, head)'s rows start in each descriptor (DK and DV share one layout)"),
@@ -318,6 +321,8 @@ SM90_BACKWARD_DKDV = KernelParams("flex_attention_backward_dkdv_sm90", [
     _SM90_TILES,
     _MOD_FLAGS,
     _constexprs("FUSED_DQ", doc="dQ added into DQ_ACC by the copy engine here, so no dQ kernel runs"),
+    _constexprs("ORDERED_DQ", doc="with FUSED_DQ: each query tile's parts added in key block order, bit-identical "
+                                  "from run to run (a deterministic call)"),
     _RESIDENT_IN_REGISTERS,
 ], doc="Hopper, Gluon: one program per 128 keys of one key/value head, a loader warp and two consumer warpgroups")
 
@@ -455,18 +460,18 @@ _SM90_VIEWS = ("row_qz", "row_qh", "col_qh", "row_kz", "row_kh", "col_kh", "row_
                "row_doz", "row_doh", "col_doh")
 SM90_BACKWARD_HELPERS = _by_name(
     _values("dkdv_ring", "q_smem", "do_smem", "k_smem", "v_smem", "lse_smem", "delta_smem", "ds_smem", "dq_smem",
-            "ds_ready", "ds_free", "kv_bar", "ready", "empty",
+            "ds_ready", "ds_free", "dq_full", "dq_empty", "kv_bar", "ready", "empty",
             doc="dK/dV: the key tiles, the query-side ring (Q, dO, LSE, DELTA per slot) and its mbarriers; "
                 "with FUSED_DQ each consumer's dS^T and dQ tiles"),
-    _values("dkdv_views", "Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "LSE", "DELTA", *_SM90_VIEWS, "row_dkz", "row_dkh",
-            "col_dkh",
+    _values("dkdv_views", "Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "DQ_ADDED", "LSE", "DELTA", *_SM90_VIEWS,
+            "row_dkz", "row_dkh", "col_dkh",
             doc="dK/dV: the descriptors and where a (batch, head) starts in them"),
     _values("dkdv_tables", "off_z", "off_hkv", "start_n", "Q_NUM_BLKS", "Q_IDX", "FULL_Q_NUM_BLKS", "FULL_Q_IDX",
-            "SPARSE_COLS", "IDX_ROWS", "FULL_IDX_ROWS",
+            "WALK_FIRST", "Q_TURNS", "FULL_Q_TURNS", "SPARSE_COLS", "IDX_ROWS", "FULL_IDX_ROWS",
             doc="dK/dV: the program's batch, head and key block, and the transposed tables"),
     _values("dkdv_flags", "SM_SCALE", "Q_LEN", "HAS_SCORE_MOD", "SCALE_FIRST", "HAS_PARTIAL_BLOCKS",
             "HAS_FULL_BLOCKS", "SPARSE_Z", "SPARSE_HQ", "GQA_GROUP", "SPARSE_Q_BLOCK_SIZE", "BLOCK_M", "BLOCK_N",
-            "HEAD_DIM", "STAGES", "FUSED_DQ", "RESIDENT_IN_REGISTERS",
+            "HEAD_DIM", "STAGES", "FUSED_DQ", "ORDERED_DQ", "RESIDENT_IN_REGISTERS",
             doc="dK/dV: the scale, the query length, which mods run, the tiles"),
     _values("dq_ring", "q_bufs", "do_bufs", "k_smem", "v_smem", "q_bar", "k_ready", "v_ready", "k_empty", "v_empty",
             doc="dQ: the Q and dO buffers, the K/V ring and their mbarriers"),

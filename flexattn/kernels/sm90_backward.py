@@ -6,9 +6,10 @@ Warp-specialised like the sm90 forward (kernels/sm90.py): a loader warp feeds tw
 warpgroups through an mbarrier ring. dK/dV walks the BlockMask's transposed tables and dQ its
 forward tables, the same tables the portable backward walks (kernels/tables.py), with the same
 lowered mods and the score_mod's lowered gradient. The dK/dV kernel also adds dQ into a float32
-buffer, and no dQ kernel runs ([Note] dQ in the dK/dV kernel), except for a deterministic call: there
-the dQ kernel runs and each output row is written by one program, no atomics, so the result does not
-depend on scheduling (bit-identical from run to run).
+buffer, and no dQ kernel runs ([Note] dQ in the dK/dV kernel). A deterministic call adds dQ there in
+a fixed order ([Note] Ordered dQ additions in the template) where the mask's rows visit every key
+block; otherwise the dQ kernel runs and each output row is written by one program, no atomics. Either
+way the result does not depend on scheduling (bit-identical from run to run; ``dq_form`` decides).
 
 It covers the common case; :func:`problem_reason` and ``Sm90BackwardKernel.unsupported_reason`` say
 why a call is outside it (learnable captured tensors, a broadcast key/value batch, context
@@ -38,10 +39,10 @@ from .launch import (RepeatedLaunch, descriptor_over, descriptor_template, empty
 from .launch_order import rows_alike, tail_pairs
 from .sm90 import BLOCK, CONSUMER_REGS, GluonFamily, Sm90Unavailable, resident_in_registers, shared_layout, tensor_view
 from .sm90 import problem_reason as forward_problem_reason
-from .tables import backward_tables, launch_tables
+from .tables import backward_tables, dq_turns, launch_tables
 
 __all__ = ["Sm90BackwardKernel", "Sm90Unavailable", "WarmSm90Backward", "sm90_backward_kernel", "problem_reason",
-           "fuses_dq", "launches"]
+           "dq_form", "launches"]
 
 launches = 0  # backward calls run by this family (tests check the Gluon path really ran)
 # dK/dV walks each listed 128-row query block as two tiles of 64 rows. Tiles of 128 rows, as
@@ -102,15 +103,46 @@ PREPROCESS_ROWS = 64
 # The one loop and the d=128 form passed the GPU tests under Triton 3.6 to 3.9 at the same speed.
 # So dQ joins the dK/dV kernel at head dims 64 and 128, whatever the mods. The order of the
 # additions depends on scheduling, so those sums are not bit-identical from run to run: a
-# deterministic call (options.deterministic) keeps the two kernels, whose every output row has one
-# writer. Adding dQ here in a fixed order instead (each query tile's parts in turn, counted in
-# memory) measured 1.12-1.46x the default against the two kernels' 1.04-1.29x (H200, 2026-11-29,
-# docs/benchmarks.md: the waits sat on the consumers).
+# deterministic call (options.deterministic) adds them in a fixed order or keeps the two kernels,
+# whose every output row has one writer (ORDERS_DQ below).
 
 
-def fuses_dq(head_dim: int, deterministic: bool) -> bool:
-    """Whether dQ is added in the dK/dV kernel ([Note] dQ in the dK/dV kernel) rather than by its own."""
-    return not deterministic and head_dim in (64, 128)
+# Which deterministic calls add dQ in the dK/dV kernel, in a fixed order ([Note] Ordered dQ additions
+# in templates/backward_sm90.py.jinja), rather than run the two kernels: "rows alike" (every row of
+# the mask visits every key block, as without a mask_mod), "always" or "never" (the tests pin both
+# forms). Either way every program of a (batch, head) pair must fit on the GPU at once.
+# Deterministic against the default (H200, bf16, 16k tokens, docs/benchmarks.md, 2026-11-29):
+#                     ordered   two kernels
+#   noop, d=128        1.11x      1.28x
+#   soft-cap, d=128    1.06x      1.22x
+#   noop, d=64         1.09x      1.14x
+#   soft-cap, d=64     1.08x      1.30x
+#   causal, ALiBi, documents, prefix LM: ordered 1.64-1.97x, two kernels 1.08-1.22x
+# Under a causal-like mask the programs of a pair start apart (the short walks end first and the
+# next pair's programs take their place), so a fixed order makes the early ones wait for late ones.
+ORDERS_DQ = "rows alike"
+
+
+def dq_form(q: torch.Tensor, k: torch.Tensor, deterministic: bool, rows_alike: bool) -> tuple[bool, bool]:
+    """``(fused, ordered)``: whether dQ is added in the dK/dV kernel ([Note] dQ in the dK/dV kernel)
+    rather than by its own, and in a fixed order ([Note] Ordered dQ additions); ``rows_alike``: every
+    row of the mask visits every key block (launch_order.rows_alike)."""
+    if q.shape[-1] not in (64, 128):
+        return False, False
+    if not deterministic:
+        return True, False
+    ordered = ORDERS_DQ == "always" or (ORDERS_DQ == "rows alike" and rows_alike)
+    ordered = ordered and (not q.is_cuda or k.shape[2] // BLOCK <= _sm_count(q.device))
+    return ordered, ordered
+
+
+def _sm_count(device: torch.device) -> int:
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 # [Note] The float32 dQ tile in shared memory. A consumer stores its 64 x 64 float32 tile from the
@@ -185,12 +217,12 @@ class Sm90BackwardKernel(GluonFamily):
                  mask_captured, deterministic: bool = False):
         """``(dq, dk, dv, [None for each captured tensor])``; raises Sm90Unavailable when the kernels of
         these mods do not compile (the caller checked ``unsupported_reason`` first, for everything else).
-        ``deterministic``: the two-kernel backward, whose every output row has one writer; otherwise
-        dQ may be added in the dK/dV kernel (``fuses_dq``)."""
+        ``deterministic``: sums formed in the same order at every run (``dq_form`` says how: dQ added in
+        the dK/dV kernel in a fixed order, or the two kernels, whose every output row has one writer)."""
         global launches
         tables = launch_tables(block_mask)
-        fused_dq = fuses_dq(q.shape[-1], deterministic)
-        key = self._problem(q, k, v, out, grad_out, grad_lse, tables, scale, fused_dq)
+        fused_dq, ordered_dq = dq_form(q, k, deterministic, rows_alike(tables, k.shape[2], BLOCK))
+        key = self._problem(q, k, v, out, grad_out, grad_lse, tables, scale, fused_dq, ordered_dq)
 
         def launch(plan: Plan):
             return self._launch(plan, q, k, v, out, lse, grad_out, grad_lse, block_mask, tables, scale,
@@ -199,7 +231,7 @@ class Sm90BackwardKernel(GluonFamily):
         plan = self._plans.get(key)
         if plan is None:
             plan, result = self._first_launch(
-                key, q, k, lambda: self._plan(q, k, tables, scale, grad_lse is not None, fused_dq), launch)
+                key, q, k, lambda: self._plan(q, k, tables, scale, grad_lse is not None, fused_dq, ordered_dq), launch)
         else:
             result = launch(plan)
         if not recording():
@@ -207,7 +239,7 @@ class Sm90BackwardKernel(GluonFamily):
             self.last_plan = plan
         return result
 
-    def _plan(self, q, k, tables, scale, has_dlse, fused_dq: bool) -> Plan:
+    def _plan(self, q, k, tables, scale, has_dlse, fused_dq: bool, ordered_dq: bool) -> Plan:
         B, Hq, L, E = q.shape
         Hkv, S = k.shape[1], k.shape[2]
         compiled = self.compiled(index_bounds(B, Hq, L, S))
@@ -221,7 +253,7 @@ class Sm90BackwardKernel(GluonFamily):
             num_warps=4,  # the default partition: consumer warpgroup 0
         )
         dkdv = dict(common, BLOCK_M=QUERY_TILE, BLOCK_N=BLOCK, STAGES=DKDV_STAGES[E], FUSED_DQ=fused_dq,
-                    RESIDENT_IN_REGISTERS=resident_in_registers("dkdv", E))
+                    ORDERED_DQ=ordered_dq, RESIDENT_IN_REGISTERS=resident_in_registers("dkdv", E))
         dq = dict(common, BLOCK_M=BLOCK, BLOCK_N=BLOCK, STAGES=DQ_STAGES[E])
         SM90_BACKWARD_DKDV.check_constexprs(dkdv)
         SM90_BACKWARD_DQ.check_constexprs(dq)
@@ -234,16 +266,20 @@ class Sm90BackwardKernel(GluonFamily):
             steps["dq"] = Step(SM90_BACKWARD_DQ, (L // BLOCK, Hq, B), dq)
         return Plan(compiled, steps, (L, S), q.element_size())
 
-    def _problem(self, q, k, v, out, grad_out, grad_lse, tables, scale, fused_dq: bool) -> tuple:
+    def _problem(self, q, k, v, out, grad_out, grad_lse, tables, scale, fused_dq: bool, ordered_dq: bool) -> tuple:
         return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), grad_out.stride(), out.stride(),
-                q.dtype, q.device, tables.plan_key, scale > 0, grad_lse is not None, fused_dq)
+                q.dtype, q.device, tables.plan_key, scale > 0, grad_lse is not None, fused_dq, ordered_dq)
 
     def kept_plan(self, q, k, v, out, grad_out, grad_lse, block_mask, scale: float, deterministic: bool) -> Optional[Plan]:
         """The plan of this problem once its first launch compiled (None before): for a caller that
-        launches it again through ``warm_launch`` (compile.py, [Note] Warm calls of the backward op)."""
-        fused_dq = fuses_dq(q.shape[-1], deterministic)
-        return self._plans.get(self._problem(q, k, v, out, grad_out, grad_lse, launch_tables(block_mask), scale,
-                                             fused_dq))
+        launches it again through ``warm_launch`` (compile.py, [Note] Warm calls of the backward op).
+        None for a deterministic call that adds dQ in order: its turns come from the mask, which a warm
+        launch does not see."""
+        tables = launch_tables(block_mask)
+        fused_dq, ordered_dq = dq_form(q, k, deterministic, rows_alike(tables, k.shape[2], BLOCK))
+        if ordered_dq:
+            return None
+        return self._plans.get(self._problem(q, k, v, out, grad_out, grad_lse, tables, scale, fused_dq, False))
 
     def warm_launch(self, plan: Plan, q, k, v, out, grad_out, tables, bwd_tables, scale: float) -> "WarmSm90Backward":
         """``plan`` (from kept_plan) for the later calls of this call's problem, which the caller keys.
@@ -269,13 +305,15 @@ class Sm90BackwardKernel(GluonFamily):
         else:
             dq = empty_output((B, Hq, L, E), q.dtype, q.device)
         bwd = backward_tables(block_mask)
+        ordered = plan.steps["dkdv"].constexprs["ORDERED_DQ"]
+        turns = dq_turns(block_mask) if ordered else None
         recipes, dkdv_fixed, dq_fixed = _problem_args(plan, q, k, v, grad_out, dk, dv, dq, tables, bwd, scale)
         descriptors = [TensorDescriptor(t, *recipe) for t, recipe in zip((q, k, v, grad_out, dk, dv, dq), recipes)]
         mods = mod_launch_args(score_captured if self.has_score_mod else (),
                                mask_captured if self.has_mask_mod else ())
         step = plan.steps["dkdv"]
         launch(module.kernel(SM90_BACKWARD_DKDV), step.grid,
-               _pack_dkdv(descriptors, lse, delta, bwd, mods, dkdv_fixed), step.constexprs)
+               _pack_dkdv(descriptors, lse, delta, bwd, mods, dkdv_fixed, turns), step.constexprs)
         if fused_dq:
             return dq.view(B, Hq, L, E).to(q.dtype), dk, dv, [None] * len(score_captured)
         step = plan.steps["dq"]
@@ -372,10 +410,13 @@ def _problem_args(plan: Plan, q, k, v, grad_out, dk, dv, dq, tables, bwd_tables,
                   col_kh=kv.col_h, row_vz=vv.row_z, row_vh=vv.row_h, col_vh=vv.col_h, row_doz=dov.row_z,
                   row_doh=dov.row_h, col_doh=dov.col_h, Q_LEN=L, SM_SCALE=scale)
     alike = rows_alike(tables, S, BLOCK)
+    grid = plan.steps["dkdv"].grid
+    # Ordered dQ additions keep the grid's order: a pair's programs start one after another ([Note]
+    # Ordered dQ additions).
+    order = 1 if plan.steps["dkdv"].constexprs["ORDERED_DQ"] else tail_pairs(grid, q.device, alike)
     dkdv_fixed = dict(common, row_dkz=dkv.row_z, row_dkh=dkv.row_h, col_dkh=dkv.col_h,
                       SPARSE_COLS=bwd_tables.q_num_blocks.shape[2], IDX_ROWS=bwd_tables.q_indices.shape[3],
-                      FULL_IDX_ROWS=bwd_tables.full_q_indices.shape[3],
-                      TAIL_PAIRS=tail_pairs(plan.steps["dkdv"].grid, q.device, alike))
+                      FULL_IDX_ROWS=bwd_tables.full_q_indices.shape[3], TAIL_PAIRS=order)
     dq_fixed = None
     if "dq" in plan.steps:
         dq_fixed = dict(common, SPARSE_ROWS=tables.kv_num_blocks.shape[2], IDX_COLS=tables.kv_indices.shape[3],
@@ -384,14 +425,24 @@ def _problem_args(plan: Plan, q, k, v, grad_out, dk, dv, dq, tables, bwd_tables,
     return recipes, dkdv_fixed, dq_fixed
 
 
-def _pack_dkdv(descriptors, lse, delta, bwd_tables, mods: list, fixed: dict) -> tuple:
+def _pack_dkdv(descriptors, lse, delta, bwd_tables, mods: list, fixed: dict, turns=None) -> tuple:
     """The dK/dV kernel's arguments: the descriptors (dQ's read only when dQ is fused), the row
-    statistics, the transposed tables, the mods' tensors, and ``fixed`` (_problem_args)."""
+    statistics, the transposed tables, the turns of ordered dQ additions (``turns``, tables.DqTurns,
+    with a fresh count of additions; the index tables stand in, unread, without them), the mods'
+    tensors, and ``fixed`` (_problem_args)."""
     d_q, d_k, d_v, d_do, d_dk, d_dv, d_dq = descriptors
+    if turns is not None:
+        # Per 64 query rows of every (batch, query head) and 64 columns of dQ (two at head dim 64, one used).
+        added = torch.zeros(2 * lse.numel() // QUERY_TILE, dtype=torch.int32, device=lse.device)
+        walk_first, q_turns, full_q_turns = turns
+    else:
+        added, walk_first = bwd_tables.q_num_blocks, bwd_tables.q_num_blocks
+        q_turns, full_q_turns = bwd_tables.q_indices, bwd_tables.full_q_indices
     return SM90_BACKWARD_DKDV.pack(
         Q=d_q, K=d_k, V=d_v, DO=d_do, DK=d_dk, DV=d_dv, DQ_ACC=d_dq, LSE=lse, DELTA=delta,
         Q_NUM_BLKS=bwd_tables.q_num_blocks, Q_IDX=bwd_tables.q_indices, FULL_Q_NUM_BLKS=bwd_tables.full_q_num_blocks,
-        FULL_Q_IDX=bwd_tables.full_q_indices, mods=mods, **fixed,
+        FULL_Q_IDX=bwd_tables.full_q_indices, Q_TURNS=q_turns, WALK_FIRST=walk_first, FULL_Q_TURNS=full_q_turns, DQ_ADDED=added, mods=mods,
+        **fixed,
     )
 
 

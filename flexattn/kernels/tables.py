@@ -25,7 +25,7 @@ __all__ = [
     "block_mask_row_stats", "ProgramWalks", "WALK_PARTIAL", "WALK_FULL", "program_walks", "PROGRAM_WALKS",
     "UNION_PROGRAM_ROWS", "UNION_CONSUMER_ROWS",
     "BackwardTables",
-    "BACKWARD_TABLES", "backward_tables", "groups_share_tables", "assume_groups_differ",
+    "BACKWARD_TABLES", "backward_tables", "DqTurns", "DQ_TURNS", "dq_turns", "groups_share_tables", "assume_groups_differ",
 ]
 
 
@@ -333,6 +333,77 @@ def backward_tables(block_mask: BlockMask) -> BackwardTables:
     if capturing(block_mask.kv_num_blocks):
         return _compute_backward_tables(block_mask)
     return block_mask.derived(BACKWARD_TABLES, _compute_backward_tables)
+
+
+class DqTurns(NamedTuple):
+    """The order in which a deterministic backward adds the dQ parts of each query tile in the dK/dV
+    kernel ([Note] Ordered dQ additions in templates/backward_sm90.py.jinja): where each key block's
+    walk starts, and for each entry of the transposed tables (BackwardTables) its turn, the number
+    of the query block's other key blocks that add before it. Entries past a column's count are 0."""
+
+    walk_first: torch.Tensor  # [Z, H, COLS] int32: the walk's first entry (partial blocks, then full)
+    q_turns: torch.Tensor  # like BackwardTables.q_indices, int32
+    full_q_turns: torch.Tensor  # like BackwardTables.full_q_indices (q_turns when the mask has no full blocks)
+
+
+def _compute_dq_turns(block_mask: BlockMask, bwd: BackwardTables) -> DqTurns:
+    q_len = block_mask.seq_lengths[0]
+    rows = -(-q_len // block_mask.BLOCK_SIZE[0])
+    has_full = bwd.full_q_indices is not bwd.q_indices
+    num, idx = bwd.q_num_blocks, bwd.q_indices
+    parts = [(num, idx)] + ([(bwd.full_q_num_blocks, bwd.full_q_indices)] if has_full else [])
+    length = sum(n for n, _ in parts)  # [Z, H, COLS]: entries in each key block's walk
+    cols = length.shape[-1]
+    device = idx.device
+    # The walk's first entry: a key block's rank among the earlier ones whose walks begin at the same
+    # query block (every key block of a document, or of a mask without mask_mod, begins at the same
+    # one). Walks that begin alike then start apart and meet each query block a step after another.
+    begins = torch.where(num > 0, idx[..., 0], bwd.full_q_indices[..., 0] if has_full else idx[..., 0])
+    begins = torch.where(length > 0, begins, -1 - torch.arange(cols, device=device))
+    earlier = torch.ones(cols, cols, dtype=torch.bool, device=device).tril(-1)
+    rank = ((begins.unsqueeze(-1) == begins.unsqueeze(-2)) & earlier).sum(-1)
+    walk_first = torch.where(length > 0, rank % length.clamp(min=1), 0)
+    # Each entry's step in its walk; the query block's additions go by (step, key block).
+    steps = []
+    offset = torch.zeros_like(length)
+    for n, ix in parts:
+        position = offset.unsqueeze(-1) + torch.arange(ix.shape[-1], device=device)
+        steps.append(torch.remainder(position - walk_first.unsqueeze(-1), length.clamp(min=1).unsqueeze(-1)))
+        offset = offset + n
+    key_block = torch.arange(cols, device=device).view(1, 1, cols, 1)
+    never = (rows + 1) * cols  # past every key of a listed entry
+    order = torch.full((*length.shape[:2], rows, cols), never, dtype=torch.long, device=device)
+    for (n, ix), step in zip(parts, steps):
+        used = torch.arange(ix.shape[-1], device=device) < n.unsqueeze(-1)
+        key = torch.where(used, step.long() * cols + key_block, never)
+        # order[z, h, m, c] = key of (c's entry for m); unused entries go to a spare row, then dropped.
+        target = torch.where(used, ix.long(), rows)
+        spare = torch.full((*length.shape[:2], rows + 1, cols), never, dtype=torch.long, device=device)
+        spare.scatter_(-2, target.transpose(-2, -1), key.transpose(-2, -1))
+        order = torch.minimum(order, spare[..., :rows, :])
+    # A listed entry's turn: how many listed entries of its query block have a smaller key.
+    turn_of = torch.argsort(torch.argsort(order, dim=-1), dim=-1).to(torch.int32)  # [Z, H, rows, cols]
+    by_key_block = turn_of.transpose(-2, -1)  # [Z, H, cols, rows]
+
+    def at_entries(n, ix):
+        used = torch.arange(ix.shape[-1], device=device) < n.unsqueeze(-1)
+        turns = torch.gather(by_key_block, -1, ix.long().clamp(0, rows - 1))
+        return torch.where(used, turns, 0).to(torch.int32).contiguous()
+
+    q_turns = at_entries(num, idx)
+    full_q_turns = at_entries(bwd.full_q_num_blocks, bwd.full_q_indices) if has_full else q_turns
+    return DqTurns(walk_first.to(torch.int32).contiguous(), q_turns, full_q_turns)
+
+
+DQ_TURNS = DerivedKey("turns of ordered dQ additions")
+
+
+def dq_turns(block_mask: BlockMask) -> DqTurns:
+    """The turns of a deterministic backward's dQ additions (DqTurns), computed once per table content
+    (inside a CUDA-graph capture, in the graph)."""
+    if capturing(block_mask.kv_num_blocks):
+        return _compute_dq_turns(block_mask, backward_tables(block_mask))
+    return block_mask.derived(DQ_TURNS, lambda mask: _compute_dq_turns(mask, backward_tables(mask)))
 
 
 # ------------------------------------------------------------------------------------ decode
