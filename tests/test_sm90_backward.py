@@ -273,7 +273,7 @@ def test_which_calls_add_dq_in_the_dkdv_kernel(monkeypatch):
     assert form(64, True) == form(128, True) == (True, True)
     assert form(64, True, alike=False) == form(128, True, alike=False) == (False, False)
     assert form(96, False) == form(256, True) == (False, False)
-    monkeypatch.setattr(sm90_backward, "_sm_count", lambda device: 4)
+    monkeypatch.setattr(sm90_backward, "sm_count", lambda device: 4)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     assert form(64, True, S=4 * 128) == (True, True)
     assert form(64, True, S=5 * 128) == (False, False)  # five programs a pair on four SMs: two kernels
@@ -311,6 +311,22 @@ def test_dq_turns_follow_the_walks(variant):
                     arrivals.setdefault(block, []).append(((position - first) % len(walk), c, turn))
             for block, seen in arrivals.items():
                 assert [turn for _, _, turn in sorted(seen)] == list(range(len(seen))), (variant, z, h, block)
+
+
+def test_dq_turns_follow_tables_changed_in_place():
+    # The turns are kept on the mask per table content ([Note] Derived data in masks/block_mask.py):
+    # the same mask object whose tables are overwritten with another mask's gets that mask's turns.
+    N = 1024
+    bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, 1, 2, N, N, device="cpu")
+    other = create_block_mask(causal, 1, 2, N, N, device="cpu")
+    before = dq_turns(bm)
+    assert before.walk_first.any()  # every walk begins at query block 0: they start apart
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        getattr(bm, name).copy_(getattr(other, name))
+    after, expected = dq_turns(bm), dq_turns(other)
+    for mine, theirs in zip(after, expected):
+        assert torch.equal(mine, theirs)
+    assert not after.walk_first.any()  # causal walks begin at their own diagonal blocks
 
 
 def test_a_plan_is_made_once_and_kept(monkeypatch):

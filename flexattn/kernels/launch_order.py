@@ -42,7 +42,7 @@ import math
 
 import torch
 
-__all__ = ["tail_pairs", "rows_alike", "PROGRAMS_PER_SM", "INTERPRETER_SMS"]
+__all__ = ["tail_pairs", "rows_alike", "sm_count", "PROGRAMS_PER_SM", "INTERPRETER_SMS"]
 
 PROGRAMS_PER_SM = 4  # the tail's programs per SM, at least (see the Note)
 INTERPRETER_SMS = 4  # what the rule assumes off the GPU, where programs run one by one and order costs nothing
@@ -62,6 +62,11 @@ def _cached_tail(blocks: int, pairs: int, device_type: str, device_index) -> int
     if device_type != "cuda":
         return _tail(blocks, pairs, INTERPRETER_SMS)
     return _tail(blocks, pairs, _sm_count(torch.cuda.current_device() if device_index is None else device_index))
+
+
+def sm_count(device: torch.device) -> int:
+    """The multiprocessors of CUDA ``device`` (its MIG slice's, under MIG), read once per device."""
+    return _sm_count(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def tail_pairs(grid: tuple, device: torch.device, rows_alike: bool) -> int:

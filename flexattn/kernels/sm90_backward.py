@@ -36,7 +36,7 @@ from .family import Plan, Step, cached_kernel
 from .backward import preprocess_delta, preprocess_launch
 from .launch import (RepeatedLaunch, descriptor_over, descriptor_template, empty_output, kv_strides, launch,
                      mod_launch_args, zeroed_output)
-from .launch_order import rows_alike, tail_pairs
+from .launch_order import rows_alike, sm_count, tail_pairs
 from .sm90 import BLOCK, CONSUMER_REGS, GluonFamily, Sm90Unavailable, resident_in_registers, shared_layout, tensor_view
 from .sm90 import problem_reason as forward_problem_reason
 from .tables import backward_tables, dq_turns, launch_tables
@@ -132,17 +132,8 @@ def dq_form(q: torch.Tensor, k: torch.Tensor, deterministic: bool, rows_alike: b
     if not deterministic:
         return True, False
     ordered = ORDERS_DQ == "always" or (ORDERS_DQ == "rows alike" and rows_alike)
-    ordered = ordered and (not q.is_cuda or k.shape[2] // BLOCK <= _sm_count(q.device))
+    ordered = ordered and (not q.is_cuda or k.shape[2] // BLOCK <= sm_count(q.device))
     return ordered, ordered
-
-
-def _sm_count(device: torch.device) -> int:
-    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 # [Note] The float32 dQ tile in shared memory. A consumer stores its 64 x 64 float32 tile from the
@@ -441,8 +432,8 @@ def _pack_dkdv(descriptors, lse, delta, bwd_tables, mods: list, fixed: dict, tur
     return SM90_BACKWARD_DKDV.pack(
         Q=d_q, K=d_k, V=d_v, DO=d_do, DK=d_dk, DV=d_dv, DQ_ACC=d_dq, LSE=lse, DELTA=delta,
         Q_NUM_BLKS=bwd_tables.q_num_blocks, Q_IDX=bwd_tables.q_indices, FULL_Q_NUM_BLKS=bwd_tables.full_q_num_blocks,
-        FULL_Q_IDX=bwd_tables.full_q_indices, Q_TURNS=q_turns, WALK_FIRST=walk_first, FULL_Q_TURNS=full_q_turns, DQ_ADDED=added, mods=mods,
-        **fixed,
+        FULL_Q_IDX=bwd_tables.full_q_indices, WALK_FIRST=walk_first, Q_TURNS=q_turns, FULL_Q_TURNS=full_q_turns,
+        DQ_ADDED=added, mods=mods, **fixed,
     )
 
 
