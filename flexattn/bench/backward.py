@@ -32,6 +32,7 @@ against a float32 dense oracle (``flexattn.reference``) on one (batch, head) sli
 error must stay within twice torch's (or ``--oracle-floor``): the flash-attention rule. Mismatches are
 printed loudly, recorded in the row's ``grad_check``, and make the exit status 1. Errors of any one
 implementation (cuDNN refusing a shape, running out of memory) are recorded in the row, never fatal.
+After the table comes a ``below target:`` line for each speed target a row misses (bench/targets.py).
 
 ``--smoke`` runs tiny sizes anywhere: on a CPU machine under TRITON_INTERPRET=1 flexattn runs its
 Triton kernels in the interpreter; torch's flex_attention has no CPU backward, so flexattn's blockwise
@@ -54,6 +55,7 @@ import torch
 
 import flexattn
 from flexattn.bench.common import block_density, compile_torch_flex, dense_mask_sdpa, git_commit, sdpa_fn
+from flexattn.bench.targets import BACKWARD, misses
 from flexattn.reference import reference_attention
 from flexattn.variants import CATALOGUE
 
@@ -241,7 +243,7 @@ def _run_case(name: str, B: int, H: int, L: int, D: int, dtype, device, options,
         pinned = lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,  # noqa: E731
                                                  kernel_options=portable)
         results["flexattn_portable"] = _measure("flexattn_portable", pinned, q, k, v, dout, row, bench, device)
-    if args.two_pass:  # the Gluon backward's deterministic form: a separate dQ kernel, no atomics
+    if args.two_pass:  # the deterministic backward (on Hopper: dQ added in a fixed order, or its own kernel)
         two_pass = {**options, "DETERMINISTIC": True}
         pinned = lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,  # noqa: E731
                                                  kernel_options=two_pass)
@@ -349,20 +351,6 @@ def _markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _below_targets(rows: list[dict]) -> list[str]:
-    """Issue 9's targets: backward >= 1.1x torch's compiled flex_attention everywhere, >= 0.8x cuDNN on noop and causal."""
-    misses = []
-    for r in rows:
-        case = f"{r['variant']} d={r['D']}"
-        speedup = r.get("bwd_speedup_vs_torch_flex")
-        if speedup is not None and speedup < 1.1:
-            misses.append(f"{case}: backward {speedup:.2f}x torch's compiled flex_attention (target 1.1x)")
-        cudnn = r.get("bwd_ratio_vs_cudnn")
-        if r["variant"] in ("noop", "causal") and cudnn is not None and cudnn < 0.8:
-            misses.append(f"{case}: backward {cudnn:.2f}x cuDNN (target 0.8x)")
-    return misses
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=None, help="default 64 128")
@@ -386,7 +374,7 @@ def main(argv=None) -> int:
     parser.add_argument("--portable", action="store_true",
                         help="also time flexattn pinned to its portable Triton kernels (BACKEND TRITON)")
     parser.add_argument("--two-pass", action="store_true",
-                        help="also time flexattn with DETERMINISTIC (on Hopper: the Gluon backward's separate dQ kernel)")
+                        help="also time flexattn with DETERMINISTIC (the deterministic backward; its JSON keys say two_pass)")
     parser.add_argument("--torch-flash", action="store_true",
                         help="also time torch's flex_attention with BACKEND FLASH (FlashAttention-4 wheels needed)")
     parser.add_argument("--smoke", action="store_true",
@@ -478,7 +466,7 @@ def run(args) -> int:
     mismatched = [f"{r['variant']} d={r['D']}" for r in rows if r["grad_check"] != "ok"]
     print(f"wall time {time.perf_counter() - started:.0f} s; torch.compile first calls (fwd + bwd) "
           f"{sum(r.get('torch_flex_first_fwd_s', 0) + r.get('torch_flex_first_bwd_s', 0) for r in rows):.0f} s")
-    for miss in _below_targets(rows):
+    for miss in misses(rows, BACKWARD):
         print(f"below target: {miss}")
     if mismatched:
         print(f"!!! GRADIENT CHECK FAILED on {len(mismatched)} of {len(rows)} cases: {', '.join(mismatched)}")
