@@ -37,8 +37,8 @@ class Target(NamedTuple):
         return value > self.bound if self.at_most else value < self.bound
 
 
-# Forward (bench/forward.py rows): at least torch's FLASH path and cuDNN where both compute the same
-# dense problem, and 1.35x torch's compiled Triton flex_attention on every case.
+# Forward (bench/forward.py rows): at least torch's FLASH path and cuDNN on the dense cases, and 1.35x
+# torch's compiled Triton flex_attention on every case.
 FORWARD = (
     Target("speedup_vs_torch_flex", 1.35, "torch's compiled flex_attention (Triton)"),
     Target("ratio_vs_torch_flash", 1.0, "torch's flex_attention, BACKEND FLASH", DENSE_CASES),
@@ -57,8 +57,8 @@ BACKWARD = (
 
 
 def misses(rows: list[dict], targets: tuple) -> list[str]:
-    """One line for each target a row misses, e.g. ``"causal d=128: 0.88x torch's flex_attention,
-    BACKEND FLASH (target 0.9x)"``."""
+    """One line for each target a row misses, e.g. ``"causal d=128: 0.880x torch's flex_attention,
+    BACKEND FLASH (target 0.90x)"``."""
     lines = []
     for row in rows:
         for target in targets:
@@ -85,9 +85,9 @@ def main(argv=None) -> int:
             result = json.load(f)
         rows, env = result.get("rows", []), result.get("env", {})
         where = ", ".join(f"{key} {env[key]}" for key in ("gpu", "device", "torch", "triton") if env.get(key))
-        phase = "backward" if targets_for(rows) is BACKWARD else "forward"
-        print(f"{path}: {phase}, {len(rows)} cases ({where})")
-        lines = misses(rows, targets_for(rows))
+        targets = targets_for(rows)
+        print(f"{path}: {'backward' if targets is BACKWARD else 'forward'}, {len(rows)} cases ({where})")
+        lines = misses(rows, targets)
         for line in lines:
             print(f"  below target: {line}")
         if not lines:
