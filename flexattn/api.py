@@ -14,7 +14,7 @@ from typing import Optional, Union
 import torch
 
 from .autograd import FlexAttentionFunction
-from .compile import described, flex_attention_op, read_by, register_call
+from .compile import described, flex_attention_op, probe, register_call
 from .dispatch import Call, choose_decode, pick_backend, prepare_backward, run_forward
 from .errors import InvalidInputError
 from .kernels.launch import FLOAT8_DTYPES
@@ -23,7 +23,7 @@ from .masks import (
     BlockMask, arity_mistake, as_block_mask, dense_block_mask, noop_mask, sliced_rows_mask_mod, torch_counterpart,
 )
 from .options import KNOWN_OPTIONS, AuxOutput, AuxRequest, FlexKernelOptions, normalize_kernel_options, why_ignored
-from .trace import TracedMod, trace_mod
+from .trace import TracedMod, detached, needs_grad, trace_mod
 
 __all__ = ["flex_attention"]
 
@@ -164,7 +164,7 @@ def _fixed_on_device(traced: Optional[TracedMod], values: list, device: torch.de
     if traced is None or device.type == "cpu" or all(c.walk_index is not None for c in traced.captured):
         return values
     fixed = traced.fixed_values_on(device)
-    return [v if f is None else f for f, v in zip(fixed, values)]
+    return [v if f is None else f for f, v in zip(fixed, values)] + list(values[len(fixed):])  # then the numbers
 
 
 def _check_captured_devices(traced: TracedMod, values: list, device: torch.device) -> None:
@@ -307,8 +307,8 @@ def flex_attention(
         mask, mask_captured = _traced(block_mask.mask_mod, "mask_mod", "flex_attention (block_mask.mask_mod)")
         _check_captured_devices(mask, mask_captured, query.device)
         # mask_mods are boolean: their captured tensors take no gradient.
-        if any(t.requires_grad for t in mask_captured):
-            mask_captured = [t.detach() for t in mask_captured]
+        if needs_grad(mask_captured):
+            mask_captured = detached(mask_captured)
     if score_mod is not None:
         score, score_captured = _traced(score_mod, "score_mod", "flex_attention")
         _check_captured_devices(score, score_captured, query.device)
@@ -317,7 +317,7 @@ def flex_attention(
     if _check_indices_requested(options):  # a debug mode (see FlexKernelOptions.CHECK_INDICES)
         for traced, captured in ((score, score_captured), (mask, mask_captured)):
             if traced is not None:
-                captured = _fixed_on_device(traced, [t.detach() for t in captured], query.device)
+                captured = _fixed_on_device(traced, detached(captured), query.device)
                 check_indices(traced, captured, B, Hq, L, S, query.device)
 
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
@@ -328,15 +328,14 @@ def flex_attention(
     mask_captured = _fixed_on_device(mask, mask_captured, query.device)
     need_lse = bool(return_lse or (return_aux is not None and return_aux.lse))
     need_max = bool(return_aux is not None and return_aux.max_scores)
-    needs_grad = torch.is_grad_enabled() and (
-        query.requires_grad or key.requires_grad or value.requires_grad
-        or any(t.requires_grad for t in score_captured)
+    wants_grad = torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad or needs_grad(score_captured)
     )
     if backend in ("TRITON", "TRITON_DECODE"):
-        backend = choose_decode(backend, options, query, block_mask, needs_grad, need_max)
+        backend = choose_decode(backend, options, query, block_mask, wants_grad, need_max)
     call = Call(backend, block_mask, scale, score, mask, mask_captured, options, wide)
-    _check_dtypes(query, key, value, needs_grad)
-    if needs_grad:
+    _check_dtypes(query, key, value, wants_grad)
+    if wants_grad:
         prepare_backward(call, query, key, value, score_captured)
         out, lse, mx = FlexAttentionFunction.apply(query, key, value, call, need_max, *score_captured)
     else:
@@ -354,9 +353,9 @@ def flex_attention(
 # in compile.py.
 
 
-def _registered_call(score_mod, mask_mod, kernel_options, device) -> tuple:
+def _registered_call(score_mod, mask_mod, kernel_options, device) -> str:
     """Run by Dynamo as plain Python on the real callables, once per compile of the call; its result
-    (the registry key and which probed tensors go to the op) is a constant of the graph.
+    (the registry key) is a constant of the graph.
     ``kernel_options``: the options' items (a tuple, see _compiled_call), or what the caller passed
     when it is not a dict (validation names it)."""
     if isinstance(kernel_options, tuple):
@@ -391,10 +390,12 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, return_lse, 
     # seen to read, and a call with one more option (or options after none) reused the graph.
     if isinstance(kernel_options, dict):
         kernel_options = tuple(kernel_options.items())
-    call_key, score_reads, mask_reads = _registered_call(described(score_mod), described(mask_mod), kernel_options,
-                                                         query.device)
-    score_captured = read_by(score_mod, "score_mod", score_reads, query.device)
-    mask_captured = [t.detach() for t in read_by(mask_mod, "mask_mod", mask_reads, query.device)]
+    call_key = _registered_call(described(score_mod), described(mask_mod), kernel_options, query.device)
+    # What the mods read, as Dynamo sees it: their tensors (graph values) and the numbers their torch
+    # calls take (constants, or symbolic values: [Note] Numbers under torch.compile in compile.py).
+    score_captured, score_numbers = probe(score_mod, "score_mod", query.device)
+    mask_captured, mask_numbers = probe(mask_mod, "mask_mod", query.device)
+    mask_captured = [t.detach() for t in mask_captured]
     for t in score_captured + mask_captured:
         if t.device != query.device:
             raise InvalidInputError(
@@ -404,14 +405,13 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, return_lse, 
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
     need_lse = bool(return_lse or (return_aux is not None and return_aux.lse))
     need_max = bool(return_aux is not None and return_aux.max_scores)
-    needs_grad = torch.is_grad_enabled() and (
-        query.requires_grad or key.requires_grad or value.requires_grad
-        or any(t.requires_grad for t in score_captured)
+    wants_grad = torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad or needs_grad(score_captured)
     )
-    _check_dtypes(query, key, value, needs_grad)
+    _check_dtypes(query, key, value, wants_grad)
     out, lse, mx = flex_attention_op(
-        query, key, value, *tables, score_captured, mask_captured, call_key, block_size, seq_lengths, scale,
-        needs_grad, need_max,
+        query, key, value, *tables, score_captured, mask_captured, score_numbers, mask_numbers, call_key, block_size,
+        seq_lengths, scale, wants_grad, need_max,
     )
     if return_lse:
         return out, lse

@@ -34,13 +34,16 @@ def _delay_double_backward_error(outputs: tuple) -> tuple:
 
 class FlexAttentionFunction(torch.autograd.Function):
     """Inputs: q, k, v, the call (a plain ``dispatch.Call``), need_max, then the score_mod's captured
-    tensors (so autograd routes their gradients). Outputs: out, lse, max_scores."""
+    values (so autograd routes their tensors' gradients; then the numbers it reads). Outputs: out,
+    lse, max_scores."""
 
     @staticmethod
     def forward(ctx, q, k, v, call, need_max, *score_captured):
         out, lse, mx = run_forward(call, q, k, v, list(score_captured), True, need_max)
         ctx.call = call
-        ctx.save_for_backward(q, k, v, out, lse, *score_captured)
+        tensors = [t for t in score_captured if isinstance(t, torch.Tensor)]
+        ctx.numbers = score_captured[len(tensors):]  # the tensors come first (trace.TracedMod.captured_values)
+        ctx.save_for_backward(q, k, v, out, lse, *tensors)
         if mx is not None:
             ctx.mark_non_differentiable(mx)
         return out, lse, mx
@@ -57,6 +60,7 @@ class FlexAttentionFunction(torch.autograd.Function):
 def _backward(ctx, grad_out, grad_lse):
     call: Call = ctx.call
     q, k, v, out, lse, *score_captured = ctx.saved_tensors
+    score_captured += ctx.numbers
     dq, dk, dv, d_captured = run_backward(call, q, k, v, out, lse, grad_out, grad_lse, score_captured)
     needs = ctx.needs_input_grad
     dq, dk, dv = (g if needs[i] else None for i, g in enumerate((dq, dk, dv)))

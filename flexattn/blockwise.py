@@ -434,7 +434,7 @@ def blockwise_backward(
     mask_captured = list(mask_captured)
     # Captured tensors that require grad are replaced by detached leaves: the local autograd.grad
     # calls then stop at them and never walk into the graph that produced them.
-    trainable = [i for i, c in enumerate(score_captured) if c.requires_grad]
+    trainable = [i for i, c in enumerate(score_captured) if isinstance(c, torch.Tensor) and c.requires_grad]
     captured_leaves = [c.detach().requires_grad_() if i in trainable else c for i, c in enumerate(score_captured)]
     captured_grads = [
         torch.zeros(c.shape, dtype=dtype, device=c.device) if i in trainable else None

@@ -46,14 +46,17 @@ docs/compile.md gives the setting that lets it pass.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
+import types
 import weakref
 from contextlib import ExitStack, nullcontext
 from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .dispatch import (
@@ -69,9 +72,9 @@ from .kernels.tables import (
 )
 from .lowering import index_bounds, index_dtype
 from .masks import FACTORY_ATTRIBUTE, BlockMask, dense_block_mask, version_of
-from .trace import TracedMod, trace_mod
+from .trace import TracedMod, TracedNumber, trace_mod, with_stand_ins, with_values
 
-__all__ = ["register_call", "collected_tensors", "read_by", "described", "flex_attention_op", "registered_call"]
+__all__ = ["register_call", "probe", "described", "flex_attention_op", "registered_call", "mod_inputs"]
 
 
 # ------------------------------------------------------------------------------------ probing a mod
@@ -79,65 +82,63 @@ __all__ = ["register_call", "collected_tensors", "read_by", "described", "flex_a
 # The probe's bookkeeping: Dynamo traces a TorchFunctionMode's __torch_function__ but not attributes
 # set on the mode, so the state of the probe running now lives here, one entry per probe.
 _PROBES: list = []
+_NUMBERS = (bool, int, float)  # under Dynamo, its symbolic ints and floats are these too
 
 
 class _NoteReads(TorchFunctionMode):
     """Notes, in order of first use, each tensor that reaches a torch function making a tensor and
-    that the probe did not make (an argument, or the result of an earlier call)."""
+    that the probe did not make (an argument, or the result of an earlier call); and, in order, every
+    number such a call takes (the mod's literals, and the numbers it reads: [Note] Numbers under
+    torch.compile)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        made, read = _PROBES[-1]
-        result = func(*args, **kwargs)
+        made, read, numbers, sizes = _PROBES[-1]
+        if sizes is not None:  # register_call's eager probe: sizes of what the mod reads as stand-ins
+            stand_ins = sizes(func, args)
+            if stand_ins is not None:
+                return stand_ins
+        flat, spec = tree_flatten((args, kwargs))
+        if any(isinstance(item, TracedNumber) for item in flat):  # register_call's eager probe
+            plain = [item.value if isinstance(item, TracedNumber) else item for item in flat]
+            result = func(*tree_unflatten(plain, spec)[0], **tree_unflatten(plain, spec)[1])
+        else:
+            result = func(*args, **kwargs)
         outputs = [item for item in tree_flatten(result)[0] if isinstance(item, torch.Tensor)]
         # Only calls that make tensors: Dynamo answers metadata (t.shape, t.dim()) itself, without
         # the mode, so noting those would order the reads differently in the two runs.
         if outputs:
-            for item in tree_flatten((args, kwargs))[0]:
-                if isinstance(item, torch.Tensor) and not any(item is t for t in made) \
-                        and not any(item is t for t in read):
-                    read.append(item)
+            for item in flat:
+                if isinstance(item, torch.Tensor):
+                    if not any(item is t for t in made) and not any(item is t for t in read):
+                        read.append(item)
+                elif isinstance(item, (TracedNumber, *_NUMBERS)):
+                    numbers.append(item)
         made.extend(outputs)
         return result
 
 
-def collected_tensors(fn: Callable, kind: str, device: torch.device) -> list:
-    """The tensors ``fn`` reads, in the order it first uses them, from one run on empty probes.
+def probe(fn: Optional[Callable], kind: str, device: torch.device, sizes=None) -> tuple[list, list]:
+    """``(tensors, numbers)``: the tensors ``fn`` reads, in the order it first uses them, and the
+    numbers its torch calls take, in order, from one run on empty probes.
 
-    Runs under Dynamo (which then guards what the mod reads and gives its tensors as graph values)
-    and eagerly in register_call (whose order matches: see [Note] flex_attention under torch.compile)."""
+    Runs under Dynamo (which then guards what the mod reads and gives its tensors and its symbolic
+    numbers as graph values) and eagerly in register_call (whose order matches: see [Note]
+    flex_attention under torch.compile), there with ``sizes`` (trace.with_stand_ins)."""
+    if fn is None:
+        return [], []
     index = torch.empty(0, dtype=torch.int32, device=device)
     args = [index, index.clone(), index.clone(), index.clone()]
     if kind == "score_mod":
         args = [torch.empty(0, dtype=torch.float32, device=device)] + args
-    made, read = list(args), []
-    _PROBES.append((made, read))
+    made, read, numbers = list(args), [], []
+    _PROBES.append((made, read, numbers, sizes))
     try:
         with torch.no_grad(), _NoteReads():
             fn(*args)
     finally:
         _PROBES.pop()
-    return read
-
-
-def read_by(fn: Optional[Callable], kind: str, reads: tuple, device: torch.device) -> list:
-    """The tensors to pass to the op for ``fn``, from the probe (traced by Dynamo); ``reads`` is what
-    register_call returned for it. The dtype and rank of each are checked against the tensor the
-    traced mod took there, so a probe that noted tensors in another order than the eager one fails
-    at compile time instead of passing the wrong tensor."""
-    if fn is None:
-        return []
-    noted = collected_tensors(fn, kind, device)
-    tensors = []
-    for position, dtype, dims in reads:
-        tensor = noted[position] if position < len(noted) else None
-        if tensor is None or tensor.dtype != dtype or tensor.dim() != dims:
-            raise RuntimeError(
-                f"flexattn: under torch.compile, {kind} '{getattr(fn, '__name__', kind)}' read its tensors in "
-                "another order than when it ran eagerly; please report this with the mod's code"
-            )
-        tensors.append(tensor)
-    return tensors
+    return read, numbers
 
 
 # ------------------------------------------------------------------------------------ mods made in the graph
@@ -145,29 +146,65 @@ def read_by(fn: Optional[Callable], kind: str, reads: tuple, device: torch.devic
 
 # Tags of the tuples described() makes (plain tuples: Dynamo passes them to a constant function as
 # they are, which it does not do for NamedTuples): a tensor by what tracing needs of it (and its
-# number, so that one tensor passed twice stays one), the same tensor again, and a mod made by a
-# mod_factory (masks/mods.py) as the call that made it.
-_STAND_IN = "flexattn: tensor (number, shape, dtype, device, requires_grad)"
+# number, so that one tensor passed twice stays one), the same tensor again, a mod made by a
+# mod_factory (masks/mods.py) as the call that made it, a bound method as its function and object,
+# and a functools.partial as its parts.
+_STAND_IN = "flexattn: tensor (number, dims, dtype, device, requires_grad)"
 _SAME = "flexattn: the tensor numbered"
 _REBUILD = "flexattn: a mod_factory call (factory, args, kwargs)"
+_METHOD = "flexattn: a bound method (function, id of the object, its type)"
+_PARTIAL = "flexattn: a functools.partial (function, args, keywords)"
+_FLOAT = "flexattn: a float (hex)"
+
+
+def _constant_number(x):
+    """A Python number as Dynamo can pass it to a constant function: a symbolic one is specialised
+    here (the range's length, the hex string are constants; Dynamo guards the value, so a new one
+    recompiles). Plain ``int(x)`` keeps a symbolic int symbolic."""
+    if isinstance(x, bool):
+        return True if x else False
+    if isinstance(x, int):
+        return len(range(x)) if x >= 0 else -len(range(-x))
+    return (_FLOAT, float(x).hex())
+
+
+def _object_of(oid: int, kind: type):
+    """The object whose id() Dynamo passed (``described``, a bound method's object). Only called
+    while Dynamo traces the call, where the traced frame holds the object: the id is live."""
+    obj = ctypes.cast(oid, ctypes.py_object).value
+    if type(obj) is not kind:  # pragma: no cover - the id is live, so this cannot happen
+        raise RuntimeError(f"flexattn: a bound method's object is no longer a {kind.__qualname__}")
+    return obj
 
 
 def described(x, seen: Optional[list] = None):
-    """A mod as register_call can take it under Dynamo: the mod itself, or, for a mod made by a
+    """A mod as register_call can take it under Dynamo: the mod itself; for a mod made by a
     mod_factory (which may close over tensors of the graph, with no object outside it), the call
-    that made it with its tensors by shape, dtype and device. Traced by Dynamo."""
+    that made it with its tensors by shape, dtype and device; for a bound method or a
+    functools.partial, its parts (Dynamo cannot pass those to a constant function whole). A Python
+    number among a factory's or a partial's arguments is made a constant here, which Dynamo guards:
+    a new value recompiles ([Note] Numbers under torch.compile). Traced by Dynamo."""
     seen = [] if seen is None else seen
     if isinstance(x, torch.Tensor):
         for number, tensor in enumerate(seen):
             if tensor is x:
                 return (_SAME, number)
         seen.append(x)
-        return (_STAND_IN, len(seen) - 1, tuple(x.shape), x.dtype, x.device, x.requires_grad)
+        # Its number of dims, not its shape: a symbolic size cannot pass to a constant function
+        # (and specialising it would recompile at every new length). The op traces the mod again
+        # for the shapes it is given (mod_inputs).
+        return (_STAND_IN, len(seen) - 1, x.dim(), x.dtype, x.device, x.requires_grad)
+    if isinstance(x, (bool, int, float)):
+        return _constant_number(x)
     if isinstance(x, (tuple, list)):
         items = [described(item, seen) for item in x]
         return tuple(items) if isinstance(x, tuple) else items
     if isinstance(x, dict):
         return {key: described(value, seen) for key, value in x.items()}
+    if isinstance(x, types.MethodType):  # Dynamo passes neither a bound method nor every object whole
+        return (_METHOD, x.__func__, id(x.__self__), type(x.__self__))
+    if isinstance(x, functools.partial):
+        return (_PARTIAL, described(x.func, seen), described(x.args, seen), described(x.keywords, seen))
     if callable(x):
         made = getattr(x, FACTORY_ATTRIBUTE, None)
         if made is not None:
@@ -178,17 +215,25 @@ def described(x, seen: Optional[list] = None):
 
 def _rebuilt(x, made: Optional[dict] = None):
     """The inverse of described, outside the graph: the same mod_factory calls, on zero tensors of
-    the same shapes (tracing reads only their shapes and dtypes; they cost no memory)."""
+    the same dtype and number of dims, each of size 1 (they cost no memory; the op traces the mod
+    again, reading its real tensors, at its first call: mod_inputs)."""
     made = {} if made is None else made
     if isinstance(x, tuple) and len(x) == 6 and x[0] == _STAND_IN:
-        _, number, shape, dtype, device, requires_grad = x
+        _, number, dims, dtype, device, requires_grad = x
         # requires_grad too: it decides which captured tensors the traced mod takes gradients for.
-        made[number] = torch.zeros((), dtype=dtype, device=device).expand(shape).detach().requires_grad_(requires_grad)
+        stand_in = torch.zeros((), dtype=dtype, device=device).expand((1,) * dims)
+        made[number] = stand_in.detach().requires_grad_(requires_grad)
         return made[number]
     if isinstance(x, tuple) and len(x) == 2 and x[0] == _SAME:
         return made[x[1]]
     if isinstance(x, tuple) and len(x) == 4 and x[0] == _REBUILD:
         return x[1](*_rebuilt(x[2], made), **_rebuilt(x[3], made))
+    if isinstance(x, tuple) and len(x) == 4 and x[0] == _METHOD:
+        return types.MethodType(x[1], _object_of(x[2], x[3]))
+    if isinstance(x, tuple) and len(x) == 2 and x[0] == _FLOAT:
+        return float.fromhex(x[1])
+    if isinstance(x, tuple) and len(x) == 4 and x[0] == _PARTIAL:
+        return functools.partial(_rebuilt(x[1], made), *_rebuilt(x[2], made), **_rebuilt(x[3], made))
     if isinstance(x, (tuple, list)):
         items = [_rebuilt(item, made) for item in x]
         return tuple(items) if isinstance(x, tuple) else items
@@ -199,12 +244,39 @@ def _rebuilt(x, made: Optional[dict] = None):
 
 # ------------------------------------------------------------------------------------ the registry
 
+# [Note] Numbers under torch.compile
+# A Python number a mod reads is an input of its traced graph (trace/numbers.py). Under Dynamo it
+# reaches the op as the probe notes it: every number the mod's torch calls take, in order, a
+# constant where Dynamo specialised it and a symbolic value where it did not (a closure int that
+# keeps changing), so a new value runs the graph compiled for the last one, with the new value, and
+# no stale constant. register_call runs the same probe eagerly with the mod's numbers replaced by
+# stand-ins, which says for each position what it holds (``ModLayout.numbers``): an input of the
+# graph, or a constant of the trace (a literal of the mod's code, or a number the trace used in
+# Python, which its graph depends on). The op body checks the constants against what the graph
+# passes at every call: a mismatch (Dynamo kept symbolic a value the trace baked in, such as
+# ``math.sqrt(n)``) traces the mod again for what it reads now, rather than run a stale graph.
+
+class ModLayout(NamedTuple):
+    """Where the op finds one mod's inputs among what the probe noted: ``tensors``, per captured
+    tensor the user's code holds, its position among the noted tensors and the dtype and number of
+    dims it must have; ``numbers``, per noted number, ``("input", i)`` for the graph's i-th number,
+    or ``("constant", value)``."""
+
+    tensors: tuple
+    numbers: tuple
+
+
+class RegisteredMod(NamedTuple):
+    traced: TracedMod
+    layout: ModLayout
+    fn: Callable  # the callable traced: traced again when the graph passes other constants
+
 
 class RegisteredCall(NamedTuple):
     """What a graph's call runs besides its tensors, under the key the graph holds."""
 
-    score: Optional[TracedMod]
-    mask: Optional[TracedMod]
+    score: Optional[RegisteredMod]
+    mask: Optional[RegisteredMod]
     options: dict
 
 
@@ -219,16 +291,17 @@ def _content_key(traced: Optional[TracedMod]) -> str:
     fixed = [None if c.fixed_value is None else (c.fixed_value.dtype, c.fixed_value.cpu().flatten().tolist())
              for c in traced.captured]
     spec = [(c.name, c.shape, c.dtype, c.requires_grad, c.walk_index) for c in traced.captured]
-    text = repr((traced.kind, traced.name, traced.signature_text(), spec, fixed))
+    numbers = [(n.name, n.kind.__name__, n.expr) for n in traced.numbers]
+    specialized = [(i, repr(v)) for i, _, v in traced.specialized]
+    text = repr((traced.kind, traced.name, traced.signature_text(), spec, fixed, numbers, specialized))
     return f"{traced.name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
-def _captured_order(fn: Callable, kind: str, traced: TracedMod, values: list, device: torch.device) -> tuple:
-    """For each captured input of ``traced`` that the user's code holds (not a constant the mod
-    builds): its position among the tensors the probe notes, and its dtype and number of dims, which
-    the graph checks (see read_by)."""
-    noted = collected_tensors(fn, kind, device)
-    order = []
+def _layout(fn: Callable, kind: str, traced: TracedMod, values: list, device: torch.device) -> ModLayout:
+    """Where the op will find ``traced``'s inputs among what the probe notes (see ModLayout)."""
+    with with_stand_ins(fn) as sizes:
+        noted, numbers = probe(fn, kind, device, sizes)
+    tensors = []
     for captured, value in zip(traced.captured, values):
         if captured.walk_index is None:
             continue
@@ -239,8 +312,18 @@ def _captured_order(fn: Callable, kind: str, traced: TracedMod, values: list, de
                 "torch.compile (it reaches no torch function when the mod runs); read captured tensors by indexing "
                 "them in the mod, e.g. bias[h]"
             )
-        order.append((position, value.dtype, value.dim()))
-    return tuple(order)
+        tensors.append((position, value.dtype, value.dim()))
+    inputs = {n.expr: i for i, n in enumerate(traced.numbers)}
+    layout = tuple(("input", inputs[x.expr]) if isinstance(x, TracedNumber) and x.expr in inputs
+                   else ("constant", x.value if isinstance(x, TracedNumber) else x) for x in numbers)
+    missing = set(range(len(traced.numbers))) - {i for what, i in layout if what == "input"}
+    if missing:
+        name = traced.numbers[min(missing)].name
+        raise InvalidInputError(
+            f"{kind} '{traced.name}' reads the number '{name}' in a way flexattn cannot follow under torch.compile "
+            "(it reaches no torch function when the mod runs on its own); please report this with the mod's code"
+        )
+    return ModLayout(tuple(tensors), layout)
 
 
 # [Note] Stale compiled graphs. Inductor and AOTAutograd keep compiled graphs on disk, keyed by the
@@ -249,31 +332,29 @@ def _captured_order(fn: Callable, kind: str, traced: TracedMod, values: list, de
 # the fake implementation's, so a changed layout fails there, e.g. when the output took the query's
 # layout). The call key is a constant of every graph that calls the op, so it carries this number:
 # bump it whenever what the ops' fake implementations return changes, and old entries stop matching.
-OP_CONTRACT = 2
+OP_CONTRACT = 3
+
+
+def _register_mod(fn: Optional[Callable], kind: str, device: torch.device) -> Optional[RegisteredMod]:
+    if fn is None:
+        return None
+    traced, values = trace_mod(fn, kind)
+    return RegisteredMod(traced, _layout(fn, kind, traced, values, device), fn)
 
 
 def register_call(score_mod: Optional[Callable], mask_mod: Optional[Callable], options: dict,
-                  device: torch.device) -> tuple:
-    """Trace the mods with flexattn's tracer and register them: ``(key, score order, mask order)``.
+                  device: torch.device) -> str:
+    """Trace the mods with flexattn's tracer and register them under a key made from their content.
     The mods come as ``described`` gives them.
 
     Called once per compile of a call site, on the real callables (see [Note] flex_attention under
-    torch.compile), never per call. The orders say which of the tensors the probe notes under Dynamo
-    go to the op, and in which order."""
-    parts, orders, traced_pair = [], [], []
-    for fn, kind in ((_rebuilt(score_mod), "score_mod"), (_rebuilt(mask_mod), "mask_mod")):
-        if fn is None:
-            traced_pair.append(None)
-            orders.append(())
-            parts.append("none")
-            continue
-        traced, values = trace_mod(fn, kind)
-        traced_pair.append(traced)
-        orders.append(_captured_order(fn, kind, traced, values, device))
-        parts.append(_content_key(traced))
+    torch.compile), never per call."""
+    score = _register_mod(_rebuilt(score_mod), "score_mod", device)
+    mask = _register_mod(_rebuilt(mask_mod), "mask_mod", device)
+    parts = [_content_key(m.traced if m else None) + repr(m.layout if m else None) for m in (score, mask)]
     key = "|".join([f"v{OP_CONTRACT}"] + parts + [repr(sorted(options.items()))])
-    _CALLS.setdefault(key, RegisteredCall(traced_pair[0], traced_pair[1], dict(options)))
-    return (key, orders[0], orders[1])
+    _CALLS.setdefault(key, RegisteredCall(score, mask, dict(options)))
+    return key
 
 
 def registered_call(key: str) -> RegisteredCall:
@@ -285,6 +366,104 @@ def registered_call(key: str) -> RegisteredCall:
             "loaded on its own"
         )
     return call
+
+
+# Traces of a registered mod made again for what a graph passes (see mod_inputs), per (mod, what
+# its trace depends on: the captured tensors' shapes, dtypes and requires_grad, the constants).
+_RETRACED: dict = {}
+_RETRACED_KEPT = 256
+
+
+def mod_inputs(registered: Optional[RegisteredMod], tensors, numbers, device: torch.device) -> tuple:
+    """``(traced mod, its layout, its captured values)`` for one call of the op: the user's tensors
+    the probe noted, the constants the mod builds itself (on ``device``), then its numbers.
+
+    A graph Dynamo compiled for one closure serves every closure of the same code (it guards the
+    code, and passes what the closure reads), so the traced mod is checked against what this call
+    passes: its tensors' shapes, dtypes and requires_grad, and the numbers the trace holds as
+    constants ([Note] Numbers under torch.compile). A mismatch traces the mod again, reading this
+    call's tensors and numbers (_retraced)."""
+    if registered is None:
+        return None, None, []
+    traced, layout = registered.traced, registered.layout
+    if not _holds(traced, layout, tensors, numbers):
+        traced, layout = _retraced(registered, tensors, numbers, device)
+    given = [tensors[position] for position, _, _ in layout.tensors]
+    values = _all_captured(traced, given, device)
+    by_input = {}
+    for (what, i), given_number in zip(layout.numbers, numbers):
+        if what == "input":
+            by_input.setdefault(i, given_number)
+    values.extend(by_input[i] for i in range(len(traced.numbers)))
+    return traced, layout, values
+
+
+def _holds(traced: TracedMod, layout: ModLayout, tensors, numbers) -> bool:
+    """The trace is right for what the op was given (see mod_inputs)."""
+    if len(numbers) != len(layout.numbers):
+        return False
+    for (what, value), given in zip(layout.numbers, numbers):
+        if what == "constant" and not _same_value(value, given):
+            return False
+    users = [c for c in traced.captured if c.walk_index is not None]
+    for c, (position, _, _) in zip(users, layout.tensors):
+        t = tensors[position] if position < len(tensors) else None
+        if t is None or t.dtype != c.dtype or tuple(t.shape) != c.shape or t.requires_grad != c.requires_grad:
+            return False
+    return True
+
+
+def _same_value(a, b) -> bool:
+    if type(a) is float or type(b) is float:
+        return float(a) == float(b) or (a != a and b != b)
+    return a == b
+
+
+def _retraced(registered: RegisteredMod, tensors, numbers, device: torch.device) -> tuple:
+    """The mod traced again reading this call's tensors and numbers: written, for the trace, where
+    the registered callable reads its own (trace.with_values): the tensors at the captured inputs'
+    places, each number the graph takes as a plain leaf at its leaf. A number the first trace used
+    in Python (a constant of its graph) that Dynamo passes as another value can only be checked:
+    when the trace still disagrees, the call raises rather than run a stale graph."""
+    traced, layout = registered.traced, registered.layout
+    kind = traced.kind
+    users = [c for c in traced.captured if c.walk_index is not None]
+    if len(tensors) < len(layout.tensors) or any(p >= len(tensors) for p, _, _ in layout.tensors):
+        raise RuntimeError(f"flexattn: under torch.compile, {kind} '{traced.name}' read its tensors in another order "
+                           "than when it ran eagerly; please report this with the mod's code")
+    key = (registered, tuple((t.shape, t.dtype, t.requires_grad) for t in tensors),
+           tuple((what, repr(given) if what == "constant" else type(given)) for (what, _), given
+                 in zip(layout.numbers, numbers)), device)
+    found = _RETRACED.get(key)
+    if found is not None:
+        return found
+    by_walk = {c.walk_index: tensors[position] for c, (position, _, _) in zip(users, layout.tensors)}
+    leaves = {}
+    for (what, i), given in zip(layout.numbers, numbers):
+        expr = traced.numbers[i].expr if what == "input" else None
+        if expr is not None and expr[0] == "leaf":
+            leaves[expr[1]] = given
+    try:
+        with with_values(registered.fn, by_walk, leaves):
+            new, values = trace_mod(registered.fn, kind)
+            new_layout = _layout(registered.fn, kind, new, values, device)
+    except ValueError as err:
+        raise InvalidInputError(f"{kind} '{traced.name}' under torch.compile: {err}") from err
+    if not _holds(new, new_layout, tensors, numbers):
+        constant = next(((value, given) for (what, value), given in zip(new_layout.numbers, numbers)
+                         if what == "constant" and not _same_value(value, given)), None)
+        what = (f"a number its graph holds as the constant {constant[0]!r} is {constant[1]!r} in this call"
+                if constant else "the tensors it reads changed in a way its trace cannot follow")
+        raise InvalidInputError(
+            f"{kind} '{traced.name}' under torch.compile: {what}. The mod uses a number it reads in Python "
+            "(an if, int(), math.sqrt(), a shape) that Dynamo keeps symbolic; compute that value outside the "
+            "mod, or make the number static for Dynamo (torch._dynamo.mark_static, or a global constant)"
+        )
+    found = (new, new_layout)
+    if len(_RETRACED) >= _RETRACED_KEPT:
+        _RETRACED.clear()
+    _RETRACED[key] = found
+    return found
 
 
 # ------------------------------------------------------------------------------------ the ops
@@ -467,20 +646,35 @@ def _keep_derived(mask: BlockMask, key, held: Callable) -> Optional[_Kept]:
     return kept
 
 
-def _call(key: str, query, key_t, tables, block_size, seq_lengths, mask_captured, scale, needs_grad, need_max,
+class _Mods(NamedTuple):
+    """One op call's mods: the traced mods and their captured values (mod_inputs)."""
+
+    options: dict
+    score: Optional[TracedMod]
+    score_layout: Optional[ModLayout]
+    score_values: list
+    mask: Optional[TracedMod]
+    mask_values: list
+
+
+def _mods(call_key: str, score_captured, score_numbers, mask_captured, mask_numbers, device) -> _Mods:
+    registered = registered_call(call_key)
+    score, score_layout, score_values = mod_inputs(registered.score, score_captured, score_numbers, device)
+    mask, _, mask_values = mod_inputs(registered.mask, mask_captured, mask_numbers, device)
+    return _Mods(registered.options, score, score_layout, score_values, mask, mask_values)
+
+
+def _call(mods: _Mods, query, key_t, tables, block_size, seq_lengths, scale, needs_grad, need_max,
           stats: Optional[RowStats] = None):
-    registered = registered_call(key)
-    options = registered.options
+    options = mods.options
     block_mask = _block_mask(query, key_t, tables, block_size, seq_lengths, query.shape[1] // key_t.shape[1], stats)
     backend = pick_backend(query, options)
     B, Hq, L, _ = query.shape
     S = key_t.shape[2]
-    wide = index_dtype(registered.score, registered.mask, bounds=index_bounds(B, Hq, L, S)) \
-        if backend == "PYTORCH" else torch.int32
+    wide = index_dtype(mods.score, mods.mask, bounds=index_bounds(B, Hq, L, S)) if backend == "PYTORCH" else torch.int32
     if backend in ("TRITON", "TRITON_DECODE"):
         backend = choose_decode(backend, options, query, block_mask, needs_grad, need_max)
-    mask_captured = _all_captured(registered.mask, list(mask_captured), query.device)
-    return Call(backend, block_mask, scale, registered.score, registered.mask, mask_captured, options, wide)
+    return Call(backend, block_mask, scale, mods.score, mods.mask, mods.mask_values, options, wide)
 
 
 # [Note] The ops' registration. The ops are defined with torch.library.Library and their bodies
@@ -492,38 +686,43 @@ _LIBRARY = torch.library.Library("flexattn", "DEF")
 _LIBRARY.define(
     "flex_attention(Tensor query, Tensor key, Tensor value, Tensor? kv_num_blocks, Tensor? kv_indices, "
     "Tensor? full_kv_num_blocks, Tensor? full_kv_indices, Tensor[] score_captured, Tensor[] mask_captured, "
-    "str call_key, SymInt[] block_size, SymInt[] seq_lengths, float scale, bool needs_grad, bool need_max) "
-    "-> (Tensor, Tensor, Tensor)")
+    "Scalar[] score_numbers, Scalar[] mask_numbers, str call_key, SymInt[] block_size, SymInt[] seq_lengths, "
+    "float scale, bool needs_grad, bool need_max) -> (Tensor, Tensor, Tensor)")
 _LIBRARY.define(
     "flex_attention_backward(Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, Tensor grad_out, "
     "Tensor? grad_lse, Tensor? kv_num_blocks, Tensor? kv_indices, Tensor? full_kv_num_blocks, "
-    "Tensor? full_kv_indices, Tensor[] score_captured, Tensor[] mask_captured, str call_key, SymInt[] block_size, "
-    "SymInt[] seq_lengths, float scale, bool[] captured_grads) -> (Tensor, Tensor, Tensor, Tensor[])")
+    "Tensor? full_kv_indices, Tensor[] score_captured, Tensor[] mask_captured, Scalar[] score_numbers, "
+    "Scalar[] mask_numbers, str call_key, SymInt[] block_size, SymInt[] seq_lengths, float scale, "
+    "bool[] captured_grads) -> (Tensor, Tensor, Tensor, Tensor[])")
 
 
 def _forward_body(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, score_captured,
-                  mask_captured, call_key, block_size, seq_lengths, scale, needs_grad, need_max):
+                  mask_captured, score_numbers, mask_numbers, call_key, block_size, seq_lengths, scale, needs_grad,
+                  need_max):
     """``(out, lse, max_scores)``; max_scores is empty unless asked for."""
     with _as_kernel():
         return _forward(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                        score_captured, mask_captured, call_key, block_size, seq_lengths, scale, needs_grad, need_max)
+                        score_captured, mask_captured, score_numbers, mask_numbers, call_key, block_size, seq_lengths,
+                        scale, needs_grad, need_max)
 
 
 def _forward(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, score_captured,
-             mask_captured, call_key, block_size, seq_lengths, scale, needs_grad, need_max):
+             mask_captured, score_numbers, mask_numbers, call_key, block_size, seq_lengths, scale, needs_grad,
+             need_max):
     tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    mods = _mods(call_key, score_captured, score_numbers, mask_captured, mask_numbers, query.device)
     problem = None
     if kv_num_blocks is not None:
-        problem = _warm_problem(query, key, value, tables, score_captured, mask_captured, call_key, block_size,
+        problem = _warm_problem(query, key, value, tables, score_captured, mask_captured, call_key, mods, block_size,
                                 seq_lengths, scale, needs_grad, need_max)
         warm = None if problem is None else _WARM.get(problem)
         outputs = None
         if warm is not None and warm.tables.holds(tables):
-            outputs = warm.run(query, key, value, tables, score_captured, mask_captured)
+            outputs = warm.run(query, key, value, tables, mods.score_values, mods.mask_values)
         if outputs is not None:
             return _forward_outputs(query, *outputs, need_max)
-    call = _call(call_key, query, key, tables, block_size, seq_lengths, mask_captured, scale, needs_grad, need_max)
-    score = _all_captured(call.score, list(score_captured), query.device)
+    call = _call(mods, query, key, tables, block_size, seq_lengths, scale, needs_grad, need_max)
+    score = mods.score_values
     if needs_grad:
         prepare_backward(call, query, key, value, score)
     out, lse, mx = run_forward(call, query, key, value, score, True, need_max)
@@ -579,14 +778,13 @@ class _WarmTables(NamedTuple):
     def holds(self, tables) -> bool:
         return _same_objects(self.refs, tables)
 
-    def arguments(self, tables, score_captured, mask_captured, device) -> tuple:
-        """``(launch tables, the score_mod's captured tensors, the mask_mod's)`` of a warm launch:
+    def arguments(self, tables, score_values, mask_values) -> tuple:
+        """``(launch tables, the score_mod's captured values, the mask_mod's)`` of a warm launch:
         the op's tables as the launch reads them, with what the first call found for them."""
         nb, idx, fnb, fidx = tables
         full = self.has_full
         launch = LaunchTables(nb, idx, fnb if full else nb, fidx if full else idx, full, self.stats, self.plan_key)
-        return (launch, _all_captured(self.score, list(score_captured), device),
-                _all_captured(self.mask, list(mask_captured), device))
+        return launch, score_values, mask_values
 
 
 def _warm_tables(call: Call, tables) -> Optional[_WarmTables]:
@@ -611,10 +809,10 @@ class _WarmForward(NamedTuple):
     relaunch: Callable
     walks_of: Optional[weakref.ref]  # a launch of program walks: the _Kept that holds the tables' walks
 
-    def run(self, query, key, value, tables, score_captured, mask_captured):
+    def run(self, query, key, value, tables, score_values, mask_values):
         """``(out, lse, max or None)``, or None when the walks kept for the tables are gone (the long
         way then)."""
-        arguments = self.tables.arguments(tables, score_captured, mask_captured, query.device)
+        arguments = self.tables.arguments(tables, score_values, mask_values)
         if self.walks_of is None:
             return self.relaunch(query, key, value, *arguments)
         kept = self.walks_of()
@@ -623,11 +821,13 @@ class _WarmForward(NamedTuple):
         return self.relaunch(query, key, value, *arguments, walks=kept.walks)
 
 
-def _warm_problem(query, key, value, tables, score_captured, mask_captured, call_key, block_size, seq_lengths,
-                  scale, needs_grad, need_max) -> Optional[tuple]:
-    """The key of [Note] Warm calls of the forward op; None for tables without a version counter."""
-    return _warm_key([call_key, tuple(block_size), tuple(seq_lengths), scale, needs_grad, need_max],
-                     (query, key, value, *score_captured, *mask_captured), tables)
+def _warm_problem(query, key, value, tables, score_captured, mask_captured, call_key: str, mods: _Mods, block_size,
+                  seq_lengths, scale, needs_grad, need_max) -> Optional[tuple]:
+    """The key of [Note] Warm calls of the forward op; None for tables without a version counter. The
+    traced mods as well as the call key: the constants among the numbers chose them (mod_inputs);
+    the numbers' values are read at launch ([Note] Numbers under torch.compile)."""
+    return _warm_key([call_key, mods.score, mods.mask, tuple(block_size), tuple(seq_lengths), scale, needs_grad,
+                      need_max], (query, key, value, *score_captured, *mask_captured), tables)
 
 
 def _warm_key(parts: list, tensors: tuple, tables: tuple, grad_flags: bool = True) -> Optional[tuple]:
@@ -668,9 +868,10 @@ flex_attention_op = torch.ops.flexattn.flex_attention
 
 @torch.library.register_fake("flexattn::flex_attention", lib=_LIBRARY)
 def _(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, score_captured,
-      mask_captured, call_key, block_size, seq_lengths, scale, needs_grad, need_max):
+      mask_captured, score_numbers, mask_numbers, call_key, block_size, seq_lengths, scale, needs_grad, need_max):
     _compile_ahead_while_tracing(query, key, value, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices),
-                                 score_captured, mask_captured, call_key, block_size, seq_lengths, scale, needs_grad)
+                                 score_captured, mask_captured, score_numbers, mask_numbers, call_key, block_size,
+                                 seq_lengths, scale, needs_grad)
     B, Hq, L, _ = query.shape
     shape, dims = output_layout(query, value.shape[3])  # the layout the kernels write, strides and all
     out = query.new_empty(shape).permute(dims)
@@ -692,12 +893,14 @@ def _(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_
 _TRACED_AHEAD: set = set()
 
 
-def _compile_ahead_while_tracing(query, key, value, tables, score_captured, mask_captured, call_key, block_size,
-                                 seq_lengths, scale, needs_grad) -> None:
+def _compile_ahead_while_tracing(query, key, value, tables, score_captured, mask_captured, score_numbers,
+                                 mask_numbers, call_key, block_size, seq_lengths, scale, needs_grad) -> None:
     if query.device.type != "cuda" or not ahead.enabled():
         return
     given = [query, key, value, *[t for t in tables if t is not None], *score_captured, *mask_captured]
     if not all(isinstance(s, int) for t in given for s in (*t.shape, *t.stride())):  # dynamic shapes
+        return
+    if not all(type(n) in (bool, int, float) for n in (*score_numbers, *mask_numbers)):  # symbolic numbers
         return
     problem = (call_key, tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad) for t in given),
                tuple(t is None for t in tables), tuple(block_size), tuple(seq_lengths), scale > 0, needs_grad,
@@ -718,59 +921,63 @@ def _compile_ahead_while_tracing(query, key, value, tables, score_captured, mask
             q, k, v = like(query), like(key), like(value)
             stand_in = [zeros(t) for t in tables]
             stats = None if tables[1] is None else RowStats(float(tables[1].shape[-1]), False, False)
-            call = _call(call_key, q, k, stand_in, block_size, seq_lengths,
-                         [zeros(t) for t in mask_captured], scale, needs_grad, False, stats)
-            score = _all_captured(call.score, [zeros(t).requires_grad_(t.requires_grad) for t in score_captured],
-                                  q.device)
-            compile_ahead(call, q, k, v, score, forward=True, backward=needs_grad)
+            mods = _mods(call_key, [zeros(t).requires_grad_(t.requires_grad) for t in score_captured], score_numbers,
+                         [zeros(t) for t in mask_captured], mask_numbers, q.device)
+            call = _call(mods, q, k, stand_in, block_size, seq_lengths, scale, needs_grad, False, stats)
+            compile_ahead(call, q, k, v, mods.score_values, forward=True, backward=needs_grad)
     except Exception:  # noqa: BLE001 - only the head start is lost (an out-of-memory GPU, a mod's probe)
         return
 
 
 def _backward_body(query, key, value, out, lse, grad_out, grad_lse, kv_num_blocks, kv_indices, full_kv_num_blocks,
-                   full_kv_indices, score_captured, mask_captured, call_key, block_size, seq_lengths, scale,
-                   captured_grads):
+                   full_kv_indices, score_captured, mask_captured, score_numbers, mask_numbers, call_key, block_size,
+                   seq_lengths, scale, captured_grads):
     """``(dq, dk, dv, [gradient of each score_mod tensor marked in captured_grads])``."""
     with _as_kernel():
         return _backward_impl(query, key, value, out, lse, grad_out, grad_lse, kv_num_blocks, kv_indices,
-                              full_kv_num_blocks, full_kv_indices, score_captured, mask_captured, call_key,
-                              block_size, seq_lengths, scale, captured_grads)
+                              full_kv_num_blocks, full_kv_indices, score_captured, mask_captured, score_numbers,
+                              mask_numbers, call_key, block_size, seq_lengths, scale, captured_grads)
 
 
 def _backward_impl(query, key, value, out, lse, grad_out, grad_lse, kv_num_blocks, kv_indices, full_kv_num_blocks,
-                   full_kv_indices, score_captured, mask_captured, call_key, block_size, seq_lengths, scale,
-                   captured_grads):
+                   full_kv_indices, score_captured, mask_captured, score_numbers, mask_numbers, call_key, block_size,
+                   seq_lengths, scale, captured_grads):
     tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    # Saved tensors come back without requires_grad; the PyTorch backend reads it to know which
+    # gradients to compute.
+    score_captured = [t.detach().requires_grad_(wanted) for t, wanted in zip(score_captured, captured_grads)]
+    mods = _mods(call_key, score_captured, score_numbers, mask_captured, mask_numbers, query.device)
     problem = None
     if kv_num_blocks is not None and not any(captured_grads):
-        problem = _warm_key([call_key, tuple(block_size), tuple(seq_lengths), scale, "backward"],
+        problem = _warm_key([call_key, mods.score, mods.mask, tuple(block_size), tuple(seq_lengths), scale, "backward"],
                             (query, key, value, out, lse, grad_out, grad_lse, *score_captured, *mask_captured), tables,
                             grad_flags=False)  # the first backward of a compiled graph may see other flags
         warm = None if problem is None else _WARM_BACKWARD.get(problem)
         grads = None
         if warm is not None and warm.tables.holds(tables):
-            grads = warm.run(query, key, value, out, lse, grad_out, grad_lse, tables, score_captured, mask_captured)
+            grads = warm.run(query, key, value, out, lse, grad_out, grad_lse, tables, mods.score_values,
+                             mods.mask_values)
         if grads is not None:
             dq, dk, dv = grads
             return dq.to(query.dtype).contiguous(), dk.to(key.dtype).contiguous(), dv.to(value.dtype).contiguous(), []
-    call = _call(call_key, query, key, tables, block_size, seq_lengths, mask_captured, scale, True, False)
-    # Saved tensors come back without requires_grad; the PyTorch backend reads it to know which
-    # gradients to compute.
-    score_captured = [t.detach().requires_grad_(wanted) for t, wanted in zip(score_captured, captured_grads)]
-    score = _all_captured(call.score, score_captured, query.device)
-    dq, dk, dv, d_all = run_backward(call, query, key, value, out, lse, grad_out, grad_lse, score)
+    call = _call(mods, query, key, tables, block_size, seq_lengths, scale, True, False)
+    dq, dk, dv, d_all = run_backward(call, query, key, value, out, lse, grad_out, grad_lse, mods.score_values)
     if kv_num_blocks is not None:
         _keep_backward_tables(call.block_mask)
         if problem is not None:
             _remember_warm_backward(problem, call, query, key, value, out, grad_out, grad_lse, tables)
-    # The gradients of the user's tensors only (a mod's own constants take none), in the op's order.
-    given = [(c, g) for c, g in zip(call.score.captured if call.score else (), d_all) if c.walk_index is not None]
-    for (captured, _), wanted in zip(given, captured_grads):
-        if wanted and not captured.requires_grad:  # the traced mod would drop this gradient
-            raise RuntimeError(f"flexattn: score_mod '{call.score.name}' was traced with '{captured.name}' not "
-                               "requiring grad, but the compiled graph passes it requiring grad")
-    d_given = [g for _, g in given]
-    d_captured = [_gradient_like(g, t) for g, t, wanted in zip(d_given, score_captured, captured_grads) if wanted]
+    # The gradients of the noted tensors the op was asked for, in the op's order: each from the
+    # captured input it is (ModLayout.tensors), zero where the mod does not read it.
+    traced = call.score
+    d_noted: list = [None] * len(score_captured)
+    if traced is not None:
+        users = [(c, g) for c, g in zip(traced.captured, d_all) if c.walk_index is not None]
+        for (captured, grad), (position, _, _) in zip(users, mods.score_layout.tensors):
+            if captured_grads[position] and not captured.requires_grad:  # the traced mod would drop it
+                raise RuntimeError(f"flexattn: score_mod '{traced.name}' was traced with '{captured.name}' not "
+                                   "requiring grad, but the compiled graph passes it requiring grad")
+            d_noted[position] = grad
+    d_captured = [_gradient_like(g, t) for g, t, wanted in zip(d_noted, score_captured, captured_grads) if wanted]
     return dq.to(query.dtype).contiguous(), dk.to(key.dtype).contiguous(), dv.to(value.dtype).contiguous(), d_captured
 
 
@@ -796,12 +1003,12 @@ class _WarmBackward(NamedTuple):
     kept: weakref.ref  # the _Kept whose transposed tables the first call walked
     relaunch: Callable
 
-    def run(self, query, key, value, out, lse, grad_out, grad_lse, tables, score_captured, mask_captured):
+    def run(self, query, key, value, out, lse, grad_out, grad_lse, tables, score_values, mask_values):
         """``(dq, dk, dv)``, or None when the kept transposed tables are gone (the long way then)."""
         kept = self.kept()
         if kept is None or kept.backward is None or _KEPT.get(tables[0]) is not kept:
             return None
-        launch, score, mask = self.tables.arguments(tables, score_captured, mask_captured, query.device)
+        launch, score, mask = self.tables.arguments(tables, score_values, mask_values)
         return self.relaunch(query, key, value, out, lse, grad_out, grad_lse, launch, kept.backward, score, mask)
 
 
@@ -828,18 +1035,19 @@ flex_attention_backward_op = torch.ops.flexattn.flex_attention_backward
 
 @torch.library.register_fake("flexattn::flex_attention_backward", lib=_LIBRARY)
 def _(query, key, value, out, lse, grad_out, grad_lse, kv_num_blocks, kv_indices, full_kv_num_blocks,
-      full_kv_indices, score_captured, mask_captured, call_key, block_size, seq_lengths, scale, captured_grads):
+      full_kv_indices, score_captured, mask_captured, score_numbers, mask_numbers, call_key, block_size, seq_lengths,
+      scale, captured_grads):
     d_captured = [t.new_empty(t.shape) for t, wanted in zip(score_captured, captured_grads) if wanted]
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), d_captured
 
 
 def _setup_context(ctx, inputs, output):
-    (query, key, value, nb, idx, fnb, fidx, score_captured, mask_captured, call_key, block_size, seq_lengths,
-     scale, needs_grad, need_max) = inputs
+    (query, key, value, nb, idx, fnb, fidx, score_captured, mask_captured, score_numbers, mask_numbers, call_key,
+     block_size, seq_lengths, scale, needs_grad, need_max) = inputs
     out, lse, _ = output
     ctx.save_for_backward(query, key, value, out, lse, nb, idx, fnb, fidx, *score_captured, *mask_captured)
     ctx.counts = (len(score_captured), len(mask_captured))
-    ctx.static = (call_key, block_size, seq_lengths, scale)
+    ctx.static = (score_numbers, mask_numbers, call_key, block_size, seq_lengths, scale)
     ctx.captured_grads = [t.requires_grad for t in score_captured]
     ctx.mark_non_differentiable(output[2])
 
@@ -848,13 +1056,15 @@ def _backward(ctx, grad_out, grad_lse, grad_max):
     query, key, value, out, lse, nb, idx, fnb, fidx, *captured = ctx.saved_tensors
     n_score, n_mask = ctx.counts
     score_captured, mask_captured = captured[:n_score], captured[n_score:]
-    call_key, block_size, seq_lengths, scale = ctx.static
+    score_numbers, mask_numbers, call_key, block_size, seq_lengths, scale = ctx.static
     dq, dk, dv, d_given = flex_attention_backward_op(
         query, key, value, out, lse, grad_out, grad_lse, nb, idx, fnb, fidx, score_captured, mask_captured,
-        call_key, block_size, seq_lengths, scale, ctx.captured_grads)
+        score_numbers, mask_numbers, call_key, block_size, seq_lengths, scale, ctx.captured_grads)
     d_given = iter(d_given)
     d_captured = [next(d_given) if wanted else None for wanted in ctx.captured_grads]
-    return (dq, dk, dv, None, None, None, None, d_captured, [None] * n_mask, None, None, None, None, None, None)
+    # A list of numbers takes None (its structure to autograd: a leaf), an empty one the empty list.
+    no_grad = [None if numbers else [] for numbers in (score_numbers, mask_numbers)]
+    return (dq, dk, dv, None, None, None, None, d_captured, [None] * n_mask, *no_grad, None, None, None, None, None, None)
 
 
 # [Note] The forward op's autograd kernel. A compiled graph calls the op with gradients off (the

@@ -373,7 +373,7 @@ def compile_ahead(call: Call, q, k, v, score_captured, *, forward: bool, backwar
            k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
            tuple(mask.kv_num_blocks.shape), mask.full_kv_num_blocks is not None, tuple(mask.BLOCK_SIZE),
            tuple(mask.seq_lengths), call.scale > 0,
-           tuple((t.shape, t.dtype, t.requires_grad) for t in score_captured))
+           tuple((t.shape, t.dtype, t.requires_grad) if isinstance(t, torch.Tensor) else type(t) for t in score_captured))
     if key in _AHEAD_DONE or torch.cuda.is_current_stream_capturing() or not ahead.enabled():
         return
     _AHEAD_DONE[key] = True

@@ -427,12 +427,12 @@ def test_the_fake_outputs_are_the_real_ones():
     q, k, v = qkv(Hkv=1)
     v = torch.randn(B, 1, L, 24)
     bm = create_block_mask(causal, 1, 1, L, L, device="cpu", BLOCK_SIZE=64)
-    key, _, _ = _registered_call(biased, causal, None, q.device)
+    key = _registered_call(biased, causal, None, q.device)
     tables = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
-    args = (q, k, v, *tables, [bias], [], key, [64, 64], [L, L], 0.25, True, True)
+    args = (q, k, v, *tables, [bias], [], [], [], key, [64, 64], [L, L], 0.25, True, True)
     real = flex_attention_op(*args)
-    bwd_args = (q, k, v, real[0], real[1], torch.randn_like(real[0]), None, *tables, [bias], [], key, [64, 64],
-                [L, L], 0.25, [True])
+    bwd_args = (q, k, v, real[0], real[1], torch.randn_like(real[0]), None, *tables, [bias], [], [], [], key,
+                [64, 64], [L, L], 0.25, [True])
     real_bwd = flex_attention_backward_op(*bwd_args)
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake = torch.ops.flexattn.flex_attention(*args)
@@ -635,9 +635,9 @@ def test_the_op_calls_its_body_directly_only_without_gradients_modes_or_subclass
 
     q, k, v = (t.detach() for t in qkv())
     bm = create_block_mask(causal, 1, 1, L, L, device="cpu", BLOCK_SIZE=64)
-    key, _, _ = _registered_call(None, causal, None, q.device)
+    key = _registered_call(None, causal, None, q.device)
     tables = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
-    args = [q, k, v, *tables, [], [], key, [64, 64], [L, L], 0.25, True, False]
+    args = [q, k, v, *tables, [], [], [], [], key, [64, 64], [L, L], 0.25, True, False]
     direct = []
     body = compile_module._forward_body
     monkeypatch.setattr(compile_module, "_forward_body", lambda *a: direct.append(1) or body(*a))
@@ -880,7 +880,7 @@ def test_every_kernel_option_is_guarded_so_other_options_recompile(monkeypatch):
 
     seen = []
     real_call = compiled_module._call
-    monkeypatch.setattr(compiled_module, "_call", lambda key, *a, **kw: seen.append(key) or real_call(key, *a, **kw))
+    monkeypatch.setattr(compiled_module, "_call", lambda mods, *a, **kw: seen.append(mods) or real_call(mods, *a, **kw))
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     q, k, v = qkv(L=128, S=128)
     bm = create_block_mask(causal, 1, 1, 128, 128, device="cpu", BLOCK_SIZE=64)
@@ -890,7 +890,7 @@ def test_every_kernel_option_is_guarded_so_other_options_recompile(monkeypatch):
             return flex_attention(q, k, v, block_mask=bm, kernel_options=options)
 
         torch.compile(attend, backend=counter, fullgraph=True)(q, k, v)
-        assert compiled_module.registered_call(seen[-1]).options == options
+        assert seen[-1].options == options
     assert counter.frame_count == 3  # the last options are the second's: that graph again
 
 
@@ -979,7 +979,7 @@ def test_program_walks_are_kept_per_table_and_follow_changes_in_place(monkeypatc
         return compiled_module._block_mask(q, q, tables, bm.BLOCK_SIZE, bm.seq_lengths, 1)
 
     class Arguments:  # the warm entry's tables part, reduced to what run() asks of it
-        def arguments(self, tables, score_captured, mask_captured, device):
+        def arguments(self, tables, score_values, mask_values):
             return ()
 
     first = op_mask()

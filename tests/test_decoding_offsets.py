@@ -162,8 +162,8 @@ def test_decode_loop_one_trace_and_exact_rows(backend, q_len):
         expected = full_sequence_rows(q_full, k, v, positions, alibi, causal, lengths)
         assert rel_err(out, expected) < 1e-5, step
         if traces is None:
-            traces = flexattn.trace.trace_count
-        assert flexattn.trace.trace_count == traces, "a new position must not retrace the mods"
+            traces = flexattn.trace.counts.traces
+        assert flexattn.trace.counts.traces == traces, "a new position must not retrace the mods"
         pos += 1
         lengths += 1
 

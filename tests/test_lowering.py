@@ -112,7 +112,7 @@ def run_kernel(fn, kind, score, *, b, h, q_start, kv_start, bounds=None, **lower
     kernel = compile_kernel(render(lowered, mask))
     M, N = score.shape
     out = torch.empty(M, N, dtype=torch.int8 if mask else torch.float32)
-    extra = [x for t in captured for x in (t, *t.stride())]
+    extra = [x for t in captured for x in ((t, *t.stride()) if isinstance(t, torch.Tensor) else (t,))]
     kernel[(1,)](out, score, b, h, q_start, kv_start, *extra, BLOCK_M=M, BLOCK_N=N)
     return out.bool() if mask else out
 
@@ -263,14 +263,21 @@ def test_golden_python_floor_division_and_remainder():
 
 
 def test_golden_sliding_window_parenthesises_comparisons():
+    # The window is a number the mod reads: the kernel's argument sm_window (trace/numbers.py).
     lowered = lowered_of(CATALOGUE["sliding_window"].build(1, 1, 64, 64, "cpu")[1], "mask_mod")
-    assert lowered.result == "(q_idx >= 0) & (q_idx >= kv_idx) & (q_idx - kv_idx <= 16)"
+    assert lowered.result == "(q_idx >= 0) & (q_idx >= kv_idx) & (q_idx - kv_idx <= sm_window)"
+    assert lowered.number_params == ("sm_window",) and lowered.kernel_params == ("sm_window",)
 
 
 def test_golden_tanh_precise_and_approx():
     softcap = CATALOGUE["softcap"].build(1, 1, 16, 16, "cpu")[0]
-    assert lowered_of(softcap).result == "precise_tanh(qk / 20.0) * 20.0"
-    assert lowered_of(softcap, tanh_approx=True).result == "tanh_approx(qk / 20.0) * 20.0"
+    assert lowered_of(softcap).result == "precise_tanh(qk / sm_cap) * sm_cap"
+    assert lowered_of(softcap, tanh_approx=True).result == "tanh_approx(qk / sm_cap) * sm_cap"
+
+
+def test_golden_literals_stay_constants():
+    # A number written in the mod's code cannot change without new code: a constant of the kernel.
+    assert lowered_of(lambda s, b, h, q, kv: torch.tanh(s / 20.0) * 20.0).result == "precise_tanh(qk / 20.0) * 20.0"
 
 
 def test_golden_names_follow_inputs_and_prefix():

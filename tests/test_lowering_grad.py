@@ -90,7 +90,7 @@ def run_lowered(build, tensors, *, b, h, q_start, kv_start, qk, grad, keep, q_ax
     M, N = qk.shape
     dscore = torch.full((M, N), float("nan"))
     buffers = {i: torch.zeros(captured[i].shape, dtype=torch.float32) for i in lowered.trainable}
-    extra = [x for t in captured for x in (t, *t.stride())] + [buffers[i] for i in lowered.trainable]
+    extra = [x for t in captured for x in ((t, *t.stride()) if isinstance(t, torch.Tensor) else (t,))] + [buffers[i] for i in lowered.trainable]
     kernel[(1,)](dscore, qk, grad, keep.to(torch.int8), b, h, q_start, kv_start, *extra,
                  BLOCK_M=M, BLOCK_N=N, Q_AXIS=q_axis, DETERMINISTIC=deterministic)  # fmt: skip
     # Named as in ``tensors`` (the traced names say where the tensor was found: "t_slopes").

@@ -20,7 +20,14 @@ L128K = 131072
 
 
 def linear_index_mask(b, h, q_idx, kv_idx):
-    # Issue 8, item 3: a linearised (query, key) index, which leaves int32 at 128k tokens.
+    # Issue 8, item 3: a linearised (query, key) index, which leaves int32 at 128k tokens. The row
+    # length is written in the code: a literal, whose value the lowering knows.
+    return ((q_idx * 131072 + kv_idx) % 3 == 0) | (q_idx == kv_idx)
+
+
+def linear_index_by_number(b, h, q_idx, kv_idx):
+    # The same with the row length read from a global: a number the kernels take at run time,
+    # with any value up to NUMBER_INT_LIMIT, so the product is int64 at every length.
     return ((q_idx * L128K + kv_idx) % 3 == 0) | (q_idx == kv_idx)
 
 
@@ -120,6 +127,21 @@ def test_linearised_index_is_int64_at_128k_and_int32_below():
     # 16384 * 131072 = 2**31: the last length at which every value still fits is 16384
     assert not needs_wide_indices(t, IndexBounds(1, 1, 16384, 16384))
     assert needs_wide_indices(t, IndexBounds(1, 1, 16385, 16384))
+
+
+def test_index_times_a_number_is_int64_at_any_length():
+    # trace/numbers.py: the row length read from a global is a kernel argument whose value the
+    # lowering does not know (any int up to NUMBER_INT_LIMIT = 2**24), so the product is exact:
+    # int64 from the length where 2**24 rows could leave int32 on, whatever the value; one kernel
+    # serves every row length.
+    t = traced(linear_index_by_number)
+    assert [n.name for n in t.numbers] == ["L128K"]
+    narrow = lower(t, variant=lowering_variant(t, IndexBounds(1, 1, 64, 64)))
+    assert narrow.result == "(py_remainder(kv_idx + q_idx * sm_L128K, 3) == 0) | (q_idx == kv_idx)"
+    for length in (4096, L128K):
+        lowered = lower(t, variant=lowering_variant(t, IndexBounds(1, 1, length, length)))
+        assert lowered.result == "(py_remainder(q_idx.to(tl.int64) * sm_L128K + kv_idx, 3) == 0) | (q_idx == kv_idx)"
+    check(linear_index_by_number, "mask_mod", kv_start=3)
 
 
 def test_overflowing_index_arithmetic_is_exact():

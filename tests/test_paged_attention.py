@@ -143,8 +143,8 @@ def test_paged_decode_loop_one_trace(backend):
         expected = reference(q, k_all, v_all, kv_len.tolist(), offset_score_mod(alibi, pos), offset_mask_mod(causal, pos))
         assert rel_err(out, expected) < 1e-5, step
         if traces is None:
-            traces = flexattn.trace.trace_count
-        assert flexattn.trace.trace_count == traces, "a decoding step must not retrace the mods"
+            traces = flexattn.trace.counts.traces
+        assert flexattn.trace.counts.traces == traces, "a decoding step must not retrace the mods"
         pos += 1
 
 

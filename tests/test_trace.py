@@ -3,6 +3,8 @@
 import functools
 
 import pytest
+import sys
+
 import torch
 
 from flexattn import and_masks, trace
@@ -79,14 +81,14 @@ def test_same_callable_or_same_code_does_not_retrace():
 
     first = make(torch.randn(16))
     trace_mod(first, "score_mod")
-    count = trace.trace_count
+    count = trace.counts.traces
     trace_mod(first, "score_mod")
     second_table = torch.randn(16)
     traced, captured = trace_mod(make(second_table), "score_mod")
-    assert trace.trace_count == count
+    assert trace.counts.traces == count
     assert captured[0] is second_table
     trace_mod(make(torch.randn(17)), "score_mod")  # a new shape may change the graph: retrace
-    assert trace.trace_count == count + 1
+    assert trace.counts.traces == count + 1
 
 
 def test_plain_values_are_part_of_the_key_with_their_type():
@@ -238,9 +240,10 @@ def test_constants_copied_during_a_graph_warm_up_are_copied_by_another_thread_an
     traced, _ = trace.trace_mod(bucket, "score_mod")
     assert any(c.fixed_value is not None for c in traced.captured)
     calls = []
-    real = trace.copied_outside_graph_pools
-    monkeypatch.setattr(trace, "may_keep_allocations", lambda device: False)
-    monkeypatch.setattr(trace, "copied_outside_graph_pools", lambda t, d: calls.append(d) or real(t, d))
+    traced_module = sys.modules["flexattn.trace.traced"]
+    real = traced_module.copied_outside_graph_pools
+    monkeypatch.setattr(traced_module, "may_keep_allocations", lambda device: False)
+    monkeypatch.setattr(traced_module, "copied_outside_graph_pools", lambda t, d: calls.append(d) or real(t, d))
     first = traced.fixed_values_on(torch.device("cpu"))
     again = traced.fixed_values_on(torch.device("cpu"))
     assert len(calls) == 1 and first is again  # copied once, kept

@@ -61,6 +61,10 @@ def causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
+def noncausal(b, h, q_idx, kv_idx):
+    return q_idx <= kv_idx
+
+
 def prefix(n):
     def prefix_mask(b, h, q_idx, kv_idx):
         return kv_idx < n
@@ -94,15 +98,17 @@ def attention_in_float64(score_mod=None, mask_mod=None, L=128, H=2, block=32, gr
 
 
 @pytest.mark.parametrize("combinators", [torch_flex, flexattn], ids=["torch", "flexattn"])
-def test_compositions_by_library_combinators_get_their_own_graph(combinators):
+def test_compositions_by_library_combinators_read_their_own_mods(combinators):
     # torch's or_masks returns a closure defined in torch: it used to be keyed by its name alone.
+    # The two compositions differ only in a number their mods read: one graph, each its own number.
     short = combinators.or_masks(prefix(16), causal)
     long = combinators.or_masks(prefix(64), causal)
-    first = assert_graph_matches_mod(short, "mask_mod")[0]
-    second = assert_graph_matches_mod(long, "mask_mod")[0]
-    assert first is not second
+    first, first_values = assert_graph_matches_mod(short, "mask_mod")
+    second, second_values = assert_graph_matches_mod(long, "mask_mod")
+    assert first is second and first_values == [16] and second_values == [64]
     both = combinators.and_masks(long, prefix(8))
-    assert_graph_matches_mod(both, "mask_mod")
+    assert assert_graph_matches_mod(both, "mask_mod")[0] is not first  # other code: its own graph
+    assert assert_graph_matches_mod(combinators.or_masks(prefix(16), noncausal), "mask_mod")[0] is not first
 
 
 @pytest.mark.parametrize("combinators", [torch_flex, flexattn], ids=["torch", "flexattn"])
@@ -159,7 +165,7 @@ def test_attention_gym_prefix_lm_after_global_sliding_window_end_to_end(one_thre
     assert holds(captured, is_global)
     assert attention_in_float64(mask_mod=global_window) < 1e-12
     prefix_lm = masks.generate_prefix_lm_mask(40)
-    assert trace_mod(prefix_lm, "mask_mod")[1] == []
+    assert trace_mod(prefix_lm, "mask_mod")[1] == [40]  # the prefix length: a number the graph takes
     assert_graph_matches_mod(prefix_lm, "mask_mod")
     assert attention_in_float64(mask_mod=prefix_lm) < 1e-12
 
@@ -284,12 +290,12 @@ def test_route_sees_in_place_updates(route):
 def test_route_sees_replaced_tensors(route):
     mod = route.make(torch.randn(128))
     assert_graph_matches_mod(mod, "score_mod")
-    count = trace.trace_count
+    count = trace.counts.traces
     new = torch.randn(128)
     route.replace(mod, new)
     _, captured = assert_graph_matches_mod(mod, "score_mod")
     assert holds(captured, new)
-    assert trace.trace_count == count  # same shape: the graph is reused, the tensor read fresh
+    assert trace.counts.traces == count  # same shape: the graph is reused, the tensor read fresh
 
 
 def test_route_second_instance_gets_its_own_tensor(route):
@@ -470,10 +476,10 @@ def test_warm_path_re_reads_what_the_walk_read(where):
         location = Location(where, first)
         mod = location.mod
         assert _value_of(mod).item() == 2.0
-        traces, walks = trace.trace_count, trace.walk_count
+        traces, walks = trace.counts.traces, trace.counts.walks
         assert _value_of(mod).item() == 2.0
         # A warm call neither traces nor walks (lists and dicts used to force a walk per call).
-        assert (trace.trace_count, trace.walk_count) == (traces, walks)
+        assert (trace.counts.traces, trace.counts.walks) == (traces, walks)
         if change == "tensor_of_another_shape":
             location.set(torch.tensor([3.0]))
             expected, shape = 3.0, (1,)
@@ -557,22 +563,22 @@ def test_warm_calls_neither_trace_nor_walk():
     mods = [(mod, "score_mod") for mod in score_mods] + [(torch_flex.or_masks(prefix(16), causal), "mask_mod")]
     for mod, kind in mods:
         trace_mod(mod, kind)
-        traces, walks = trace.trace_count, trace.walk_count
+        traces, walks = trace.counts.traces, trace.counts.walks
         for _ in range(3):
             trace_mod(mod, kind)
-        assert (trace.trace_count, trace.walk_count) == (traces, walks), mod
+        assert (trace.counts.traces, trace.counts.walks) == (traces, walks), mod
     # A bound method is a new object at every attribute access: its entry hangs on its object.
-    walks = trace.walk_count
+    walks = trace.counts.walks
     trace_mod(module.score_mod, "score_mod")
     trace_mod(holder.score_mod, "score_mod")
-    assert trace.walk_count == walks
+    assert trace.counts.walks == walks
 
 
 def test_warm_path_table_is_bounded():
-    alive = [lambda score, b, h, q_idx, kv_idx: score * 2 for _ in range(trace._FAST_SIZE + 50)]
+    alive = [lambda score, b, h, q_idx, kv_idx: score * 2 for _ in range(trace.cache._FAST_SIZE + 50)]
     for mod in alive:
         trace_mod(mod, "score_mod")
-    assert len(trace._FAST) <= trace._FAST_SIZE
+    assert len(trace.cache._FAST) <= trace.cache._FAST_SIZE
 
 
 # ------------------------------------------------------------------------------- recycled ids

@@ -169,10 +169,10 @@ def test_warm_call_does_not_retrace_or_rerender():
     bm = create_block_mask(causal_mask, 1, 1, 128, 128, device=DEVICE)
     alibi = generate_alibi_bias(1, DEVICE)
     flex_attention(q, k, v, score_mod=alibi, block_mask=bm, kernel_options=TRITON)
-    traces, modules = trace.trace_count, len(codegen.source._loaded)
+    traces, modules = trace.counts.traces, len(codegen.source._loaded)
     # A new closure over a new tensor of the same shape: same graph, same kernel.
     flex_attention(q, k, v, score_mod=generate_alibi_bias(1, DEVICE), block_mask=bm, kernel_options=TRITON)
-    assert trace.trace_count == traces
+    assert trace.counts.traces == traces
     assert len(codegen.source._loaded) == modules
 
 

@@ -152,7 +152,11 @@ def render(spec: KernelSpec) -> str:
     # then the gradient buffers of its trainable captured tensors.
     grad_params = mods_group(spec.score_grad.kernel_params if spec.score_grad else ())
     kernel_mods = grad_params if spec.family in ("backward", "sm90_backward") else score_params
+    # The numbers the mods read are scalars the kernels are not specialised on (a new window size
+    # reuses the compiled kernel): the kernels that take the mods list them in do_not_specialize.
+    numbers = [p for m in (spec.score_mod, spec.mask_mod) if m is not None for p in m.number_params]
     source = _environment.get_template(template).render(
+        do_not_specialize=lambda *names: _do_not_specialize(list(names) + numbers),
         kernel_name=kernel_name,
         description=f"score_mod={spec.score_name}, mask_mod={spec.mask_name}",
         score_mod=spec.score_mod,
@@ -167,6 +171,11 @@ def render(spec: KernelSpec) -> str:
     )
     # A group with no names (no mods) leaves a line of spaces where it stood; drop it.
     return _BLANK_GROUP_LINE.sub("", source)
+
+
+def _do_not_specialize(names: list) -> str:
+    """The decorator's argument list naming ``names`` (nothing when there are none)."""
+    return "(do_not_specialize=[" + ", ".join(f'"{n}"' for n in names) + "])" if names else ""
 
 
 _BLANK_GROUP_LINE = re.compile(r"^[ \t]+\n", re.M)

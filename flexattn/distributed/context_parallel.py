@@ -269,8 +269,10 @@ class ContextParallel:
         learnable, score_graph = [], 0
         if score_mod is not None:
             traced, captured = trace_mod(score_mod, "score_mod")
-            learnable = [t for t in captured if t.requires_grad]
-            score_graph = zlib.crc32(traced.graph_module.code.encode())
+            learnable = [t for t in captured if isinstance(t, torch.Tensor) and t.requires_grad]
+            # The graph and the Python numbers it takes (their values are inputs, not in its code).
+            numbers = captured[len(traced.captured):]
+            score_graph = zlib.crc32((traced.graph_module.code + repr(numbers)).encode())
         needs_grad = torch.is_grad_enabled() and (
             query.requires_grad or key.requires_grad or value.requires_grad or bool(learnable))
         B, Hq, _, E = query.shape

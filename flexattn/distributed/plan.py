@@ -175,7 +175,8 @@ def mask_digest(block_mask) -> dict:
     cols = max(bm.kv_indices.shape[-1], cdiv(bm.seq_lengths[1], bm.BLOCK_SIZE[1]))
     partial = _checksum(bm.kv_num_blocks, bm.kv_indices, cols)
     full = (-1, -1) if bm.full_kv_num_blocks is None else _checksum(bm.full_kv_num_blocks, bm.full_kv_indices, cols)
-    graph = trace_mod(bm.mask_mod, "mask_mod")[0].graph_module.code
+    traced, values = trace_mod(bm.mask_mod, "mask_mod")
+    graph = traced.graph_module.code + repr(values[len(traced.captured):])  # with the numbers it takes
     B, H, rows, width = bm.kv_indices.shape
     return {
         "Q_LEN": bm.seq_lengths[0], "KV_LEN": bm.seq_lengths[1],

@@ -18,7 +18,7 @@ from ..dispatch import Call, choose_decode, pick_backend, prepare_backward, run_
 from ..errors import InvalidInputError
 from ..lowering import index_bounds, index_dtype
 from ..reference import working_dtype
-from ..trace import TracedMod, trace_mod
+from ..trace import TracedMod, detached, trace_mod
 from .plan import Step
 
 __all__ = ["StepCall", "step_call", "merge_into", "empty_result", "working_dtype"]
@@ -65,7 +65,7 @@ def _on_device(traced: Optional[TracedMod], values: list, device: torch.device) 
     if device.type == "cpu" or all(c.walk_index is not None for c in traced.captured):
         return values
     fixed = traced.fixed_values_on(device)
-    return [v if f is None else f for f, v in zip(fixed, values)]
+    return [v if f is None else f for f, v in zip(fixed, values)] + list(values[len(fixed):])  # then the numbers
 
 
 def step_call(step: Step, score_mod, position_dtype: torch.dtype, q: torch.Tensor, options: dict, scale: float,
@@ -78,7 +78,7 @@ def step_call(step: Step, score_mod, position_dtype: torch.dtype, q: torch.Tenso
     else:
         score, score_captured = trace_mod(step.score_mod_at(score_mod, position_dtype), "score_mod")
     mask, mask_captured = trace_mod(step.block_mask.mask_mod, "mask_mod")
-    mask_captured = [t.detach() for t in mask_captured]
+    mask_captured = detached(mask_captured)
     backend = pick_backend(q, options)
     if backend in ("TRITON", "TRITON_DECODE"):
         backend = choose_decode(backend, options, q, step.block_mask, needs_grad, need_max)

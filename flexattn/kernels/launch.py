@@ -335,15 +335,19 @@ def zeroed_output(shape, dtype, device) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device="meta" if recording() else device)
 
 
-def mod_launch_args(*captured: Sequence[torch.Tensor]) -> list:
+def mod_launch_args(*captured: Sequence) -> list:
     """The mods' extra kernel arguments, in the order of their LoweredMod.kernel_params: each
-    captured tensor, then its strides. The tensors are already on the query's device (user tensors
-    are checked by the API, a mod's own constants moved by TracedMod.fixed_values_on)."""
+    captured tensor, then its strides; each number the mod reads, its value. The tensors are
+    already on the query's device (user tensors are checked by the API, a mod's own constants moved
+    by TracedMod.fixed_values_on)."""
     args = []
-    for tensors in captured:
-        for t in tensors:
-            args.append(t)
-            args.extend(t.stride())
+    for values in captured:
+        for t in values:
+            if isinstance(t, torch.Tensor):
+                args.append(t)
+                args.extend(t.stride())
+            else:
+                args.append(t)
     return args
 
 

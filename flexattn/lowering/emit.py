@@ -94,14 +94,18 @@ class LoweredMod:
         Its shape is whatever the inputs it reads broadcast to ([], [BLOCK_M, 1], [1, BLOCK_N] or
         [BLOCK_M, BLOCK_N]; [1, 1] for a constant), so the kernel broadcasts it to the tile.
     kernel_params: extra kernel parameters, in order: per captured input N, ``{prefix}N_ptr`` then
-        ``{prefix}N_stride{d}`` for each of its dims d. The launcher passes ``t, *t.stride()``.
-    captured: ``TracedMod.captured``, one entry per group of ``kernel_params``.
+        ``{prefix}N_stride{d}`` for each of its dims d (the launcher passes ``t, *t.stride()``), then
+        per captured number N, ``{prefix}N`` (the launcher passes its value).
+    captured: ``TracedMod.captured``, one entry per group of tensor parameters.
+    number_params: the numbers' parameters (the last of ``kernel_params``): scalars the kernels
+        are not specialised on, so a new value reuses the compiled kernel (trace/numbers.py).
     """
 
     lines: tuple[str, ...]
     result: str
     kernel_params: tuple[str, ...]
     captured: tuple[CapturedInput, ...]
+    number_params: tuple[str, ...] = ()
 
     @property
     def body(self) -> str:
@@ -119,6 +123,13 @@ class Val:
     sym: Optional[sympy.Expr] = None  # the same integer as a sympy expression, for index arithmetic
     value: Any = None  # the Python number, when the value is a constant
     weak: bool = False  # a Python number argument: it does not decide the result dtype (torch's rule)
+
+    @property
+    def weak_example(self) -> Union[bool, int, float]:
+        """A Python number of this weak value's kind, for torch's promotion rules."""
+        if self.value is not None:
+            return self.value
+        return False if self.dtype == torch.bool else 0 if self.dtype in _INTS else 0.0
 
     @property
     def trivial(self) -> bool:
@@ -300,11 +311,13 @@ class _Emitter:
 
     def run(self) -> LoweredMod:
         result = self.walk()
+        numbers = self.number_params()
         return LoweredMod(
             lines=tuple(self.lines),
             result=result,
-            kernel_params=tuple(p for i in range(len(self.traced.captured)) for p in self.params(i)),
+            kernel_params=tuple(p for i in range(len(self.traced.captured)) for p in self.params(i)) + numbers,
             captured=tuple(self.traced.captured),
+            number_params=numbers,
         )
 
     def walk(self):
@@ -313,9 +326,10 @@ class _Emitter:
         self.canonical, self.uses = _common_subexpressions(graph)
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         n_args = len(self.traced.arg_names)
-        if len(placeholders) != n_args + len(self.traced.captured) + self.extra_inputs:
+        n_tensors, n_numbers = len(self.traced.captured), len(self.traced.numbers)
+        if len(placeholders) != n_args + n_tensors + n_numbers + self.extra_inputs:
             raise ValueError(f"graph of {self.traced.name} has {len(placeholders)} inputs, expected "
-                             f"{n_args} arguments and {len(self.traced.captured)} captured tensors")  # fmt: skip
+                             f"{n_args} arguments, {n_tensors} captured tensors and {n_numbers} numbers")  # fmt: skip
         result = None
         for node in graph.nodes:
             if self.canonical[node] is not node:
@@ -324,10 +338,12 @@ class _Emitter:
                 position = placeholders.index(node)
                 if position < n_args:
                     value = self.argument(self.traced.arg_names[position])
-                elif position < n_args + len(self.traced.captured):
+                elif position < n_args + n_tensors:
                     value = self.captured_input(position - n_args)
+                elif position < n_args + n_tensors + n_numbers:
+                    value = self.number_input(position - n_args - n_tensors)
                 else:
-                    value = self.extra_input(position - n_args - len(self.traced.captured))
+                    value = self.extra_input(position - n_args - n_tensors - n_numbers)
             elif node.op == "call_function":
                 value = self.call(node)
             elif node.op == "output":
@@ -392,6 +408,21 @@ class _Emitter:
         dims = tuple(View(int(size), self.stride(i, d)) for d, size in enumerate(c.shape))
         # Offsets of a tensor with 2**31 elements or more do not fit int32 (with any strides).
         return Gather(i, sympy.Integer(0), dims, wide=_numel(c.shape) >= 2**31)
+
+    def number_input(self, i: int) -> Val:
+        """A Python number the mod reads: a scalar argument of the kernel, weak as a Python number
+        is in torch (its operands' dtype decides the result's). An int fits int32 (the trace cache
+        sends larger values to a trace that makes them constants), so it is held in int32."""
+        number = self.traced.numbers[i]
+        name = self.number_params()[i]
+        if number.kind is bool:
+            return Val(name, torch.bool, weak=True)
+        if number.kind is int:
+            return Val(name, torch.int32, sym=self.symbol(name, torch.int32), weak=True)
+        return Val(name, torch.float32, weak=True)
+
+    def number_params(self) -> tuple[str, ...]:
+        return tuple(f"{self.prefix}{n.name}" for n in self.traced.numbers)
 
     def params(self, i: int) -> list[str]:
         c = self.traced.captured[i]
@@ -736,6 +767,9 @@ class _Emitter:
                 value = rule.fn(*node.args, **node.kwargs)
             except (TypeError, ValueError) as err:
                 raise self.unsupported(node, f"these arguments ({err})") from err
+            if isinstance(value, torch.fx.Node):  # a number the mod reads (torch.full_like(x, cap))
+                return self.broadcast_const(self.convert(self.value_of(value, node), out.dtype), node,
+                                            tuple(out.shape))
             if not isinstance(value, (bool, int, float)):
                 raise self.unsupported(node, "a constant that is not a Python number")
             const = _const(value, out.dtype)
@@ -935,7 +969,7 @@ class _Emitter:
         if policy == COMMON:
             # torch's promotion over the dtypes the kernel holds the operands in (an int32 index
             # compared with an int64 value compares in int64); Python numbers do not promote.
-            examples = [a.value if a.weak else torch.empty((), dtype=a.dtype) for a in args if isinstance(a, Val)]
+            examples = [a.weak_example if a.weak else torch.empty((), dtype=a.dtype) for a in args if isinstance(a, Val)]
             common = examples[0] if isinstance(examples[0], torch.Tensor) else torch.empty((), dtype=torch.float32)
             for other in examples[1:]:
                 common = torch.empty((), dtype=torch.result_type(common, other))

@@ -71,7 +71,8 @@ class LoweredScoreGrad:
     accumulate: statements (``accumulate_captured_grad(...)`` calls, one per address a gradient goes
         to) that add the learnable captured tensors' gradients into their buffers; may be empty.
     kernel_params: ``lower(traced, prefix=prefix).kernel_params`` (the captured tensors and strides,
-        as the forward takes them), then ``{prefix}{name}_grad_ptr`` per trainable captured input.
+        and the numbers, as the forward takes them), then ``{prefix}{name}_grad_ptr`` per trainable
+        captured input.
     captured: ``TracedMod.captured``.
     trainable: indices into ``captured`` that have a gradient buffer, in the order of their params.
     """
@@ -111,8 +112,11 @@ class _Joint:
     grad_outputs: list[Optional[torch.fx.Node]]  # [d score, d site 0, d site 1, ...] (None: zero)
 
 
-def _kernel_example(val: torch.Tensor) -> torch.Tensor:
-    """A tensor like ``val`` as the kernel holds it: every float is float32."""
+def _kernel_example(val) -> torch.Tensor:
+    """A tensor like ``val`` as the kernel holds it: every float is float32. A Python number the mod
+    reads (a graph input: trace/numbers.py) is a 0-d tensor of its kind, as the kernel holds it."""
+    if not isinstance(val, torch.Tensor):
+        return torch.zeros((), dtype=torch.bool if type(val) is bool else torch.int32 if type(val) is int else torch.float32)
     dtype = torch.float32 if val.dtype.is_floating_point else val.dtype
     return torch.zeros(tuple(val.shape), dtype=dtype)
 
@@ -145,7 +149,7 @@ def _structure_key(arg):
     """The op's arguments with each tensor replaced by its (shape, kernel dtype): the cache key."""
     if isinstance(arg, torch.fx.Node):
         val = _kernel_example(arg.meta["val"])
-        return ("T", tuple(val.shape), val.dtype)
+        return ("T" if isinstance(arg.meta["val"], torch.Tensor) else "N", tuple(val.shape), val.dtype)
     if isinstance(arg, (list, tuple)):
         return (type(arg).__name__, tuple(_structure_key(a) for a in arg))
     if isinstance(arg, dict):
@@ -166,12 +170,18 @@ def _vjp_graph(target, node: torch.fx.Node, active: tuple[bool, ...], table: dic
             _vjp_cache.move_to_end(key)
             return cached
 
+    # A number the mod reads is an input of the formula too (its value changes between calls): a 0-d
+    # tensor there, so the op is called by its packet, which picks the overload taking a tensor.
+    call = target
+    if any(not isinstance(n.meta.get("val"), torch.Tensor) for n in _nodes_of(node)):
+        call = getattr(target, "overloadpacket", target)
+
     def fn(*xs):
         *ins, gy = xs
         it = iter(ins)
         args = torch.fx.node.map_arg(list(node.args), lambda _n: next(it))
         kwargs = torch.fx.node.map_arg(dict(node.kwargs), lambda _n: next(it))
-        out = target(*args, **kwargs)
+        out = call(*args, **kwargs)
         wanted = [x for x, a in zip(ins, active) if a]
         if not out.requires_grad:
             return tuple(None for _ in wanted)
@@ -382,7 +392,8 @@ class _JointBuilder:
                 dst, src = (env[a] for a in n.args[:2])
                 env[n] = self.cast(src, n.meta["val"], node)
                 continue
-            if n.target is target and _same_args(torch.fx.node.map_arg(n.args, lambda m: env[m]), self.env[node].args):
+            if n.target in (target, node.target) and _same_args(torch.fx.node.map_arg(n.args, lambda m: env[m]),
+                                                                self.env[node].args):
                 env[n] = self.env[node]  # the forward value the formula needs: read it, not recompute it
                 continue
             copy = self.graph.node_copy(n, lambda m: env[m])
@@ -469,6 +480,7 @@ class _GradEmitter(_Emitter):
                                   "DETERMINISTIC)")
         accumulate = tuple(accumulate)
         params = [p for i in range(len(self.traced.captured)) for p in self.params(i)]
+        params += list(self.number_params())
         params += [self.grad_param(i) for i in trainable]
         return LoweredScoreGrad(tuple(self.lines), result, accumulate, tuple(params), tuple(self.traced.captured),
                                 trainable)  # fmt: skip

@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
-from ..trace import TracedMod, trace_mod
+from ..trace import NUMBER_INT_LIMIT, TracedMod, trace_mod
 from .ops import LOWERINGS, lookup
 
 __all__ = [
@@ -154,6 +154,7 @@ class IntFact:
     # torch types it int32 only because the indices are int32: with int64 index tensors (the vmap
     # paths' choice when needs_wide_indices) it would be int64.
     follows_index: bool = False
+    weak: bool = False  # a Python number the mod reads: it decides no dtype
 
 
 def _fits(lo: int, hi: int, dtype: torch.dtype) -> bool:
@@ -351,14 +352,17 @@ class _Analysis:
         limits = {"b": self.bounds.B, "h": self.bounds.H, "q_idx": self.bounds.Q_LEN, "kv_idx": self.bounds.KV_LEN}
         n_args = len(self.traced.arg_names)
         position = 0
+        n_tensors = len(self.traced.captured)
         for node in self.traced.graph.nodes:
             if node.op == "placeholder":
                 if position < n_args:
                     name = self.traced.arg_names[position]
                     hi = max(limits.get(name, 1), 1) - 1
                     self.facts[node] = IntFact(0, hi, True, torch.int32, True) if name in limits else None
-                else:
+                elif position < n_args + n_tensors:
                     self.facts[node] = self.captured_constant(position - n_args)
+                else:
+                    self.facts[node] = self.number(position - n_args - n_tensors)
                 position += 1
             elif node.op == "call_function":
                 try:
@@ -377,6 +381,19 @@ class _Analysis:
         if c.fixed_value is not None and len(c.shape) == 0 and c.dtype in _DTYPE_RANGE:
             v = int(c.fixed_value.item())
             return IntFact(v, v, True, c.dtype)
+        return None
+
+    def number(self, index: int) -> Optional[IntFact]:
+        """A Python number the mod reads (trace/numbers.py): its value is not known here, so the
+        decisions hold for every value the kernels take (an int: |n| <= NUMBER_INT_LIMIT, which the
+        trace cache ensures; a larger one is traced as a constant), and one kernel serves them all."""
+        if index >= len(self.traced.numbers):
+            return None
+        kind = self.traced.numbers[index].kind
+        if kind is bool:
+            return IntFact(0, 1, True, torch.bool, weak=True)
+        if kind is int:
+            return IntFact(-NUMBER_INT_LIMIT, NUMBER_INT_LIMIT, True, torch.int32, weak=True)
         return None
 
     def operand(self, arg) -> Optional[IntFact]:
@@ -433,7 +450,7 @@ class _Analysis:
 
         dtype = out
         for f in node_operands:
-            if f.dtype != torch.bool:
+            if f.dtype != torch.bool and not f.weak:
                 dtype = _promote(dtype, f.dtype)
         # Bools (conditions, comparisons) are 0 or 1 wherever they come from; an integer is exact when
         # every integer it is computed from is.
@@ -538,7 +555,8 @@ class _Analysis:
 
 def graph_key(traced: TracedMod) -> int:
     """Identifies a traced graph with its captured shapes (what the decisions depend on besides bounds)."""
-    return hash((traced.graph_module.code, tuple((c.shape, c.dtype) for c in traced.captured)))
+    return hash((traced.graph_module.code, tuple((c.shape, c.dtype) for c in traced.captured),
+                 tuple(n.kind for n in traced.numbers)))
 
 
 def gather_check(lo: int, hi: int, size: int) -> GatherCheck:
