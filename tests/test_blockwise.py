@@ -251,7 +251,10 @@ def test_gradient_into_captured_learnable_bias(dtype):
     block_mask = create_block_mask(causal_mask, None, None, L, S, device="cpu")
     out, lse, _ = _forward(q, k, v, same_dtype_mod, causal_mask, block_mask)
     dq, dk, dv, captured_grads = _backward(q, k, v, out, lse, grad_out.to(dtype), None, same_dtype_mod, causal_mask, block_mask)
-    assert len(captured_grads) == 2 and all(g is not None and g.dtype == dtype for g in captured_grads)
+    # The captured values are the two tensors, then the number S the mod reads (no gradient).
+    assert len(captured_grads) == 3 and captured_grads[2] is None
+    captured_grads = captured_grads[:2]
+    assert all(g is not None and g.dtype == dtype for g in captured_grads)
     names = ["dq", "dk", "dv", "d_bias", "d_rel_pos"]
     for name, g, gold, r in zip(names, [dq, dk, dv, *captured_grads], golden, ref or [None] * 5):
         _assert_close(g, gold, r, dtype, name)

@@ -14,7 +14,7 @@ section 5.2). This module builds both from the mods you already have:
 [Note] Offsets are tensors
 The offset and lengths are tensors that the mods *read* (captured tensors, graph inputs of the
 traced mod), never Python numbers baked into it: a new position gives the same graph, the same
-generated kernel and no new trace (``flexattn.trace.trace_count`` stays put). Pass your own tensor
+generated kernel and no new trace (``flexattn.trace.counts.traces`` stays put). Pass your own tensor
 and update it in place between steps (``pos += 1``) and the same mod objects serve every step,
 which is what a captured CUDA graph needs. A Python int is turned into a 0-d tensor on the device
 with ``torch.full`` (a fill, not a host-to-device copy).

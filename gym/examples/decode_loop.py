@@ -5,7 +5,7 @@ causal mask and a soft-capped ALiBi bias (both depend on the query's absolute po
 offset shows). The mods are written for full sequences; ``offset_score_mod`` puts each step's query at its absolute position and
 ``decode_block_mask`` cuts the step's BlockMask from the full-length one, masking the cache slots
 past each sequence's valid length. The positions are a tensor updated in place, so every step
-reuses the same traced mods and the same kernel (``flexattn.trace.trace_count`` does not move).
+reuses the same traced mods and the same kernel (``flexattn.trace.counts.traces`` does not move).
 With ``--paged`` the sequences share one paged cache (``flexattn.PagedAttention``).
 
 The "model" is a stand-in: the queries, keys and values of every position are drawn up front, so
@@ -128,11 +128,11 @@ def main(argv=None) -> int:
         worst = max(worst, err)
         print(f"step {step}: positions {pos.tolist()}, max |out - full-sequence attention| = {err:.2e}")
         if traces_after_first_step is None:
-            traces_after_first_step = flexattn.trace.trace_count
+            traces_after_first_step = flexattn.trace.counts.traces
         pos += 1  # in place: the mods built above read the new positions at the next step
         kv_len += 1
 
-    retraced = flexattn.trace.trace_count - traces_after_first_step
+    retraced = flexattn.trace.counts.traces - traces_after_first_step
     print(f"traces after the first step: {retraced} (the same mods and kernel served every step)")
     tolerance = 1e-4 if q_all.dtype == torch.float32 and device.type == "cpu" else 2e-3
     if worst > tolerance:
