@@ -39,7 +39,8 @@ def with_infinities(case, q, k):
         q[0, 0, row, 3] = math.inf if "plus" in case else -math.inf  # +-inf times k's signs: both infinities
     elif case.startswith("k"):
         k[0, 0, KEY, 3] = math.inf if "plus" in case else -math.inf
-        sign = torch.tensor([1.0, -1.0]).repeat(q.shape[2] // 2)  # rows alternate +inf and -inf at KEY
+        # Rows alternate the signs, so some score +inf at KEY and some -inf.
+        sign = torch.tensor([1.0, -1.0], device=q.device, dtype=q.dtype).repeat(q.shape[2] // 2)
         q[0, 0, :, 3] = sign * (q[0, 0, :, 3].abs() + 0.1)
     elif case == "nan_and_inf":  # inf * k3 - inf * k4 is NaN where k3 and k4 share a sign
         q[0, 0, row, 3], q[0, 0, row, 4] = math.inf, -math.inf
@@ -180,3 +181,30 @@ def test_backward_from_an_infinite_lse(case, backend):
     infinite_key_columns = k.isinf().any(-2, keepdim=True)
     assert torch.equal(dq.isnan().all(-1), inf_rows)
     assert not (dq.isnan() & ~inf_rows[..., None] & ~infinite_key_columns).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["TRITON", "GLUON", "TRITON_DECODE"])
+@pytest.mark.parametrize("config", ["dense", "causal", "causal_alibi"])
+@pytest.mark.parametrize("case", ["q_plus_inf", "q_minus_inf", "k_plus_inf", "k_minus_inf"])
+def test_gpu_kernels_give_the_reference_out_and_lse(case, config, backend):
+    """The compiled kernels (the Hopper Gluon forward where it applies) in bfloat16 at d=64."""
+    import flexattn.kernels.sm90 as sm90
+
+    device, L, D = "cuda", (4 if backend == "TRITON_DECODE" else 256), 64
+    q = torch.randn(1, H, L, D, device=device, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, H, 256, D, device=device, dtype=torch.bfloat16) for _ in range(2))
+    q, k = with_infinities(case, q, k)
+    score_mod, mask_mod = mods(config, L)
+    if mask_mod is not None:
+        mask_mod = shifted_causal(256 - L)
+    block_mask = None if mask_mod is None else create_block_mask(mask_mod, None, None, L, 256, device=device)
+    if backend == "GLUON" and sm90.problem_reason(q, k, v, block_mask, need_max=False) is not None:
+        pytest.skip("the Gluon forward does not apply here")
+    out, aux = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                              kernel_options={"BACKEND": backend}, return_aux=AuxRequest(lse=True))
+    gold_out, gold_lse, _ = reference_attention(q.double(), k.double(), v.double(), score_mod=score_mod,
+                                                mask_mod=mask_mod)
+    assert not gold_lse.isfinite().all()
+    assert_same(out.cpu(), gold_out.cpu(), 2e-2, "out")
+    assert_same(aux.lse.cpu(), gold_lse.cpu(), 2e-2, "lse")

@@ -243,7 +243,7 @@ def random_paged_cache(rng, n_pages=14, page_size=16, rows=3):
             lengths[row] = 0
         else:
             grown = lengths[row] + rng.randint(1, 40)
-            if (len(paged.empty_pages) - 1) * page_size >= grown - len(paged._pages[row]) * page_size:  # one stays free
+            if (len(paged.empty_pages) - 1) * page_size >= grown - int(paged.capacity[row]):  # one page stays free
                 paged.reserve(row, grown)
                 lengths[row] = grown
     for row in range(rows):  # every row holds at least one key
@@ -279,9 +279,9 @@ def own_keys(cache, slots):
 
 def corrupt(rng, paged, kind):
     """Write one wrong table entry by hand; returns the undo and the error message it must raise."""
-    held = {page: row for row, pages in enumerate(paged._pages) for page in pages}
+    held = {page: row for row, pages in enumerate(paged.page_table.tolist()) for page in pages if page >= 0}
     row = rng.randrange(paged.max_batch_size)
-    logical = rng.randrange(len(paged._pages[row]) + 1)  # a held entry, or the first past them
+    logical = rng.randrange(int(paged.capacity[row]) // paged.page_size + 1)  # a held entry, or the first past them
     table, entry = paged.page_table, (row, logical)
     if kind == "foreign":
         page = rng.choice([p for p, r in held.items() if r != row])
