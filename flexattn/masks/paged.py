@@ -351,10 +351,8 @@ class PagedAttention:
     def _holds(self, rows: torch.Tensor, physical_page: torch.Tensor, logical_page: torch.Tensor) -> torch.Tensor:
         """Where page-table row ``rows`` holds ``physical_page`` as ``logical_page`` (broadcast shapes;
         false for a page outside the cache). On the device: no sync ([Note] Table checks)."""
-        in_cache = (physical_page >= 0) & (physical_page < self.n_pages)
-        page = torch.where(in_cache, physical_page, 0)
-        rows, page = torch.broadcast_tensors(rows, page)
-        return in_cache & (self.physical_to_logical[rows, page] == logical_page)
+        page = physical_page.clamp(0, self.n_pages - 1)
+        return (page == physical_page) & (self.physical_to_logical[rows, page] == logical_page)
 
     def _batch_rows(self, batch_idx, batch: int) -> Optional[torch.Tensor]:
         if batch_idx is None:
