@@ -390,6 +390,9 @@ def blockwise_forward(
             l_safe = torch.where(empty, torch.ones_like(l_i), l_i)
             row_out = acc / l_safe.unsqueeze(-1)
             row_lse = torch.where(empty, torch.full_like(l_i, -math.inf), m_i + torch.log(l_safe))
+            # A +inf score: exp(inf - inf) left l_i NaN, and torch's LSE is +inf (its output NaN, as
+            # here). A NaN score made m_i NaN (amax and maximum propagate it), so the LSE stays NaN.
+            row_lse = torch.where(torch.isposinf(m_i), m_i, row_lse)
             out[:, :, start:stop] = row_out.reshape(B, Hq, Mq, lay.Ev).to(q.dtype)
             lse[:, :, start:stop] = row_lse.reshape(B, Hq, Mq)
             if need_max:

@@ -18,6 +18,9 @@ Semantics, which the other paths must reproduce:
   upcast; the output is cast back to the input dtype).
 * Fully masked rows: output 0, lse -inf, max_scores -inf, and no NaN in the backward either
   (see the note in ``_safe_softmax_with_lse``).
+* Rows with a +inf score (q or k holding infinities, or a score_mod returning +inf): lse +inf and
+  output NaN, as torch's ``logsumexp`` and ``_safe_softmax`` give them; a NaN score makes the row's
+  lse NaN (see [Note] Infinite scores in ``_safe_softmax_with_lse``).
 * lse is the natural-log log-sum-exp of ``post`` per row; max_scores is its row maximum. Both are in
   the working precision (float32, or float64 for float64 inputs); max_scores carries no gradient.
 
@@ -80,6 +83,11 @@ def _safe_softmax_with_lse(post: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     subtraction (``exp(-inf - 0) = 0``), and the zero row sum is replaced by 1 before the division
     and the log. Replacing *inside* the log (not ``where`` around it) matters for the backward: a
     ``where`` after ``log(0)`` would still send ``0 * inf = NaN`` into the unselected branch.
+
+    [Note] Infinite scores: a row whose maximum is +inf has lse +inf, torch.logsumexp's value, where
+    ``max + log(sum(exp(post - max)))`` gives ``inf - inf = NaN``; its probabilities stay NaN at the
+    +inf scores and 0 elsewhere, as torch's ``_safe_softmax``, so its output is NaN. A NaN score
+    makes the maximum NaN (amax propagates it), so that row's lse stays NaN, as torch's does.
     """
     row_max = post.detach().amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
@@ -89,6 +97,7 @@ def _safe_softmax_with_lse(post: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     safe_sum = torch.where(empty, torch.ones_like(row_sum), row_sum)
     probs = unnormalized / safe_sum
     lse = torch.where(empty, torch.full_like(row_sum, -math.inf), row_max + torch.log(safe_sum))
+    lse = torch.where(torch.isposinf(row_max), row_max, lse)  # see [Note] Infinite scores
     return probs, lse.squeeze(-1)
 
 

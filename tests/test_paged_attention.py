@@ -6,10 +6,12 @@ oracle is the float64 reference over the contiguous cache with the logical mods.
 
 import inspect
 import os
+import random
 
 import pytest
 import torch
 from numerics import rel_err
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexattn
 import flexattn.trace
@@ -27,6 +29,7 @@ needs_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="Triton on CPU tensors needs TRITON_INTERPRET=1"
 )
 BACKENDS = [pytest.param(PYTORCH, id="pytorch"), pytest.param(TRITON, id="triton", marks=needs_interpreter)]
+ALL_BACKENDS = BACKENDS + [pytest.param({"BACKEND": "TRITON_DECODE"}, id="triton_decode", marks=needs_interpreter)]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 H, E = 2, 16
@@ -216,6 +219,195 @@ def test_unowned_blocks_are_dropped_even_when_full():
     dense = converted.to_dense()[:, 0, 0]
     assert dense.tolist() == [[1, 0, 0, 0], [0, 1, 1, 0]]
     assert converted.full_kv_num_blocks[:, 0, 0].tolist() == [1, 2]  # whole owned pages stay full
+
+
+# ------------------------------------------------------------------------------ tables written by hand
+# page_table and physical_to_logical are the allocator's. An entry written by hand that points at another
+# sequence's page, a free page or past the cache is an InvalidInputError naming the entry, before any
+# backend reads keys ([Note] Table checks in flexattn/masks/paged.py).
+
+
+def everything_after_two_blocks(b, h, q_idx, kv_idx):
+    """Keys 0..31 in full blocks (16-key pages), a pattern after them: full and partial blocks both."""
+    return (kv_idx < 32) | (kv_idx % 3 != q_idx % 2)
+
+
+def random_paged_cache(rng, n_pages=14, page_size=16, rows=3):
+    """Reserve and erase at random (pages scattered among the rows), then fill each row's keys."""
+    paged = PagedAttention(n_pages, page_size, rows, device=CPU)
+    lengths = [0] * rows
+    for _ in range(10):
+        row = rng.randrange(rows)
+        if lengths[row] and rng.random() < 0.3:
+            paged.erase(row)
+            lengths[row] = 0
+        else:
+            grown = lengths[row] + rng.randint(1, 40)
+            if (len(paged.empty_pages) - 1) * page_size >= grown - int(paged.capacity[row]):  # one page stays free
+                paged.reserve(row, grown)
+                lengths[row] = grown
+    for row in range(rows):  # every row holds at least one key
+        if lengths[row] == 0:
+            paged.reserve(row, 5)
+            lengths[row] = 5
+    S = max(lengths)
+    k, v = torch.randn(rows, H, S, E), torch.randn(rows, H, S, E)
+    k_cache, v_cache = torch.randn(1, H, n_pages * page_size, E) * 5, torch.randn(1, H, n_pages * page_size, E) * 5
+    for row, length in enumerate(lengths):
+        paged.assign(torch.tensor([row]), torch.arange(length)[None], k[row:row + 1, :, :length],
+                     v[row:row + 1, :, :length], k_cache, v_cache)
+    return paged, lengths, k, v, k_cache, v_cache
+
+
+def paged_step(paged, lengths, q, k_cache, v_cache, backend):
+    """One attention call over the paged cache: convert the logical mask, then flex_attention."""
+    S = max(lengths)
+    logical = create_block_mask(everything_after_two_blocks, None, None, q.shape[2], S, device=CPU,
+                                BLOCK_SIZE=(16, 16))
+    physical = paged.convert_logical_block_mask(logical, kv_len=torch.tensor(lengths))
+    return flex_attention(q, k_cache, v_cache, block_mask=physical, kernel_options=backend)
+
+
+def own_keys(cache, slots):
+    """[len(slots), H, longest, E]: row b holds cache slots slots[b] (a range), zero-padded."""
+    longest = max(len(r) for r in slots)
+    out = torch.zeros(len(slots), cache.shape[1], longest, cache.shape[3])
+    for b, r in enumerate(slots):
+        out[b, :, :len(r)] = cache[0, :, r.start:r.stop]
+    return out
+
+
+def corrupt(rng, paged, kind):
+    """Write one wrong table entry by hand; returns the undo and the error message it must raise."""
+    held = {page: row for row, pages in enumerate(paged.page_table.tolist()) for page in pages if page >= 0}
+    row = rng.randrange(paged.max_batch_size)
+    logical = rng.randrange(int(paged.capacity[row]) // paged.page_size + 1)  # a held entry, or the first past them
+    table, entry = paged.page_table, (row, logical)
+    if kind == "foreign":
+        page = rng.choice([p for p, r in held.items() if r != row])
+        expected = rf"page {page} belongs to sequence {held[page]}"
+    elif kind == "out_of_range":
+        page = paged.n_pages + rng.randrange(3)
+        expected = rf"{page} is not a page of the cache \(pages are 0..{paged.n_pages - 1}"
+    elif kind == "unassigned":
+        page = rng.choice(paged.empty_pages)
+        expected = rf"page {page} is free"
+    else:  # "claimed": physical_to_logical says the row holds another row's page
+        page = rng.choice([p for p, r in held.items() if r != row])
+        table, entry = paged.physical_to_logical, (row, page)
+        expected = rf"physical_to_logical\[{row}, {page}\] \(sequence {row}, page {page}\) = {logical}, but " \
+                   rf"sequence {row} does not hold page {page}"
+        page = logical
+    if table is paged.page_table:
+        expected = rf"page_table\[{row}, {logical}\] \(sequence {row}, logical page {logical}\) = {page}: " + expected
+    old = int(table[entry])
+    table[entry] = page
+
+    def undo():
+        table[entry] = old
+
+    return undo, expected
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_a_foreign_page_in_a_full_block_is_an_error_on_every_backend(backend):
+    # Row 0 holds page 0, row 1 pages 1 and 2. By hand, row 0's logical page 1 points at row 1's page
+    # 2: a full block there skipped the mask_mod's ownership test and read row 1's keys.
+    paged = PagedAttention(4, 64, 2, device=CPU)
+    paged.reserve(0, 64)
+    paged.reserve(1, 128)
+    q, k_cache, v_cache = torch.randn(2, H, 64, E), torch.randn(1, H, 256, E), torch.randn(1, H, 256, E)
+    logical = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, 2, None, 64, 128, device=CPU,
+                                BLOCK_SIZE=64)
+    paged.page_table[0, 1] = 2
+    with pytest.raises(InvalidInputError, match=r"convert_logical_block_mask: page_table\[0, 1\] \(sequence 0, "
+                       r"logical page 1\) = 2: page 2 belongs to sequence 1 \(its logical page 1\); sequence 0 "
+                       r"holds 1 page, so the entry must be -1"):
+        flex_attention(q, k_cache, v_cache, block_mask=paged.convert_logical_block_mask(logical),
+                       kernel_options=backend)
+    # Past the cache: the Triton kernels read beyond its end, the PyTorch backend dropped the block.
+    paged.page_table[0, 1] = 7
+    with pytest.raises(InvalidInputError, match=r"= 7: 7 is not a page of the cache \(pages are 0..3, -1 for none\)"):
+        flex_attention(q, k_cache, v_cache, block_mask=paged.convert_logical_block_mask(logical),
+                       kernel_options=backend)
+    with pytest.raises(InvalidInputError, match=r"assign: page_table\[0, 1\]"):
+        paged.assign(torch.tensor([0]), torch.tensor([[70]]), torch.randn(1, H, 1, E), torch.randn(1, H, 1, E),
+                     k_cache, v_cache)
+    paged.page_table[0, 1] = -1  # undone: the tables are the allocator's again
+    out = flex_attention(q, k_cache, v_cache, block_mask=paged.convert_logical_block_mask(logical),
+                         kernel_options=backend)
+    slots = [range(0, 64), range(64, 192)]
+    assert rel_err(out, reference(q, own_keys(k_cache, slots), own_keys(v_cache, slots), [64, 128])) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_a_write_the_host_check_cannot_see_reads_nothing_from_the_wrong_place(backend):
+    # A write through .data bumps no version counter, so the host check does not run; the conversion's
+    # own ownership test on the device drops the foreign and the out-of-range page on every backend.
+    paged = PagedAttention(4, 64, 2, device=CPU)
+    paged.reserve(0, 64)
+    paged.reserve(1, 128)
+    q, k_cache, v_cache = torch.randn(2, H, 64, E), torch.randn(1, H, 256, E), torch.randn(1, H, 256, E)
+    logical = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, 2, None, 64, 128, device=CPU,
+                                BLOCK_SIZE=64)
+    paged.page_table.data[0, 1] = 2  # row 1's page
+    paged.page_table.data[1, 1] = 9  # past the cache
+    physical = paged.convert_logical_block_mask(logical)
+    assert physical.to_dense()[:, 0, 0].tolist() == [[1, 0, 0, 0], [0, 1, 0, 0]]
+    out = flex_attention(q, k_cache, v_cache, block_mask=physical, kernel_options=backend)
+    slots = [range(0, 64), range(64, 128)]  # each row's first page; the second is dropped
+    expected = reference(q, own_keys(k_cache, slots), own_keys(v_cache, slots), [64, 64])
+    assert rel_err(out, expected) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("seed", range(2))
+def test_random_page_tables_match_dense_and_random_corruptions_raise(backend, seed):
+    rng = random.Random(seed)
+    paged, lengths, k, v, k_cache, v_cache = random_paged_cache(rng)
+    q = torch.randn(len(lengths), H, 16, E)
+    out = paged_step(paged, lengths, q, k_cache, v_cache, backend)
+    assert rel_err(out, reference(q, k, v, lengths, mask_mod=everything_after_two_blocks)) < 1e-5
+    for kind in ("foreign", "out_of_range", "unassigned", "claimed") * 2:
+        undo, expected = corrupt(rng, paged, kind)
+        with pytest.raises(InvalidInputError, match="convert_logical_block_mask: " + expected):
+            paged_step(paged, lengths, q, k_cache, v_cache, backend)
+        undo()
+    assert torch.equal(paged_step(paged, lengths, q, k_cache, v_cache, backend), out)
+
+
+class _CountReads(TorchDispatchMode):
+    """Counts nonzero and item calls: what the table check's read to the host runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.nonzero, torch.ops.aten._local_scalar_dense):
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_tables_are_read_back_once_per_write_by_hand_not_per_step():
+    paged = PagedAttention(8, 16, 2, device=CPU)
+    paged.reserve(0, 40)
+    paged.reserve(1, 20)
+    logical = create_block_mask(causal, None, None, 64, 64, device=CPU, BLOCK_SIZE=16)
+
+    def step():
+        with _CountReads() as counter:
+            paged.convert_logical_block_mask(logical, kv_len=torch.tensor([40, 20]))
+            paged.get_score_mod(alibi)
+        return counter.reads
+
+    assert step() == 0  # the allocator's own writes are stamped
+    paged.page_table[1, 0] = paged.page_table[1, 0].clone()  # a write by hand, of the same value
+    assert step() > 0  # checked once (and found right) ...
+    assert step() == 0  # ... then stamped again
+    paged.reserve(1, 40)
+    paged.erase(0)
+    assert step() == 0
 
 
 # ------------------------------------------------------------------------------ the allocator

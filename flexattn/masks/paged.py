@@ -28,6 +28,22 @@ read the device; they write a few table entries from the host (a small host-to-d
 ``assign`` and ``convert_logical_block_mask`` — the per-step path — never read a device tensor back
 and make no data-dependent shapes. Passing ``batch_idx`` or ``seq_len`` to ``reserve``/``erase`` as
 device tensors costs one ``.item()`` each (pass ints to avoid it).
+
+[Note] Table checks
+``page_table`` and ``physical_to_logical`` are the allocator's to write. An entry written by hand
+that points at another sequence's page, at a free page or past the cache would send a kernel to
+the wrong keys: partial blocks ask the mask_mod, which checks ownership, but full blocks skip it,
+and a page past the cache is read past its end. So every method that reads the tables to place
+keys (``assign``, ``convert_logical_block_mask``, ``get_mask_mod``, ``get_score_mod``) first
+compares them with the host allocator's lists and raises InvalidInputError naming the sequence,
+the page and what reserve gave it. That comparison reads the tables back (a host sync), so it runs
+only when they may have changed outside ``reserve``/``erase``: the object and version counter of
+each table are stamped after the allocator's own writes, and an in-place write or a replaced
+tensor fails the stamp once (as BlockMask's [Note] Derived data). A decoding step over tables only
+the allocator wrote costs one comparison of two ints per table. Beside it, the conversion keeps on
+the device only blocks whose page lies in the cache and is owned by the row at that logical page
+(``physical_to_logical``): no sync, and nothing is read from the wrong place even where the host
+check cannot see a write (under torch.compile, or through ``.data``), where such blocks are dropped.
 """
 
 from __future__ import annotations
@@ -39,7 +55,7 @@ from typing import Optional, Union
 import torch
 
 from ..errors import FlexAttentionError, InvalidInputError
-from .block_mask import TABLES_IN_RANGE, BlockMask, as_block_mask
+from .block_mask import TABLES_IN_RANGE, BlockMask, as_block_mask, version_of
 from .decoding import check_on_device, index_tensor
 from .layout import cdiv, dense_to_ordered, device_argument, ordered_to_dense, positive_int
 from .mods import MaskMod, ScoreMod, identity_score_mod, mod_factory, mod_name, noop_mask
@@ -107,11 +123,15 @@ class PagedAttention:
         device = self.page_table.device  # "cuda" names the current device as tensors do ("cuda:0"), so checks compare equal
         self.device = device
         shape = (self.max_batch_size, self.n_pages)
-        self.page_table = torch.full(shape, -1, dtype=PAGE_INDEX_DTYPE, device=device)
-        self.physical_to_logical = torch.full(shape, -1, dtype=PAGE_INDEX_DTYPE, device=device)
+        # Normal tensors even under inference_mode: an inference tensor has no version counter, and
+        # the table check would then read the tables back at every step ([Note] Table checks).
+        with torch.inference_mode(False):
+            self.page_table = torch.full(shape, -1, dtype=PAGE_INDEX_DTYPE, device=device)
+            self.physical_to_logical = torch.full(shape, -1, dtype=PAGE_INDEX_DTYPE, device=device)
         self.capacity = torch.zeros(self.max_batch_size, dtype=torch.int64, device=device)
         self.empty_pages = list(range(self.n_pages - 1, -1, -1))  # page 0 is handed out first
         self._pages: list[list[int]] = [[] for _ in range(self.max_batch_size)]  # host copy of page_table
+        self._stamp = self._tables_stamp()  # the tables as the allocator last left them
 
     def __repr__(self) -> str:
         used = self.n_pages - len(self.empty_pages)
@@ -137,6 +157,8 @@ class PagedAttention:
         pages = self._pages[row]
         if seq_len <= len(pages) * self.page_size:
             return
+        self._check_table_objects("reserve")
+        unchanged = self._tables_unchanged()
         need = cdiv(seq_len - len(pages) * self.page_size, self.page_size)
         if need > len(self.empty_pages):
             raise OutOfPagesError(
@@ -152,10 +174,14 @@ class PagedAttention:
         self.physical_to_logical[row, physical] = torch.arange(
             first, first + need, dtype=PAGE_INDEX_DTYPE, device=self.device)
         self.capacity[row] = len(pages) * self.page_size
+        if unchanged:  # a write by hand before this one stays to be checked
+            self._stamp = self._tables_stamp()
 
     def erase(self, batch_idx: Union[int, torch.Tensor]) -> None:
         """Return every page of row ``batch_idx`` to the free list; the row then holds nothing."""
         row = self._row(batch_idx)
+        self._check_table_objects("erase")
+        unchanged = self._tables_unchanged()
         pages = self._pages[row]
         if pages:
             physical = torch.tensor(pages, dtype=torch.long, device=self.device)
@@ -164,6 +190,89 @@ class PagedAttention:
         self.capacity[row] = 0
         self.empty_pages.extend(reversed(pages))  # the row's first page is handed out again first
         self._pages[row] = []
+        if unchanged:
+            self._stamp = self._tables_stamp()
+
+    # ---------------------------------------------------------------------------- the table check
+
+    def _tables_stamp(self) -> tuple:
+        """What the tables are now, as objects and version counters ([Note] Table checks)."""
+        tables = (self.page_table, self.physical_to_logical)
+        return tables + tuple(version_of(t) for t in tables)
+
+    def _tables_unchanged(self) -> bool:
+        """The tables are the objects last stamped, with no write since."""
+        table, owner, table_version, owner_version = self._stamp
+        return (table is self.page_table and owner is self.physical_to_logical
+                and version_of(table) == table_version and version_of(owner) == owner_version)
+
+    def _check_table_objects(self, caller: str) -> None:
+        """The tables are still int32 ``[max_batch_size, n_pages]`` tensors on the cache's device."""
+        shape = (self.max_batch_size, self.n_pages)
+        for name in ("page_table", "physical_to_logical"):
+            table = getattr(self, name)
+            if not (isinstance(table, torch.Tensor) and tuple(table.shape) == shape
+                    and table.dtype == PAGE_INDEX_DTYPE and table.device == self.device):
+                got = (f"{table.dtype} {tuple(table.shape)} on {table.device}" if isinstance(table, torch.Tensor)
+                       else type(table).__name__)
+                raise InvalidInputError(
+                    f"{caller}: PagedAttention.{name} must be the {PAGE_INDEX_DTYPE} tensor {shape} on {self.device} "
+                    f"that reserve() and erase() write, got {got}; the tables are read-only")
+
+    def _check_tables(self, caller: str) -> None:
+        """Raise InvalidInputError where the tables differ from what reserve/erase wrote.
+
+        Free while the stamp holds; otherwise one read of both tables to the host ([Note] Table checks).
+        """
+        if torch.compiler.is_compiling():
+            return  # no host read in a graph; the conversion's device-side filter still holds
+        if self._tables_unchanged():
+            return
+        self._check_table_objects(caller)
+        stamp = self._tables_stamp()  # taken before the read: a later write is seen next time
+        shape = (self.max_batch_size, self.n_pages)
+        expected_table = torch.full(shape, -1, dtype=PAGE_INDEX_DTYPE)
+        expected_owner = torch.full(shape, -1, dtype=PAGE_INDEX_DTYPE)
+        holder: dict[int, tuple[int, int]] = {}  # physical page -> (row, logical page)
+        for row, pages in enumerate(self._pages):
+            if pages:
+                physical = torch.tensor(pages, dtype=torch.long)
+                expected_table[row, :len(pages)] = physical.to(PAGE_INDEX_DTYPE)
+                expected_owner[row, physical] = torch.arange(len(pages), dtype=PAGE_INDEX_DTYPE)
+                holder.update((page, (row, logical)) for logical, page in enumerate(pages))
+        table, owner = self.page_table.cpu(), self.physical_to_logical.cpu()
+        fix = ("page_table and physical_to_logical are written by reserve() and erase() only: undo the write, and "
+               "give a sequence pages with reserve(batch_idx, seq_len)")
+        bad = (table != expected_table).nonzero()
+        if len(bad):
+            row, logical = bad[0].tolist()
+            page, reserved = int(table[row, logical]), int(expected_table[row, logical])
+            held = len(self._pages[row])
+            gave = (f"reserve gave it page {reserved}" if reserved >= 0
+                    else f"sequence {row} holds {held} page{'' if held == 1 else 's'}, so the entry must be -1")
+            if not -1 <= page < self.n_pages:
+                what = f"{page} is not a page of the cache (pages are 0..{self.n_pages - 1}, -1 for none)"
+            elif page == -1:
+                what = "-1 drops a page the sequence holds"
+            elif page not in holder:
+                what = f"page {page} is free (reserved for no sequence)"
+            elif holder[page][0] != row:
+                what = f"page {page} belongs to sequence {holder[page][0]} (its logical page {holder[page][1]})"
+            else:
+                what = f"page {page} is sequence {row}'s logical page {holder[page][1]}"
+            raise InvalidInputError(
+                f"{caller}: page_table[{row}, {logical}] (sequence {row}, logical page {logical}) = {page}: {what}; "
+                f"{gave}. {fix}")
+        bad = (owner != expected_owner).nonzero()
+        if len(bad):
+            row, page = bad[0].tolist()
+            value, reserved = int(owner[row, page]), int(expected_owner[row, page])
+            owned = (f"sequence {row} holds page {page} as its logical page {reserved}" if reserved >= 0
+                     else f"sequence {row} does not hold page {page}, so the entry must be -1")
+            raise InvalidInputError(
+                f"{caller}: physical_to_logical[{row}, {page}] (sequence {row}, page {page}) = {value}, but {owned}. "
+                f"{fix}")
+        self._stamp = stamp
 
     # ---------------------------------------------------------------------------- the cache
 
@@ -220,14 +329,15 @@ class PagedAttention:
                 raise InvalidInputError(f"assign: {message}")
         if batch_idx.dtype.is_floating_point or input_pos.dtype.is_floating_point:
             raise InvalidInputError("assign: batch_idx and input_pos must be integer tensors")
+        self._check_tables("assign")
 
         input_pos = input_pos.long()
         logical_page = input_pos // self.page_size
         in_table = (input_pos >= 0) & (logical_page < self.n_pages)
-        rows = self.page_table.index_select(0, batch_idx.long())  # [B, n_pages]
-        physical_page = rows.gather(1, torch.where(in_table, logical_page, 0)).long()
+        rows = batch_idx.long()
+        physical_page = self.page_table.index_select(0, rows).gather(1, torch.where(in_table, logical_page, 0)).long()
         check_on_device(
-            in_table & (physical_page >= 0),
+            in_table & (physical_page >= 0) & self._holds(rows[:, None], physical_page, logical_page),
             "assign: a position in input_pos lies in no page reserved for its batch row; call "
             "reserve(batch_idx, seq_len) first",
         )
@@ -237,6 +347,12 @@ class PagedAttention:
         v_cache[0, :, address] = v_val.transpose(0, 1).reshape(H, B * S, -1)
 
     # ---------------------------------------------------------------------------- masks and mods
+
+    def _holds(self, rows: torch.Tensor, physical_page: torch.Tensor, logical_page: torch.Tensor) -> torch.Tensor:
+        """Where page-table row ``rows`` holds ``physical_page`` as ``logical_page`` (broadcast shapes;
+        false for a page outside the cache). On the device: no sync ([Note] Table checks)."""
+        page = physical_page.clamp(0, self.n_pages - 1)
+        return (page == physical_page) & (self.physical_to_logical[rows, page] == logical_page)
 
     def _batch_rows(self, batch_idx, batch: int) -> Optional[torch.Tensor]:
         if batch_idx is None:
@@ -261,6 +377,7 @@ class PagedAttention:
         masked. ``batch_idx`` maps query batch b to page-table row ``batch_idx[b]`` (default: row b),
         as in :meth:`convert_logical_block_mask`. ``b`` itself reaches ``mask_mod`` unchanged.
         """
+        self._check_tables("get_mask_mod")
         return _paged_mask_mod(noop_mask if mask_mod is None else mask_mod, self.page_size, self.physical_to_logical,
                                self._batch_rows(batch_idx, 1), self._check_kv_len(kv_len), _limit)
 
@@ -270,6 +387,7 @@ class PagedAttention:
 
         Pass the same ``batch_idx`` as to :meth:`convert_logical_block_mask`.
         """
+        self._check_tables("get_score_mod")
         return _paged_score_mod(identity_score_mod if score_mod is None else score_mod, self.page_size,
                                 self.physical_to_logical, self._batch_rows(batch_idx, 1), self._check_kv_len(kv_len))
 
@@ -310,6 +428,7 @@ class PagedAttention:
 
         Convert again after ``reserve``/``erase``: the tables follow the pages owned at conversion.
         """
+        self._check_tables("convert_logical_block_mask")
         bm = as_block_mask(block_mask)
         q_block, kv_block = bm.BLOCK_SIZE
         q_len, logical_kv_len = bm.seq_lengths
@@ -348,17 +467,19 @@ class PagedAttention:
         visited = visited.expand(batch, heads, rows, cols * split)
         logical_cols = torch.arange(cols * split, device=self.device)
 
-        # Keep blocks that hold keys of the sequence: below its valid length, in a page it owns.
+        # Keep blocks that hold keys of the sequence: below its valid length, in a page it owns. Owned
+        # is asked of physical_to_logical too, so that full blocks, which skip the mask_mod and its
+        # ownership test, never read a page the row does not hold ([Note] Table checks).
         limit = torch.full((1,), logical_kv_len, device=self.device)
         if kv_len_t is not None:
             limit = kv_len_t.clamp(max=logical_kv_len).reshape(-1)
         limit = limit.reshape(-1, 1, 1, 1)
-        table = self.page_table if batch_rows is None else self.page_table.index_select(0, batch_rows.long())
-        table = table[:batch] if batch_rows is None else table
+        rows_of_batch = torch.arange(batch, device=self.device) if batch_rows is None else batch_rows.long()
         page_of_col = logical_cols // blocks_per_page
-        owned = page_of_col < self.n_pages
-        physical_page = table.gather(1, torch.where(owned, page_of_col, 0).expand(batch, -1))  # [batch, cols]
-        owned = owned & (physical_page >= 0)
+        in_table = page_of_col < self.n_pages
+        logical_page = torch.where(in_table, page_of_col, 0).expand(batch, -1)
+        physical_page = self.page_table.index_select(0, rows_of_batch).gather(1, logical_page)  # [batch, cols]
+        owned = in_table & self._holds(rows_of_batch[:, None], physical_page.long(), logical_page)
         visited = visited & (logical_cols * block < limit) & owned[:, None, None, :]
         if full is not None:
             full = full & visited & ((logical_cols + 1) * block <= limit)
