@@ -28,7 +28,9 @@ def _delay_double_backward_error(outputs: tuple) -> tuple:
         return outputs
     # The error node needs inputs that require grad to give its outputs a grad_fn.
     tensors = [t.detach().requires_grad_() for t in tensors]
-    wrapped = iter(make_error(_DOUBLE_BACKWARD, len(tensors))(*tensors))
+    wrapped = make_error(_DOUBLE_BACKWARD, len(tensors))(*tensors)
+    # One input gives one tensor, not a 1-tuple: iterating it would yield its rows (issue 50, item 5).
+    wrapped = iter((wrapped,) if isinstance(wrapped, torch.Tensor) else wrapped)
     return tuple(next(wrapped) if isinstance(o, torch.Tensor) else o for o in outputs)
 
 
