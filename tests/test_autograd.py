@@ -36,7 +36,10 @@ def _expect_backend(backend: str):
 def _double_backward_refused(grad: torch.Tensor, leaf: torch.Tensor) -> None:
     """Differentiating the gradient again raises the documented error (docs/limitations.md)."""
     assert grad.requires_grad, "create_graph=True must give a gradient that refuses differentiation loudly"
-    with pytest.raises(RuntimeError, match="flex_attention does not support double backward"):
+    refused = "flex_attention does not support double backward"
+    with pytest.raises(RuntimeError, match=refused):
+        torch.autograd.grad(grad, leaf, torch.randn_like(grad))  # a gradient penalty's form
+    with pytest.raises(RuntimeError, match=refused):
         grad.backward(torch.randn_like(grad))
 
 
