@@ -12,7 +12,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, raised_as_is_under_dynamo
 from ..graphs import may_keep_allocations
 from ..lowering.ranges import mod_index_dtype
 from ..trace import GathersReadZero
@@ -166,6 +166,24 @@ def _block_maps(
     return any_kept, all_kept
 
 
+def _refuse_inside_compile(name: str) -> None:
+    """Under torch.compile. The builder evaluates the mask_mod tile by tile in a Python loop: not
+    something to trace. Dynamo runs this function as plain Python (marked below), so the error reaches
+    the user as its first line, with or without fullgraph (raised in the traced body, it was buried in
+    Dynamo's "Observed exception" text, and without fullgraph the mask was built at a silent graph break)."""
+    raise raised_as_is_under_dynamo(InvalidInputError(
+        f"create_block_mask({name}, ...) was called inside a torch.compile'd function; build the BlockMask "
+        "outside the compiled function (once per step, or once for every step with these lengths) and pass it "
+        "in: the compiled graph takes a new mask of the same shapes without recompiling. (To build it there "
+        "anyway, at a graph break, call torch.compiler.disable(create_block_mask)(...).)"
+    ))
+
+
+# What torch.compiler.assume_constant_result sets, as api._registered_call does (the decorator imports
+# Dynamo at import time).
+_refuse_inside_compile._dynamo_marked_constant = True
+
+
 def create_block_mask(
     mask_mod: MaskMod,
     B: Optional[int],
@@ -209,12 +227,7 @@ def create_block_mask(
     """
     del _compile  # nothing to compile: see the docstring
     if torch.compiler.is_compiling():
-        # The builder evaluates the mask_mod tile by tile in a Python loop: not something to trace.
-        raise InvalidInputError(
-            f"create_block_mask({mod_name(mask_mod)}, ...) was called inside a torch.compile'd function; build the "
-            "BlockMask outside the compiled function (once per step, or once for every step with these lengths) "
-            "and pass it in: the compiled graph takes a new mask of the same shapes without recompiling"
-        )
+        _refuse_inside_compile(mod_name(mask_mod))
     check_mask_mod(mask_mod)
     B = 1 if B is None else positive_int("B", B)
     H = 1 if H is None else positive_int("H", H)
