@@ -25,6 +25,20 @@ class ResourceError(FlexAttentionError, RuntimeError):
     """A generated kernel does not fit the GPU's resources (shared memory) with any tile flexattn tries."""
 
 
+def definition_site(fn) -> str:
+    """``file:line`` where the Python function ``fn`` is defined; "" for other callables."""
+    code = getattr(fn, "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else ""
+
+
+def describe_mod(fn, kind: str) -> str:
+    """How errors name a mod: its kind, its name and where it is defined (``mask_mod 'causal'
+    defined at model.py:12``), so the message leads to the code to fix."""
+    name = getattr(fn, "__name__", type(fn).__name__)
+    site = definition_site(fn)
+    return f"{kind} '{name}'" + (f" defined at {site}" if site else "")
+
+
 _RAISED_AS_IS: dict = {}
 
 

@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import InvalidInputError, ModTraceError
+from .errors import describe_mod as _describe_mod
 from .graphs import copied_outside_graph_pools, may_keep_allocations
 
 __all__ = [
@@ -669,13 +670,6 @@ def _where(frame: Optional[traceback.FrameSummary]) -> str:
         return "at an unknown line"
     line = (frame.line or "").strip()
     return f"at {frame.filename}:{frame.lineno} (in {frame.name}): {line}"
-
-
-def _describe_mod(fn: Callable, kind: str) -> str:
-    name = getattr(fn, "__name__", type(fn).__name__)
-    code = getattr(fn, "__code__", None)
-    where = f" defined at {code.co_filename}:{code.co_firstlineno}" if code is not None else ""
-    return f"{kind} '{name}'{where}"
 
 
 _DATA_DEPENDENT_HINT = (
