@@ -143,15 +143,18 @@ def _evaluate(vmapped: Callable, mod: Callable, kind: str, *args: torch.Tensor) 
     except FlexAttentionError:
         raise  # flexattn's own explanation already (and_masks' check of each mod's result)
     except Exception as err:
-        mistake = _trace_mistake(mod, kind)
-        if mistake is None:
-            err.add_note(
-                f"(while flexattn evaluated {kind} '{mod_name(mod)}' with torch.vmap over b, h, q_idx, "
-                "kv_idx. Each argument is a 0-d integer tensor: use tensor ops only, torch.where instead of "
-                "if/else on tensors, & and | instead of and/or, and no .item().)"
-            )
-            raise
-        raise mistake from err
+        failure = err
+    # Traced outside the handler, so that the trace's error does not carry vmap's (and its advice
+    # of a bug report to PyTorch) as its context: the user sees what flex_attention shows.
+    mistake = _trace_mistake(mod, kind)
+    if mistake is not None:
+        raise mistake
+    failure.add_note(
+        f"(while flexattn evaluated {kind} '{mod_name(mod)}' with torch.vmap over b, h, q_idx, "
+        "kv_idx. Each argument is a 0-d integer tensor: use tensor ops only, torch.where instead of "
+        "if/else on tensors, & and | instead of and/or, and no .item().)"
+    )
+    raise failure
 
 
 def _block_maps(
