@@ -97,3 +97,30 @@ def test_create_graph_with_only_a_learnable_captured_tensor(backend):
     # A captured tensor's gradient sums many cancelling terms: test_triton_backward.py's wider budget.
     assert rel_err(grad, expected) < 1e-3
     _double_backward_refused(grad, slopes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("leaf", ["q", "k", "v"])
+def test_create_graph_gradient_equals_torch_flex_attention(layout, leaf):
+    # torch's own FlexAttention has no backward on CPU, so this comparison runs on the GPU only.
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
+
+    kv_batch, kv_heads = LAYOUTS[layout]
+    L, E = 256, 64
+    inputs = {
+        "q": torch.randn(2, 4, L, E, device="cuda"),
+        "k": torch.randn(kv_batch, kv_heads, L, E, device="cuda"),
+        "v": torch.randn(kv_batch, kv_heads, L, E, device="cuda"),
+    }
+    inputs[leaf].requires_grad_()
+    gqa = kv_heads != 4
+    out = flex_attention(*inputs.values(), enable_gqa=gqa)
+    upstream = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, inputs[leaf], upstream, create_graph=True)
+    theirs = torch_flex_attention(*inputs.values(), enable_gqa=gqa)
+    (expected,) = torch.autograd.grad(theirs, inputs[leaf], upstream)
+    assert grad.shape == expected.shape
+    # Both float32 with their own summation orders; each is within 1e-4 of float64 (GRAD_TOL).
+    assert rel_err(grad, expected) < 2 * GRAD_TOL
+    _double_backward_refused(grad, inputs[leaf])
