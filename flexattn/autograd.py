@@ -17,19 +17,27 @@ _DOUBLE_BACKWARD = (
 )
 
 
-def _delay_double_backward_error(outputs: tuple) -> tuple:
-    """Gradients that raise our error if anything differentiates through them (what
-    torch.autograd.function.once_differentiable does, with a message that names the cause)."""
+def _delay_double_backward_error(grads: tuple, inputs: tuple) -> tuple:
+    """``grads`` made to raise our error if anything differentiates through them (what
+    torch.autograd.function.once_differentiable does, with a message that names the cause).
+
+    ``inputs``: the Function's tensor inputs. The error node takes those that require grad as its
+    own inputs, so a second ``torch.autograd.grad(dq, q)`` reaches it and raises; tied to detached
+    copies instead (as once_differentiable is), that call would only say that q was unused."""
     make_error = getattr(getattr(torch._C, "_functions", None), "DelayedError", None)
     if make_error is None:  # pragma: no cover - every supported torch has it
         raise RuntimeError(_DOUBLE_BACKWARD.decode())
-    tensors = [o for o in outputs if isinstance(o, torch.Tensor)]
+    tensors = [g for g in grads if isinstance(g, torch.Tensor)]
     if not tensors:
-        return outputs
-    # The error node needs inputs that require grad to give its outputs a grad_fn.
-    tensors = [t.detach().requires_grad_() for t in tensors]
-    wrapped = iter(make_error(_DOUBLE_BACKWARD, len(tensors))(*tensors))
-    return tuple(next(wrapped) if isinstance(o, torch.Tensor) else o for o in outputs)
+        return grads
+    anchors = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not anchors:  # the node needs an input that requires grad to give its outputs a grad_fn
+        anchors = [tensors[0].detach().requires_grad_()]
+    wrapped = make_error(_DOUBLE_BACKWARD, len(tensors) + len(anchors))(*tensors, *anchors)
+    # Its outputs alias its inputs, in order (a tuple: it has two inputs at least, and for one it would
+    # give a bare tensor): the first ones are the gradients.
+    wrapped = iter(wrapped[: len(tensors)])
+    return tuple(next(wrapped) if isinstance(g, torch.Tensor) else g for g in grads)
 
 
 class FlexAttentionFunction(torch.autograd.Function):
@@ -50,17 +58,17 @@ class FlexAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse, grad_max):
+        q, k, v, out, lse, *score_captured = ctx.saved_tensors
+        score_captured += ctx.numbers
         with torch.no_grad():
-            grads = _backward(ctx, grad_out, grad_lse)
+            grads = _backward(ctx, q, k, v, out, lse, score_captured, grad_out, grad_lse)
         if torch.is_grad_enabled():  # create_graph=True: refuse differentiating these
-            grads = _delay_double_backward_error(grads)
+            grads = _delay_double_backward_error(grads, (q, k, v, *score_captured))
         return grads
 
 
-def _backward(ctx, grad_out, grad_lse):
+def _backward(ctx, q, k, v, out, lse, score_captured, grad_out, grad_lse):
     call: Call = ctx.call
-    q, k, v, out, lse, *score_captured = ctx.saved_tensors
-    score_captured += ctx.numbers
     dq, dk, dv, d_captured = run_backward(call, q, k, v, out, lse, grad_out, grad_lse, score_captured)
     needs = ctx.needs_input_grad
     dq, dk, dv = (g if needs[i] else None for i, g in enumerate((dq, dk, dv)))

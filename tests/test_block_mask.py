@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import traceback
 
 import inspect
 
@@ -20,8 +21,8 @@ import torch.nn.attention.flex_attention as torch_flex
 
 import flexattn.masks.block_mask as block_mask_module
 import flexattn.masks.create as create_module
-from flexattn import BlockMask, create_block_mask, create_mask
-from flexattn.errors import InvalidInputError
+from flexattn import BlockMask, and_masks, create_block_mask, create_mask, or_masks
+from flexattn.errors import InvalidInputError, ModTraceError
 from flexattn.variants import (
     causal_mask,
     document_ids,
@@ -570,15 +571,97 @@ def test_mask_mod_errors_name_the_mod():
     def distance_not_bool(b, h, q_idx, kv_idx):
         return q_idx - kv_idx
 
-    with pytest.raises(InvalidInputError, match="'distance_not_bool' must return a bool tensor"):
+    with pytest.raises(InvalidInputError, match="'distance_not_bool' defined at .* must return a bool tensor"):
         create_block_mask(distance_not_bool, 1, 1, 64, 64, device=CPU)
 
-    def python_branch(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx if q_idx > 3 else q_idx < 0
 
-    with pytest.raises(Exception) as info:
-        create_block_mask(python_branch, 1, 1, 64, 64, device=CPU)
-    assert "python_branch" in "".join(getattr(info.value, "__notes__", []))
+# The common mistakes in a mask_mod (issue 50, item 6). Each entry: the mod, the text of the line the
+# error must point at (its `def` line when the mistake is what it returns or takes), and the fix the
+# message must give.
+def _if_on_a_tensor(b, h, q_idx, kv_idx):
+    if q_idx >= kv_idx:
+        return q_idx >= 0
+    return q_idx < 0
+
+
+def _ternary_on_a_tensor(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx if q_idx > 3 else q_idx < 0
+
+
+def _python_and(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) and (kv_idx >= 0)
+
+
+def _python_or(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) or (kv_idx > 100)
+
+
+def _item(b, h, q_idx, kv_idx):
+    return q_idx.item() >= kv_idx
+
+
+def _int(b, h, q_idx, kv_idx):
+    return int(q_idx) >= kv_idx
+
+
+def _python_bool(b, h, q_idx, kv_idx):
+    return True
+
+
+def _integer_result(b, h, q_idx, kv_idx):
+    return q_idx - kv_idx
+
+
+def _three_arguments(b, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+_DATA_DEPENDENT_FIX = "keep values as tensors"
+MASK_MOD_MISTAKES = {
+    "if": (_if_on_a_tensor, "if q_idx >= kv_idx:", "torch.where(cond, a, b)"),
+    "ternary": (_ternary_on_a_tensor, "return q_idx >= kv_idx if q_idx > 3 else q_idx < 0", "torch.where(cond, a, b)"),
+    "and": (_python_and, "return (q_idx >= kv_idx) and (kv_idx >= 0)", "`&`/`|` instead of and/or"),
+    "or": (_python_or, "return (q_idx >= kv_idx) or (kv_idx > 100)", "`&`/`|` instead of and/or"),
+    "item": (_item, "return q_idx.item() >= kv_idx", _DATA_DEPENDENT_FIX),
+    "int": (_int, "return int(q_idx) >= kv_idx", _DATA_DEPENDENT_FIX),
+    "python_bool": (_python_bool, "def _python_bool(", "`q_idx >= kv_idx`"),
+    "integer_result": (_integer_result, "def _integer_result(", "`q_idx >= kv_idx`"),
+    "arity": (_three_arguments, "def _three_arguments(", "(b, h, q_idx, kv_idx)"),
+}
+MASK_MOD_ENTRIES = {
+    "create_block_mask": lambda mod: create_block_mask(mod, 2, 2, 64, 64, device=CPU, BLOCK_SIZE=32),
+    "create_mask": lambda mod: create_mask(mod, 2, 2, 16, 16, device=CPU),
+    "and_masks": lambda mod: create_block_mask(and_masks(causal_mask, mod), 2, 2, 64, 64, device=CPU, BLOCK_SIZE=32),
+    "or_masks": lambda mod: create_mask(or_masks(mod, causal_mask), 2, 2, 16, 16, device=CPU),
+}
+
+
+@pytest.mark.parametrize("entry", list(MASK_MOD_ENTRIES))
+@pytest.mark.parametrize("mistake", list(MASK_MOD_MISTAKES))
+def test_mask_mod_mistakes_name_the_mod_the_line_and_the_fix(mistake, entry):
+    # torch.vmap's own errors named neither the mod nor the line ("data-dependent control flow",
+    # "calling .item()", "must only return Tensors"), and one asked for a bug report to PyTorch.
+    mod, line_text, fix = MASK_MOD_MISTAKES[mistake]
+    lines, first = inspect.getsourcelines(mod)
+    (offset,) = [i for i, line in enumerate(lines) if line.strip().startswith(line_text)]
+    with pytest.raises((InvalidInputError, ModTraceError)) as info:
+        MASK_MOD_ENTRIES[entry](mod)
+    message = str(info.value)
+    assert mod.__name__ in message
+    assert f"{__file__}:{first + offset}" in message, "the message must point at the mod's line"
+    assert fix in message
+    printed = "".join(traceback.format_exception(info.value))  # the chained errors too
+    assert "vmap:" not in printed and "pytorch/issues" not in printed
+
+
+def test_create_mask_names_a_score_mod_mistake_too():
+    def branchy(score, b, h, q_idx, kv_idx):
+        if q_idx >= kv_idx:
+            return score
+        return score - float("inf")
+
+    with pytest.raises(ModTraceError, match=r"score_mod 'branchy'.*\n.*if q_idx >= kv_idx:\n.*torch.where"):
+        create_mask(branchy, 1, 1, 16, 16, device=CPU)
 
 
 def test_a_score_mod_or_a_mask_mod_of_the_wrong_arity_is_named():

@@ -12,10 +12,10 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from ..errors import InvalidInputError
+from ..errors import FlexAttentionError, InvalidInputError, ModTraceError, describe_mod, raised_as_is_under_dynamo
 from ..graphs import may_keep_allocations
 from ..lowering.ranges import mod_index_dtype
-from ..trace import GathersReadZero
+from ..trace import GathersReadZero, trace_mod
 from .block_mask import EVERY_BLOCK_FULL, TABLES_IN_RANGE, BlockMask
 from .layout import DEFAULT_BLOCK_SIZE, INDEX_DTYPE, BlockSize, as_block_size, cdiv, device_argument, positive_int
 from .mods import MaskMod, check_mask_mod, mod_name
@@ -102,30 +102,59 @@ def _reduce_tile(
     return blocks.any(dim=5).any(dim=3), blocks.all(dim=5).all(dim=3)
 
 
+# [Note] A mod's mistakes under vmap
+# create_block_mask and create_mask evaluate a mod with torch.vmap, whose errors for the common
+# mistakes name neither the mod nor the line, and some ask the user to report a bug to PyTorch:
+# "data-dependent control flow" for an if/and/or on a tensor, "calling .item()" for .item() and
+# int(), "must only return Tensors" for a Python bool. flex_attention traces the same mod, and the
+# trace tells these mistakes apart (trace.py: the mod, the line, the fix). So when vmap fails, the
+# error is what tracing the mod finds wrong, if anything: the same message whichever function took
+# the mod. Only on that path: a mod that vmap runs is not traced again. (A result of the wrong dtype
+# or shape, which vmap returns, gets _check_tile's message.)
+
+
+def _trace_mistake(mod: Callable, kind: str) -> Optional[Exception]:
+    """What tracing ``mod`` finds wrong with it (flexattn's error, not raised), or None."""
+    try:
+        trace_mod(mod, kind)
+    except (ModTraceError, InvalidInputError) as mistake:
+        return mistake
+    return None
+
+
 def _check_tile(kept, mask_mod, expected_shape) -> None:
     if not isinstance(kept, torch.Tensor) or kept.dtype != torch.bool:
         got = kept.dtype if isinstance(kept, torch.Tensor) else type(kept).__name__
         raise InvalidInputError(
-            f"mask_mod '{mod_name(mask_mod)}' must return a bool tensor (True = attend), got {got}; "
+            f"{describe_mod(mask_mod, 'mask_mod')} must return a bool tensor (True = attend), got {got}; "
             "compare instead, e.g. `q_idx >= kv_idx`, or use `.bool()` on a 0/1 result"
         )
     if tuple(kept.shape) != expected_shape:
         raise InvalidInputError(
-            f"mask_mod '{mod_name(mask_mod)}' must return one bool per (b, h, q_idx, kv_idx), i.e. a 0-d "
+            f"{describe_mod(mask_mod, 'mask_mod')} must return one bool per (b, h, q_idx, kv_idx), i.e. a 0-d "
             f"tensor per call; under vmap it gave shape {tuple(kept.shape)} instead of {expected_shape}"
         )
 
 
-def _evaluate(vmapped: Callable, mask_mod: Callable, *index_ranges: torch.Tensor) -> torch.Tensor:
+def _evaluate(vmapped: Callable, mod: Callable, kind: str, *args: torch.Tensor) -> torch.Tensor:
+    """``vmapped(*args)``; a failure is explained as [Note] A mod's mistakes under vmap says."""
     try:
-        return vmapped(*index_ranges)
+        return vmapped(*args)
+    except FlexAttentionError:
+        raise  # flexattn's own explanation already (and_masks' check of each mod's result)
     except Exception as err:
-        err.add_note(
-            f"(while flexattn evaluated mask_mod '{mod_name(mask_mod)}' with torch.vmap over b, h, q_idx, "
-            "kv_idx. Each argument is a 0-d integer tensor: use tensor ops only, torch.where instead of "
-            "if/else on tensors, & and | instead of and/or, and no .item().)"
-        )
-        raise
+        failure = err
+    # Traced outside the handler, so that the trace's error does not carry vmap's (and its advice
+    # of a bug report to PyTorch) as its context: the user sees what flex_attention shows.
+    mistake = _trace_mistake(mod, kind)
+    if mistake is not None:
+        raise mistake
+    failure.add_note(
+        f"(while flexattn evaluated {kind} '{mod_name(mod)}' with torch.vmap over b, h, q_idx, "
+        "kv_idx. Each argument is a 0-d integer tensor: use tensor ops only, torch.where instead of "
+        "if/else on tensors, & and | instead of and/or, and no .item().)"
+    )
+    raise failure
 
 
 def _block_maps(
@@ -155,7 +184,8 @@ def _block_maps(
             b1, h1, r1, c1 = min(b0 + b_step, B), min(h0 + h_step, H), min(r0 + r_step, rows), min(c0 + c_step, cols)
             q0, q1 = r0 * q_block, min(r1 * q_block, q_len)
             k0, k1 = c0 * kv_block, min(c1 * kv_block, kv_len)
-            kept = _evaluate(vmapped, mask_mod, b_range[b0:b1], h_range[h0:h1], q_range[q0:q1], kv_range[k0:k1])
+            kept = _evaluate(vmapped, mask_mod, "mask_mod",
+                             b_range[b0:b1], h_range[h0:h1], q_range[q0:q1], kv_range[k0:k1])
             _check_tile(kept, mask_mod, (b1 - b0, h1 - h0, q1 - q0, k1 - k0))
             pad_q, pad_kv = (r1 - r0) * q_block - (q1 - q0), (c1 - c0) * kv_block - (k1 - k0)
             if pad_q or pad_kv:
@@ -164,6 +194,24 @@ def _block_maps(
             any_kept[b0:b1, h0:h1, r0:r1, c0:c1] = tile_any
             all_kept[b0:b1, h0:h1, r0:r1, c0:c1] = tile_all
     return any_kept, all_kept
+
+
+def _refuse_inside_compile(name: str) -> None:
+    """Under torch.compile. The builder evaluates the mask_mod tile by tile in a Python loop: not
+    something to trace. Dynamo runs this function as plain Python (marked below), so the error reaches
+    the user as its first line, with or without fullgraph (raised in the traced body, it was buried in
+    Dynamo's "Observed exception" text, and without fullgraph the mask was built at a silent graph break)."""
+    raise raised_as_is_under_dynamo(InvalidInputError(
+        f"create_block_mask({name}, ...) was called inside a torch.compile'd function; build the BlockMask "
+        "outside the compiled function (once per step, or once for every step with these lengths) and pass it "
+        "in: the compiled graph takes a new mask of the same shapes without recompiling. (To build it there "
+        "anyway, at a graph break, call torch.compiler.disable(create_block_mask)(...).)"
+    ))
+
+
+# What torch.compiler.assume_constant_result sets, as api._registered_call does (the decorator imports
+# Dynamo at import time).
+_refuse_inside_compile._dynamo_marked_constant = True
 
 
 def create_block_mask(
@@ -209,12 +257,7 @@ def create_block_mask(
     """
     del _compile  # nothing to compile: see the docstring
     if torch.compiler.is_compiling():
-        # The builder evaluates the mask_mod tile by tile in a Python loop: not something to trace.
-        raise InvalidInputError(
-            f"create_block_mask({mod_name(mask_mod)}, ...) was called inside a torch.compile'd function; build the "
-            "BlockMask outside the compiled function (once per step, or once for every step with these lengths) "
-            "and pass it in: the compiled graph takes a new mask of the same shapes without recompiling"
-        )
+        _refuse_inside_compile(mod_name(mask_mod))
     check_mask_mod(mask_mod)
     B = 1 if B is None else positive_int("B", B)
     H = 1 if H is None else positive_int("H", H)
@@ -269,7 +312,7 @@ def create_mask(
     indices = [torch.arange(n, dtype=index_dtype, device=device) for n in (B, H, Q_LEN, KV_LEN)]
     with torch.no_grad(), GathersReadZero():
         if arity == 4:
-            kept = _evaluate(_vmap_over_bhqkv(mod_fn), mod_fn, *indices)
+            kept = _evaluate(_vmap_over_bhqkv(mod_fn), mod_fn, "mask_mod", *indices)
             _check_tile(kept, mod_fn, (B, H, Q_LEN, KV_LEN))
             return kept.contiguous()
         if arity == 5:
@@ -278,10 +321,10 @@ def create_mask(
             for index_dims in _BHQKV_IN_DIMS:
                 with_score = torch.vmap(with_score, in_dims=(0,) + index_dims, out_dims=0)
             scores = torch.zeros(B, H, Q_LEN, KV_LEN, dtype=torch.float32, device=device)
-            return ~torch.isneginf(with_score(scores, *indices))
+            return ~torch.isneginf(_evaluate(with_score, mod_fn, "score_mod", scores, *indices))
     raise InvalidInputError(
-        f"create_mask: {mod_name(mod_fn)} takes {arity} required positional arguments; a mask_mod takes 4 "
-        "(b, h, q_idx, kv_idx) and a score_mod 5 (score, b, h, q_idx, kv_idx)"
+        f"create_mask: {describe_mod(mod_fn, 'mod_fn')} takes {arity} required positional arguments; a mask_mod "
+        "takes 4 (b, h, q_idx, kv_idx) and a score_mod 5 (score, b, h, q_idx, kv_idx)"
     )
 
 

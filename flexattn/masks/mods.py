@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, ModTraceError, definition_site, describe_mod
 
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -67,6 +67,24 @@ def _check_callables(name: str, mods) -> None:
     for i, mod in enumerate(mods):
         if not callable(mod):
             raise TypeError(f"{name}: argument {i} must be a mask_mod callable, got {type(mod).__name__}")
+        # A mod of the wrong arity would fail only when the combination runs, at the call inside it.
+        mistake = arity_mistake(mod, "mask_mod", name)
+        if mistake:
+            raise InvalidInputError(mistake)
+
+
+def _kept_by(mod: MaskMod, combinator: str, b, h, q_idx, kv_idx) -> torch.Tensor:
+    """``mod``'s result inside ``combinator``, checked: ``&`` and ``|`` would turn an integer result
+    into an integer combination and fail on a float one, and the error would name the combination."""
+    keep = mod(b, h, q_idx, kv_idx)
+    if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:
+        got = keep.dtype if isinstance(keep, torch.Tensor) else f"{type(keep).__name__} ({keep!r})"
+        # ModTraceError: what tracing raises for the same mistake, and lets through unchanged.
+        raise ModTraceError(
+            f"{describe_mod(mod, 'mask_mod')}, combined by {combinator}, must return a bool tensor (True = "
+            f"attend), got {got}; compare instead, e.g. `q_idx >= kv_idx`, or use `.bool()` on a 0/1 result"
+        )
+    return keep
 
 
 @mod_factory
@@ -77,7 +95,7 @@ def and_masks(*mask_mods: MaskMod) -> MaskMod:
     def and_mask(b, h, q_idx, kv_idx):
         keep = q_idx >= 0
         for mod in mask_mods:
-            keep = keep & mod(b, h, q_idx, kv_idx)
+            keep = keep & _kept_by(mod, "and_masks", b, h, q_idx, kv_idx)
         return keep
 
     and_mask.__name__ = "and_" + "_".join(getattr(m, "__name__", "mask") for m in mask_mods)
@@ -92,7 +110,7 @@ def or_masks(*mask_mods: MaskMod) -> MaskMod:
     def or_mask(b, h, q_idx, kv_idx):
         keep = q_idx < 0
         for mod in mask_mods:
-            keep = keep | mod(b, h, q_idx, kv_idx)
+            keep = keep | _kept_by(mod, "or_masks", b, h, q_idx, kv_idx)
         return keep
 
     or_mask.__name__ = "or_" + "_".join(getattr(m, "__name__", "mask") for m in mask_mods)
@@ -136,7 +154,13 @@ def _positional_arity(fn: Callable) -> Optional[tuple[int, int, bool, list[str]]
 
 def arity_mistake(fn: Callable, kind: str, where: str) -> Optional[str]:
     """What is wrong when ``fn``, passed as a ``kind`` ("mask_mod" or "score_mod"), cannot take that
-    kind's arguments; None when it can (or its signature cannot be read)."""
+    kind's arguments, and where ``fn`` is defined; None when it can (or its signature cannot be read)."""
+    mistake = _arity_mistake(fn, kind, where)
+    site = definition_site(fn)
+    return f"{mistake}; {mod_name(fn)} is defined at {site}" if mistake and site else mistake
+
+
+def _arity_mistake(fn: Callable, kind: str, where: str) -> Optional[str]:
     arity = _positional_arity(fn)
     if arity is None:
         return None

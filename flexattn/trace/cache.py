@@ -18,7 +18,8 @@ from .numbers import SIZE_QUERIES, NumberTrace, TracedNumber, sizes_of, substitu
 from .reads import (
     ANCHOR, ATTR, CELL, INDEX, ITEM, MISSING, Walker, alias_pattern, code_of, read, tensor_meta, walk,
 )
-from .record import describe_mod, trace
+from ..errors import describe_mod
+from .record import trace
 from .traced import ARGS_OF_KIND, NUMBER_INT_LIMIT, TracedMod, counts
 
 __all__ = ["trace_mod", "with_stand_ins", "with_values"]

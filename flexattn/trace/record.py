@@ -18,13 +18,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..errors import InvalidInputError, ModTraceError
+from ..errors import InvalidInputError, ModTraceError, describe_mod
 from .numbers import (
     NUMBER_TYPES, SIZE_QUERIES, NumberTrace, TracedNumber, data_positions, leaves_of, sizes_of, substituted,
 )
 from .traced import ARGS_OF_KIND, INDEX_DTYPE, SCORE_DTYPE, SCORE_MOD_ARGS, CapturedInput, CapturedNumber, TracedMod
 
-__all__ = ["GetItemToIndex", "GathersReadZero", "gather_or_zero", "trace", "describe_mod"]
+__all__ = ["GetItemToIndex", "GathersReadZero", "gather_or_zero", "trace"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _THIS_PACKAGE = os.path.dirname(os.path.abspath(__file__))
@@ -127,13 +127,6 @@ def _where(frame: Optional[traceback.FrameSummary]) -> str:
         return "at an unknown line"
     line = (frame.line or "").strip()
     return f"at {frame.filename}:{frame.lineno} (in {frame.name}): {line}"
-
-
-def describe_mod(fn: Callable, kind: str) -> str:
-    name = getattr(fn, "__name__", type(fn).__name__)
-    code = getattr(fn, "__code__", None)
-    where = f" defined at {code.co_filename}:{code.co_firstlineno}" if code is not None else ""
-    return f"{kind} '{name}'{where}"
 
 
 _DATA_DEPENDENT_HINT = (
