@@ -35,6 +35,8 @@ SPLIT = 40  # the documents' boundary; the variants move it inside the same bloc
 # What a hang costs a case (a prompt error takes well under a second); FLEXATTN_FUZZ_TIMEOUT_S sets it.
 GLOO_TIMEOUT_S = float(os.environ.get("FLEXATTN_FUZZ_TIMEOUT_S", "20"))
 PHASES = ("first", "later")
+# "cpu": gloo ranks (the CI); "cuda": NCCL, one GPU per rank (the GPU test sets it).
+DEVICE = os.environ.get("FLEXATTN_FUZZ_DEVICE", "cpu")
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ class Kind:
 
 
 def _documents(split: int = SPLIT, dtype=torch.int32) -> torch.Tensor:
-    doc = torch.zeros(L, dtype=dtype)
+    doc = torch.zeros(L, dtype=dtype, device=DEVICE)
     doc[split:] = 1
     return doc
 
@@ -97,7 +99,7 @@ def _document_mask(doc: torch.Tensor):
 def _block_mask(mask_mod, length: int = L):
     from flexattn import create_block_mask
 
-    return create_block_mask(mask_mod, None, None, length, length, device="cpu", BLOCK_SIZE=BLOCK)
+    return create_block_mask(mask_mod, None, None, length, length, device=DEVICE, BLOCK_SIZE=BLOCK)
 
 
 def _cp(block_mask=None, **kwargs):
@@ -111,8 +113,8 @@ def _cp(block_mask=None, **kwargs):
 def _shards(cp, batch: int = 1, heads: int = H, dtype=torch.float32, requires_grad: bool = False):
     generator = torch.Generator().manual_seed(0)  # the same global tensors on every rank
     lengths = zip(cp.plan.block_mask.seq_lengths + cp.plan.block_mask.seq_lengths[1:], ("query", "key", "key"))
-    return [cp.shard(torch.randn(batch, heads, n, E, generator=generator).to(dtype), role).requires_grad_(requires_grad)
-            for n, role in lengths]
+    return [cp.shard(torch.randn(batch, heads, n, E, generator=generator).to(DEVICE, dtype), role)
+            .requires_grad_(requires_grad) for n, role in lengths]
 
 
 # Mods. The variants of a kind pick among these by index.
@@ -200,7 +202,8 @@ def _tables(v):
     num = torch.full((1, 1, rows), 2, dtype=torch.int32)
     idx = torch.tensor([[0, 3], [0, 1], [0, 2], [2, 3]], dtype=torch.int32)
     idx[0] = torch.tensor([[0, 3], [1, 2], [0, 2]][v])
-    return BlockMask.from_kv_blocks(num, idx.view(1, 1, rows, 2), BLOCK_SIZE=BLOCK, seq_lengths=(L, L))
+    return BlockMask.from_kv_blocks(num.to(DEVICE), idx.view(1, 1, rows, 2).to(DEVICE), BLOCK_SIZE=BLOCK,
+                                    seq_lengths=(L, L))
 
 
 def _tables_later(v):
@@ -286,7 +289,7 @@ def _auto_setup(limit_of_variant: Callable[[int], int], v: int):
     world = dist.get_world_size()
     latency = CostModel(flops_per_s=1e15, link_bytes_per_s=1e12, step_latency_s=1.0, memory_bytes_per_s=1e12)
     memory = CostModel(flops_per_s=1e15, link_bytes_per_s=1e15, step_latency_s=0.0, memory_bytes_per_s=1e3)
-    cross = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 4 * L, L, device="cpu",
+    cross = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 4 * L, L, device=DEVICE,
                               BLOCK_SIZE=BLOCK)
     for block_mask, model in ((_block_mask(_document_mask(_documents())), latency), (cross, memory)):
         plan = Plan(block_mask, world, "mask", "auto", model)
@@ -317,11 +320,11 @@ def _cost_model_later(v):
 
 def _score_tensor_first(v):
     cp = _cp()
-    cp.flex_attention(*_shards(cp), score_mod=_alibi_mod(torch.tensor([0.5, 0.25]) * (1 + v)))
+    cp.flex_attention(*_shards(cp), score_mod=_alibi_mod(torch.tensor([0.5, 0.25], device=DEVICE) * (1 + v)))
 
 
 def _score_tensor_later(v):
-    slopes = torch.tensor([0.5, 0.25])
+    slopes = torch.tensor([0.5, 0.25], device=DEVICE)
     alibi = _alibi_mod(slopes)
     cp = _cp()
     cp.flex_attention(*_shards(cp), score_mod=alibi)
@@ -454,7 +457,10 @@ def run(world: int, cases: list, out_dir: str, timeout: float):
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # the ranks share 2 cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
     with open(os.path.join(out_dir, "cases.json")) as f:
         cases = [Case(c["kind"], c["phase"], c["world"], tuple(c["variants"])) for c in json.load(f)]

@@ -6,8 +6,9 @@ Every kind of difference (tests/disagreement_cases.py: lengths, tables, code, ca
 numbers, score_mods, options, dtypes, shapes, gradients, a rank whose own checks fail) in its first
 and later phase, at 2 and 3 gloo ranks: one spawn per world size runs them all (about half a minute
 each on 2 cores). ``FLEXATTN_FUZZ_LONG=1`` adds random cases (random kinds, phases and variants per
-rank, 2 to 4 ranks; ``FLEXATTN_FUZZ_SEED``, ``FLEXATTN_FUZZ_COUNT``). The digest's own properties
-and the error's text need no ranks.
+rank, 2 to 4 ranks; ``FLEXATTN_FUZZ_SEED``, ``FLEXATTN_FUZZ_COUNT``). The digests' own
+properties need no ranks. On a machine with two GPUs the GPU tests run the CI slice under NCCL and
+check that a digest is the same on the GPU as on the CPU.
 """
 
 import os
@@ -51,8 +52,9 @@ def _ranks_text(ranks: list) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-def _check(spawned, case: Case, long: bool = False) -> None:
-    outcomes, failure = spawned(case.world, long)
+def _check(spawn: tuple, case: Case) -> None:
+    """``spawn``: what disagreement_cases.run returned for a run holding ``case``."""
+    outcomes, failure = spawn
     per_rank = outcomes.get(case.id)
     if per_rank is None or None in per_rank:
         pytest.fail(f"{case.id}: not every rank reported ({failure})")
@@ -81,13 +83,13 @@ def _check(spawned, case: Case, long: bool = False) -> None:
 
 @pytest.mark.parametrize("case", [c for world in WORLDS for c in ci_cases(world) if c.disagree], ids=lambda c: c.id)
 def test_disagreeing_ranks_raise_the_same_error_promptly(spawned, case):
-    _check(spawned, case)
+    _check(spawned(case.world), case)
 
 
 @pytest.mark.parametrize("case", [c for world in WORLDS for c in ci_cases(world) if not c.disagree],
                          ids=lambda c: c.id)
 def test_agreeing_ranks_run(spawned, case):
-    _check(spawned, case)
+    _check(spawned(case.world), case)
 
 
 @pytest.mark.skipif(not LONG, reason="the long fuzz run: FLEXATTN_FUZZ_LONG=1")
@@ -96,10 +98,43 @@ def test_disagreement_fuzz_long(spawned, world):
     failures = []
     for case in _cases(world, True):
         try:
-            _check(spawned, case, long=True)
+            _check(spawned(world, long=True), case)
         except (AssertionError, pytest.fail.Exception) as err:
             failures.append(f"{case.id}: {err}")
     assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.gpu
+def test_disagreeing_ranks_on_two_gpus_under_nccl(tmp_path, monkeypatch):
+    # The NCCL side: the record on the rank's GPU, the digests on the tensors' GPU, the second
+    # round's all_gather_object under NCCL. The CI slice at 2 ranks, the tensors on the GPUs.
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (one per rank)")
+    monkeypatch.setenv("FLEXATTN_FUZZ_DEVICE", "cuda")  # read by the spawned ranks
+    cases = ci_cases(2)
+    spawn = run(2, cases, str(tmp_path), SPAWN_TIMEOUT_S)
+    failures = []
+    for case in cases:
+        try:
+            _check(spawn, case)
+        except (AssertionError, pytest.fail.Exception) as err:
+            failures.append(f"{case.id}: {err}")
+    assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.gpu
+def test_contents_digest_is_the_same_on_the_gpu(monkeypatch):
+    # A rank's digests are computed where its tensors are: equal contents must give equal digests
+    # on any device (chunks of 256 words here, so several chunks are crossed).
+    from flexattn.distributed import agreement
+
+    monkeypatch.setattr(agreement, "_WORD_CHUNK", 256)
+    torch.manual_seed(0)
+    for t in (torch.randn(1000), torch.randint(-2**31, 2**31 - 1, (3, 333), dtype=torch.int32),
+              torch.rand(77) > 0.5, torch.randn(601, dtype=torch.bfloat16), torch.arange(5, dtype=torch.int64)):
+        assert int(tensor_digest(t.cuda())) == int(tensor_digest(t)), t.dtype
+    keys = torch.randint(0, 1 << 40, (5000,))
+    assert int(entries_digest(keys.cuda())) == int(entries_digest(keys))
 
 
 # ---------------------------------------------------------------------------------------------
