@@ -236,6 +236,26 @@ def _mask_code_later(v):
     cp.flex_attention(*_shards(cp))
 
 
+def _window_mask(window: int):
+    def near(b, h, q_idx, kv_idx):  # wider than the sequence: the same tables for every window
+        return (q_idx - kv_idx < window) & (kv_idx - q_idx < window)
+
+    return near
+
+
+def _mask_number_later(v):
+    window = 4 * L
+
+    def near(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx < window) & (kv_idx - q_idx < window)
+
+    cp = _cp(_block_mask(near))
+    cp.flex_attention(*_shards(cp))
+    if v:
+        window = 4 * L + v  # rebinds the cell the mask_mod reads
+    cp.flex_attention(*_shards(cp))
+
+
 def _mask_tensor_first(v):
     _cp(_block_mask(_document_mask(_documents(SPLIT + v))))  # a boundary moved inside one tile (issue 50, 7)
 
@@ -368,6 +388,10 @@ KINDS = {kind.name: kind for kind in [
     Kind("tables", "partial tiles", lambda v: _cp(_tables(v)), _tables_later, variants=3,
          expect_later="the ContextParallel called"),
     Kind("mask_mod code", "the mask_mod's traced graph", _mask_code_first, _mask_code_later),
+    # A Python number the mask_mod reads: in its traced graph today, a kernel argument once numbers
+    # are passed at run time; either way a difference must raise.
+    Kind("mask_mod number", "the mask_mod", lambda v: _cp(_block_mask(_window_mask(4 * L + v))), _mask_number_later,
+         variants=3),
     Kind("mask_mod tensor", "the contents of the mask_mod's captured input 'doc'", _mask_tensor_first,
          _mask_tensor_later, variants=3),
     Kind("mask_mod tensor dtype", "the dtype and shape of the mask_mod's captured input", _mask_dtype_first,

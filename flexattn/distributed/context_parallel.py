@@ -46,8 +46,9 @@ def _mod_facts(check: Agreement, mod, kind: str) -> list:
     each captured input it reads now (tensors by contents, numbers by value). Returns the inputs."""
     traced, captured = trace_mod(mod, kind)
     check.digest(f"the {kind}'s traced graph", traced.signature_text())
-    for spec, value in zip(traced.captured, captured):
-        check.contents(f"the {kind}'s captured input {spec.name!r}", value)
+    names = [spec.name for spec in traced.captured]
+    for i, value in enumerate(captured):  # every input passed at run time, named where the trace names it
+        check.contents(f"the {kind}'s captured input {names[i] if i < len(names) else i!r}", value)
     return captured
 
 
