@@ -4,8 +4,8 @@ and 8).
 
 Every kind of difference (tests/disagreement_cases.py: lengths, tables, code, captured tensors and
 numbers, score_mods, options, dtypes, shapes, gradients, a rank whose own checks fail) in its first
-and later phase, at 2 and 3 gloo ranks: one spawn per world size runs them all (about half a minute
-each on 2 cores). ``FLEXATTN_FUZZ_LONG=1`` adds random cases (random kinds, phases and variants per
+and later phase, at 2 and 3 gloo ranks, and the same calls with every rank agreeing: one spawn per
+world size runs them all (about 25 s for both on 2 cores). ``FLEXATTN_FUZZ_LONG=1`` adds random cases (random kinds, phases and variants per
 rank, 2 to 4 ranks; ``FLEXATTN_FUZZ_SEED``, ``FLEXATTN_FUZZ_COUNT``). The digests' own
 properties need no ranks. On a machine with two GPUs the GPU tests run the CI slice under NCCL and
 check that a digest is the same on the GPU as on the CPU.
