@@ -9,6 +9,12 @@ class InvalidInputError(FlexAttentionError, ValueError):
     """A tensor, option or BlockMask passed to the public API does not fit the others."""
 
 
+class RankDisagreementError(InvalidInputError):
+    """The ranks of a context-parallel group were given different calls (or some could not make
+    theirs). Raised on every rank with the same message, which names what differs and which ranks
+    have which (flexattn/distributed/agreement.py)."""
+
+
 class ModTraceError(FlexAttentionError, RuntimeError):
     """A score_mod or mask_mod could not be turned into a graph (control flow on a tensor, .item(), ...)."""
 

@@ -95,13 +95,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, out_dir: str, timeout: float) -> tuple[dict, Optional[str]]:
-    """Start ``world`` gloo ranks that run ``cases(world)``; returns (rank 0's results by case id,
-    the failure: a rank's traceback, or a timeout, or None)."""
+def spawn_ranks(entry, world: int, args: tuple, timeout: float) -> Optional[str]:
+    """Start ``world`` processes running ``entry(rank, world, port, *args)`` (spawned, with a free
+    port for init_process_group) and wait at most ``timeout`` seconds; returns the failure (a rank's
+    exception, or the timeout) or None. Ranks still alive at the end are killed."""
     import torch.multiprocessing as mp
 
-    port = free_port()
-    context = mp.start_processes(_rank_main, args=(world, port, out_dir), nprocs=world, join=False,
+    context = mp.start_processes(entry, args=(world, free_port(), *args), nprocs=world, join=False,
                                  start_method="spawn")
     deadline = time.monotonic() + timeout
     failure = None
@@ -116,6 +116,13 @@ def run_ranks(world: int, out_dir: str, timeout: float) -> tuple[dict, Optional[
         for process in context.processes:
             if process.is_alive():
                 process.kill()
+    return failure
+
+
+def run_ranks(world: int, out_dir: str, timeout: float) -> tuple[dict, Optional[str]]:
+    """Start ``world`` gloo ranks that run ``cases(world)``; returns (rank 0's results by case id,
+    the failure: a rank's traceback, or a timeout, or None)."""
+    failure = spawn_ranks(_rank_main, world, (out_dir,), timeout)
     results = {}
     for rank in range(world):
         path = os.path.join(out_dir, f"rank{rank}.jsonl")

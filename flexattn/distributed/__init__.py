@@ -8,11 +8,12 @@
     out_l = cp.flex_attention(q_l, k_l, v_l, score_mod=alibi)
     out = cp.unshard(out_l)
 
-``sharding`` (units and the balance modes) -> ``cost`` (the cost model) -> ``plan`` (the plan, the
-same on every rank: layouts, which K/V shards each rank needs, rounds and step masks) -> ``comm``
-(torch.distributed) -> ``step`` (one step as flex_attention runs it; the merge) -> ``ring`` (the
-forward and backward loops) -> ``context_parallel`` (``ContextParallel``). docs/context_parallel.md
-describes the design, the schedule and the cost model.
+``sharding`` (units and the balance modes) -> ``cost`` (the cost model) -> ``agreement`` (the
+ranks' check that they were given the same mask and calls) -> ``plan`` (the plan, the same on
+every rank: layouts, which K/V shards each rank needs, rounds and step masks) -> ``comm``
+(torch.distributed's transfers) -> ``step`` (one step as flex_attention runs it; the merge) ->
+``ring`` (the forward and backward loops) -> ``context_parallel`` (``ContextParallel``).
+docs/context_parallel.md describes the design, the schedule, the agreement and the cost model.
 """
 
 from .context_parallel import ContextParallel

@@ -1,6 +1,7 @@
-"""What context parallelism asks of torch.distributed: point-to-point rounds and one agreement check.
+"""What context parallelism asks of torch.distributed for its transfers: point-to-point rounds
+(the ranks' agreement check is agreement.py).
 
-Only APIs present since torch 2.0 are used (``P2POp``, ``batch_isend_irecv``, ``all_gather``,
+Only APIs present since torch 2.0 are used (``P2POp``, ``batch_isend_irecv``,
 ``get_global_rank``), so the module works on every torch flexattn supports. NCCL runs the p2p ops of
 a round on its own stream, ordered after the work already queued on the current stream, and
 ``Work.wait()`` makes the current stream wait for them without blocking the host: the transfer of
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from ..errors import InvalidInputError
 
-__all__ = ["Exchange", "as_process_group", "agree"]
+__all__ = ["Exchange", "as_process_group"]
 
 
 def as_process_group(group):
@@ -53,24 +54,3 @@ class Exchange:
         ops = [dist.P2POp(dist.isend, tensor, self._global[peer], self.group) for tensor, peer in sends]
         ops += [dist.P2POp(dist.irecv, tensor, self._global[peer], self.group) for tensor, peer in recvs]
         return dist.batch_isend_irecv(ops) if ops else []
-
-
-def agree(group, fields: dict, device: torch.device, what: str, fix: str) -> None:
-    """Raise InvalidInputError naming the fields on which the ranks of ``group`` disagree.
-
-    ``fields``: named integers (one all_gather of them all). ``what`` is what they describe, ``fix``
-    what the caller should do about a difference.
-    """
-    world = dist.get_world_size(group)
-    mine = torch.tensor([int(v) for v in fields.values()], dtype=torch.long, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
-    table = torch.stack(gathered).cpu()
-    differ = []
-    for i, name in enumerate(fields):
-        column = table[:, i]
-        if bool((column != column[0]).any()):
-            values = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(column.tolist()))
-            differ.append(f"{name} ({values})")
-    if differ:
-        raise InvalidInputError(f"ContextParallel: the ranks disagree on {what}: " + "; ".join(differ) + f". {fix}")

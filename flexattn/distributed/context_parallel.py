@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
-import struct
 import sys
 import warnings
-import zlib
 from typing import Optional
 
 import torch
@@ -16,12 +14,14 @@ import torch.distributed as dist
 from ..codegen import debug_enabled
 from ..errors import InvalidInputError
 from ..lowering import mod_index_dtype
-from ..masks import as_block_mask, torch_counterpart
+from ..masks import as_block_mask, noop_mask, torch_counterpart
+from ..masks.layout import cdiv
 from ..options import AuxOutput, AuxRequest, normalize_kernel_options, why_ignored
 from ..trace import trace_mod
-from .comm import Exchange, agree, as_process_group
+from .agreement import Agreement
+from .comm import Exchange, as_process_group
 from .cost import CostModel, Problem
-from .plan import SCHEDULES, Plan, mask_digest
+from .plan import SCHEDULES, Plan, tiles_digest
 from .ring import ContextParallelFunction, RankRun
 from .sharding import BALANCE_MODES, Layout
 from .step import step_call
@@ -32,6 +32,40 @@ logger = logging.getLogger("flexattn.distributed")
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _ROLES = ("query", "key")
+
+_FIX_MASK = ("Every rank must build the same global mask (same mask_mod, lengths, block size and captured tensors, "
+             "e.g. document ids broadcast from rank 0) and pass the same balance and schedule")
+_FIX_CALL = ("Every rank must make the same calls in the same order: cp.flex_attention with its own shards of the "
+             "same tensors (same batch, heads, head_dim, dtype, requires_grad), the same score_mod reading the same "
+             "tensors and numbers, scale and options, on the same ContextParallel")
+_FIX_UNSHARD = "Every rank must call cp.unshard with its own shard of the same tensor (cp.flex_attention's output)"
+
+
+def _mod_facts(check: Agreement, mod, kind: str) -> list:
+    """State what a mod computes with: its traced graph (its code) and each captured input it reads
+    now: tensors by contents, the Python numbers it reads (inputs of the graph, trace/numbers.py)
+    by value. Returns the inputs."""
+    traced, captured = trace_mod(mod, kind)
+    check.digest(f"the {kind}'s traced graph", traced.signature_text())
+    names = [spec.name for spec in traced.captured]
+    for i, value in enumerate(captured):  # every input passed at run time, named where the trace names it
+        check.contents(f"the {kind}'s captured input {names[i] if i < len(names) else i!r}", value)
+    return captured
+
+
+def _mask_facts(check: Agreement, bm) -> None:
+    """State what every rank's BlockMask must agree on: lengths, block size, the tables' shapes and
+    the sets of tiles they list, and the mask_mod (_mod_facts)."""
+    check.value("Q_LEN, KV_LEN", tuple(bm.seq_lengths))
+    check.value("BLOCK_SIZE", tuple(bm.BLOCK_SIZE))
+    check.value("shape of the tables (kv_indices)", tuple(bm.kv_indices.shape))
+    cols = max(bm.kv_indices.shape[-1], cdiv(bm.seq_lengths[1], bm.BLOCK_SIZE[1]))
+    check.digest("partial tiles (kv_num_blocks, kv_indices)", tiles_digest(bm.kv_num_blocks, bm.kv_indices, cols))
+    full = None if bm.full_kv_num_blocks is None else tiles_digest(bm.full_kv_num_blocks, bm.full_kv_indices, cols)
+    check.value("full tiles given", full is not None)
+    if full is not None:
+        check.digest("full tiles (full_kv_num_blocks, full_kv_indices)", full)
+    _mod_facts(check, bm.mask_mod or noop_mask, "mask_mod")
 
 
 class _Unshard(torch.autograd.Function):
@@ -73,7 +107,8 @@ class ContextParallel:
 
     Args:
         block_mask: the BlockMask of the whole sequence (flexattn's or torch's), on this rank's
-            device, identical on every rank (checked: a difference raises on every rank, naming it).
+            device, identical on every rank (checked, captured tensors' contents included: a
+            difference raises RankDisagreementError on every rank, naming it).
         group: a ProcessGroup, a 1-D DeviceMesh, or None for the default group (NCCL for CUDA
             tensors, gloo for CPU tensors).
         balance: how tokens are dealt to ranks. ``"mask"``: from the mask's tile counts, so every
@@ -97,28 +132,30 @@ class ContextParallel:
 
     def __init__(self, block_mask, group=None, balance: str = "mask", *, schedule: str = "auto",
                  cost_model: Optional[CostModel] = None) -> None:
-        if balance not in BALANCE_MODES:
-            raise InvalidInputError(f"ContextParallel: balance must be one of {BALANCE_MODES}, got {balance!r}")
-        if schedule not in SCHEDULES:
-            raise InvalidInputError(f"ContextParallel: schedule must be one of {SCHEDULES}, got {schedule!r}")
         self.group = as_process_group(group)
         self.exchange = Exchange(self.group)
         self.rank, self.world_size = self.exchange.rank, self.exchange.world_size
-        bm = as_block_mask(block_mask)
-        device = bm.kv_num_blocks.device
-        if dist.get_backend(self.group) == "nccl" and device.type != "cuda":
-            raise InvalidInputError(
-                f"ContextParallel: the group's backend is NCCL but the block_mask is on {device}; build it on this "
-                "rank's GPU (create_block_mask(..., device='cuda')), where the tensors will be"
-            )
-        agree(self.group, {**mask_digest(bm), "balance": BALANCE_MODES.index(balance),
-                           "schedule": SCHEDULES.index(schedule)}, device, "the block_mask",
-              "Every rank must build the same global mask (same mask_mod, lengths, block size and captured "
-              "tensors, e.g. document ids broadcast from rank 0) and pass the same balance and schedule")
-        self.plan = Plan(bm, self.world_size, balance, schedule, cost_model)
+        with Agreement(self.group, "the block_mask", _FIX_MASK) as check:
+            if balance not in BALANCE_MODES:
+                raise InvalidInputError(f"ContextParallel: balance must be one of {BALANCE_MODES}, got {balance!r}")
+            if schedule not in SCHEDULES:
+                raise InvalidInputError(f"ContextParallel: schedule must be one of {SCHEDULES}, got {schedule!r}")
+            bm = as_block_mask(block_mask)
+            device = bm.kv_num_blocks.device
+            if dist.get_backend(self.group) == "nccl" and device.type != "cuda":
+                raise InvalidInputError(
+                    f"ContextParallel: the group's backend is NCCL but the block_mask is on {device}; build it on "
+                    "this rank's GPU (create_block_mask(..., device='cuda')), where the tensors will be"
+                )
+            _mask_facts(check, bm)
+            check.value("balance", balance)
+            check.value("schedule", schedule)
+            self.plan = Plan(bm, self.world_size, balance, schedule, cost_model)
+        # Every later call states which ContextParallel it is on: two objects over one group that
+        # ranks mix up would otherwise run different plans against each other.
+        self._identity = check.agreed
         self.device = device
         self._positions: dict = {}
-        self._agreed: set = set()
         logger.debug("rank %d: %s", self.rank, self.plan.describe())
 
     # ------------------------------------------------------------------------------ sharding
@@ -155,6 +192,7 @@ class ContextParallel:
         return role, layouts[role]
 
     def _positions_of(self, role: str, layout: Layout, rank: Optional[int], device: torch.device) -> torch.Tensor:
+        # The key leaves out the layout: it is the plan's for ``role``, fixed for this object.
         key = (role, rank, device)
         positions = self._positions.get(key)
         if positions is None:
@@ -184,7 +222,11 @@ class ContextParallel:
         last layer. Padding is dropped. In the backward each rank keeps its own slice of the
         gradient, which is right when every rank computes the same loss from the whole result.
         ``role`` as in :meth:`shard`."""
-        role, layout = self._layout(x.shape[2], role, local=True)
+        with Agreement(self.group, "cp.unshard", _FIX_UNSHARD) as check:
+            role, layout = self._layout(x.shape[2], role, local=True)
+            check.value("shape", tuple(x.shape))
+            check.value("dtype", str(x.dtype))
+            check.value("role", role)
         return _Unshard.apply(x, layout, self._positions_of(role, layout, None, x.device),
                               self._positions_of(role, layout, self.rank, x.device), self.group)
 
@@ -231,17 +273,6 @@ class ContextParallel:
                 f"({B}, {Hq})"
             )
 
-    def _agree_on_call(self, fields: dict, key) -> None:
-        """The first call of each kind is checked across ranks (one all_gather); later calls of the
-        same kind are not, so a training loop pays nothing. Ranks must make their calls in the same
-        order, as for every collective."""
-        if key in self._agreed:
-            return
-        agree(self.group, fields, self.device, "the call",
-              "Every rank must call cp.flex_attention with its own shards of the same tensors (same batch, "
-              "heads, head_dim, dtype, score_mod, scale and options)")
-        self._agreed.add(key)
-
     def flex_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod=None,
                        scale: Optional[float] = None, enable_gqa: bool = False, kernel_options: Optional[dict] = None,
                        *, return_aux: Optional[AuxRequest] = None):
@@ -251,50 +282,55 @@ class ContextParallel:
         the plan holds): ``query`` [B, Hq, shard, E], ``key``/``value`` [B or 1, Hkv, shard, E/Ev],
         each from :meth:`shard`; ``score_mod`` in global positions; ``return_aux=AuxRequest(lse=...,
         max_scores=...)`` returns ``(out, AuxOutput)`` for this rank's queries, the LSE
-        differentiable. Every rank must make the same calls, and run the backward of each.
+        differentiable. Every rank must make the same calls, and run the backward of each: each
+        call is checked across ranks first (docs/context_parallel.md, "Agreement between ranks"),
+        and a difference raises :class:`~flexattn.errors.RankDisagreementError` on every rank.
 
         Gradients reach q, k and v of every rank (dK/dV return to the shard's owner) and the
         score_mod's learnable tensors: each rank's gradient there is its own queries' share, like
         that of every other parameter under context parallelism, so the data-parallel reduction
         over the context-parallel ranks (or ``dist.all_reduce(t.grad)``) sums them.
         """
-        self._check_inputs(query, key, value, enable_gqa)
-        options = self._options(kernel_options)
-        request = self._aux_request(return_aux)
-        if scale is not None and not isinstance(scale, (int, float)):
-            raise InvalidInputError(
-                f"cp.flex_attention: scale must be a Python float or None, got {type(scale).__name__}")
-        scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-        need_max = bool(request is not None and request.max_scores)
-        learnable, score_graph = [], 0
-        if score_mod is not None:
-            traced, captured = trace_mod(score_mod, "score_mod")
-            learnable = [t for t in captured if isinstance(t, torch.Tensor) and t.requires_grad]
-            # The graph and the Python numbers it takes (their values are inputs, not in its code).
-            numbers = captured[len(traced.captured):]
-            score_graph = zlib.crc32((traced.graph_module.code + repr(numbers)).encode())
-        needs_grad = torch.is_grad_enabled() and (
-            query.requires_grad or key.requires_grad or value.requires_grad or bool(learnable))
-        B, Hq, _, E = query.shape
-        Bk, Hkv, _, Ev = value.shape
-        problem = Problem(B, Hq, Bk, Hkv, E, Ev, query.element_size())
-        fields = {
-            "batch": B, "query heads": Hq, "key/value batch": Bk, "key/value heads": Hkv, "head_dim": E,
-            "value head_dim": Ev, "dtype": _FLOAT_DTYPES.index(query.dtype), "enable_gqa": enable_gqa,
-            "gradient needed": needs_grad, "max_scores requested": need_max,
-            "scale": struct.unpack("<q", struct.pack("<d", scale))[0], "score_mod's traced graph": score_graph,
-            "kernel_options": zlib.crc32(repr(sorted(options.items())).encode()),
-        }
-        self._agree_on_call(fields, tuple(fields.values()))
-
-        plan = self.plan
-        schedule = plan.schedule = plan.choose_schedule(problem)
-        rank_plan = plan.rank_plan(self.rank, schedule)
-        q_len, kv_len = plan.block_mask.seq_lengths
-        position_dtype = (mod_index_dtype(score_mod, "score_mod", B, Hq, q_len, kv_len) if score_mod is not None
-                          else torch.int32)
-        calls = [step_call(step, score_mod, position_dtype, query, options, scale, needs_grad, need_max)
-                 for step in rank_plan.steps]
+        with Agreement(self.group, "the call", _FIX_CALL) as check:
+            check.digest("the ContextParallel called (its block_mask, balance and schedule)", self._identity)
+            self._check_inputs(query, key, value, enable_gqa)
+            options = self._options(kernel_options)
+            request = self._aux_request(return_aux)
+            if scale is not None and not isinstance(scale, (int, float)):
+                raise InvalidInputError(
+                    f"cp.flex_attention: scale must be a Python float or None, got {type(scale).__name__}")
+            scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+            need_max = bool(request is not None and request.max_scores)
+            check.value("score_mod given", score_mod is not None)
+            learnable = []
+            if score_mod is not None:
+                learnable = [t for t in _mod_facts(check, score_mod, "score_mod")
+                             if isinstance(t, torch.Tensor) and t.requires_grad]
+            # The step masks read the mask_mod's captured tensors as they are now, on every call.
+            _mod_facts(check, self.plan.block_mask.mask_mod or noop_mask, "mask_mod")
+            needs_grad = torch.is_grad_enabled() and (
+                query.requires_grad or key.requires_grad or value.requires_grad or bool(learnable))
+            B, Hq, _, E = query.shape
+            Bk, Hkv, _, Ev = value.shape
+            problem = Problem(B, Hq, Bk, Hkv, E, Ev, query.element_size())
+            facts = {
+                "batch": B, "query heads": Hq, "key/value batch": Bk, "key/value heads": Hkv, "head_dim": E,
+                "value head_dim": Ev, "query and key shard lengths": (query.shape[2], key.shape[2]),
+                "dtype": str(query.dtype), "enable_gqa": enable_gqa, "gradient needed": needs_grad,
+                "max_scores requested": need_max, "scale": scale, "kernel_options": repr(sorted(options.items())),
+            }
+            for name, fact in facts.items():
+                check.value(name, fact)
+            plan = self.plan
+            # A cost model may differ by rank (CostModel.for_device): the choice itself must agree.
+            schedule = plan.schedule = plan.choose_schedule(problem)
+            check.value("schedule chosen", schedule)
+            rank_plan = plan.rank_plan(self.rank, schedule)
+            q_len, kv_len = plan.block_mask.seq_lengths
+            position_dtype = (mod_index_dtype(score_mod, "score_mod", B, Hq, q_len, kv_len) if score_mod is not None
+                              else torch.int32)
+            calls = [step_call(step, score_mod, position_dtype, query, options, scale, needs_grad, need_max)
+                     for step in rank_plan.steps]
         if debug_enabled():
             print(f"[flexattn] context parallel rank {self.rank}/{self.world_size}: schedule={schedule}, "
                   f"{len(calls)} steps, receives {rank_plan.received_shards()} and sends {rank_plan.sent_shards()} "

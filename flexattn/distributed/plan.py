@@ -38,7 +38,6 @@ index, so equal inputs give equal plans.
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,13 +47,13 @@ from ..errors import InvalidInputError
 from ..lowering import mod_index_dtype
 from ..masks import TABLES_IN_RANGE, BlockMask, as_block_mask, mod_name, noop_mask, sliced_rows_mask_mod
 from ..masks.layout import cdiv, dense_to_ordered, ordered_to_dense, transposed_tables
-from ..trace import trace_mod
+from .agreement import entries_digest
 from .cost import CostModel, Problem, StepCost, gather_seconds, ring_seconds
 from .sharding import (
     BALANCE_MODES, Layout, contiguous_units, imbalance, mask_balanced_units, padded_units, zigzag_units,
 )
 
-__all__ = ["SCHEDULES", "Plan", "RankPlan", "Round", "Step", "mask_digest", "global_mask_mod", "global_score_mod"]
+__all__ = ["SCHEDULES", "Plan", "RankPlan", "Round", "Step", "tiles_digest", "global_mask_mod", "global_score_mod"]
 
 SCHEDULES = ("auto", "ring", "allgather")
 
@@ -117,7 +116,8 @@ class Step:
     kv_positions: torch.Tensor
 
     def positions(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The position tables in ``dtype`` (int32 or int64), kept for the next call."""
+        """The position tables in ``dtype`` (int32 or int64), kept for the next call (the key
+        leaves out the tables: they are this step's own, never written)."""
         cache = self.__dict__.setdefault("_positions", {})
         if dtype not in cache:
             cache[dtype] = (self.q_positions.to(dtype), self.kv_positions.to(dtype))
@@ -126,6 +126,10 @@ class Step:
     def score_mod_at(self, score_mod, dtype: torch.dtype):
         """``score_mod`` at this step's global positions. The wrappers of the last few score_mods are
         kept, so a training loop passes the same objects every call (the trace cache's fast path)."""
+        # Keyed by the callable itself (held here, so its id cannot come back for another) and the
+        # position dtype. What the key leaves out: everything the callable reads. Safe: the wrapper
+        # calls it, so each trace reads it as it is now, and ContextParallel's per-call agreement
+        # hashes its graph and captured inputs before any step runs.
         kept = self.__dict__.setdefault("_score_mods", [])
         for fn, kept_dtype, wrapped in kept:
             if fn is score_mod and kept_dtype == dtype:
@@ -152,40 +156,22 @@ class RankPlan:
         return sum(len(r.send_to) for r in self.rounds)
 
 
-def _checksum(num: torch.Tensor, idx: torch.Tensor, cols: int) -> tuple[int, int]:
-    """Two hashes of the set of used entries (b, h, row, col) of one table; padding is ignored."""
+def tiles_digest(num: torch.Tensor, idx: torch.Tensor, cols: int) -> int:
+    """A digest of the set of used entries (b, h, row, col) of one table (``num``, ``idx``).
+
+    What it leaves out, and why that is safe: the padding past each row's count and the order of a
+    row's entries. Neither changes which tiles a kernel visits, and the plan reads the tables only
+    through dense maps (``_row_maps``), where both are gone."""
     B, H, rows, width = idx.shape
-    sums = [0, 0]
+    total = torch.zeros((), dtype=torch.int64, device=idx.device)
     step = max(1, _SCAN_ENTRIES // max(1, B * H * width))
     batch_head = torch.arange(B * H, device=idx.device).view(B, H, 1, 1)
     for start in range(0, rows, step):
         n, i = num[:, :, start:start + step], idx[:, :, start:start + step].long()
         used = torch.arange(width, device=i.device) < n.unsqueeze(-1)
         row = torch.arange(start, start + n.shape[2], device=i.device).view(1, 1, -1, 1)
-        flat = ((batch_head * rows + row) * cols + i)[used]
-        for k, (mul, add) in enumerate(((1000003, 12345), (7919, 104729))):
-            sums[k] = (sums[k] + int(((flat * mul + add) % 2147483647).sum())) % 2147483647
-    return sums[0], sums[1]
-
-
-def mask_digest(block_mask) -> dict:
-    """What every rank's BlockMask must agree on, as named integers: lengths, block size, the shapes
-    of the tables, hashes of their used entries, and a hash of the mask_mod's traced graph."""
-    bm = as_block_mask(block_mask)
-    cols = max(bm.kv_indices.shape[-1], cdiv(bm.seq_lengths[1], bm.BLOCK_SIZE[1]))
-    partial = _checksum(bm.kv_num_blocks, bm.kv_indices, cols)
-    full = (-1, -1) if bm.full_kv_num_blocks is None else _checksum(bm.full_kv_num_blocks, bm.full_kv_indices, cols)
-    traced, values = trace_mod(bm.mask_mod, "mask_mod")
-    graph = traced.graph_module.code + repr(values[len(traced.captured):])  # with the numbers it takes
-    B, H, rows, width = bm.kv_indices.shape
-    return {
-        "Q_LEN": bm.seq_lengths[0], "KV_LEN": bm.seq_lengths[1],
-        "Q_BLOCK": bm.BLOCK_SIZE[0], "KV_BLOCK": bm.BLOCK_SIZE[1],
-        "batch of the tables": B, "heads of the tables": H, "rows of the tables": rows, "width of the tables": width,
-        "partial tiles (kv_num_blocks, kv_indices)": (partial[0] << 31) | partial[1],
-        "full tiles (full_kv_num_blocks, full_kv_indices)": -1 if full[0] < 0 else (full[0] << 31) | full[1],
-        "mask_mod's traced graph": zlib.crc32(graph.encode()),
-    }
+        total += entries_digest(((batch_head * rows + row) * cols + i)[used])
+    return int(total)
 
 
 class Plan:
@@ -398,6 +384,9 @@ class Plan:
         if self.requested_schedule != "auto":
             return self.requested_schedule
         model = model or self.cost_model
+        # The key leaves out the tiles and layouts: this plan's own, fixed. The model is a frozen
+        # dataclass, compared by value; ranks with different models may choose differently, which
+        # ContextParallel's per-call agreement catches (the choice is one of its facts).
         choice = self._choices.get((problem, model))
         if choice is None:
             most_received = max(len(self._gather_rounds(r)[0].recv_from) for r in range(self.world_size))
@@ -412,6 +401,10 @@ class Plan:
 
     def rank_plan(self, rank: int, schedule: str) -> RankPlan:
         """``rank``'s rounds and steps for ``schedule``, with their BlockMasks (built once, kept)."""
+        # The key leaves out the tables: a schedule's step masks are built from them at its first
+        # call. Tables written in place after ContextParallel agreed on them are not supported (nor
+        # on one GPU, where a BlockMask's derived data keeps them); the mask_mod's captured
+        # tensors are read, and agreed on, at every call.
         key = (rank, schedule)
         plan = self._rank_plans.get(key)
         if plan is None:
