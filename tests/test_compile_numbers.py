@@ -21,6 +21,8 @@ from flexattn import create_block_mask, flex_attention
 from flexattn.codegen import source as codegen_source
 from flexattn.errors import InvalidInputError
 
+# On a GPU the same tests run the compiled Triton kernels (the Triton backend, float32 inputs).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 L = 128
 VALUES = (4, 9, 13, 20, 27)
 MODES = {
@@ -39,7 +41,7 @@ def _fresh_dynamo(one_thread):
 
 def qkv():
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(1, 2, L, 16, generator=g) for _ in range(3)]
+    return [torch.randn(1, 2, L, 16, generator=g).to(DEVICE) for _ in range(3)]
 
 
 def compiled(fn, mode):
@@ -92,7 +94,7 @@ def test_row_a_block_masks_mask_mod_number_keeps_its_graph_and_follows_its_value
     q, k, v = qkv()
     f, counter = compiled(lambda q, k, v, bm: flex_attention(q, k, v, block_mask=bm), mode)
     for n in (10, 20, 30, 70, 130):
-        bm = create_block_mask(prefix_lm(n), None, None, L, L, device="cpu")
+        bm = create_block_mask(prefix_lm(n), None, None, L, L, device=DEVICE)
         assert torch.allclose(f(q, k, v, bm), eager(q, k, v, block_mask=bm), atol=1e-6), n
     assert counter.frame_count == (1 if mode == "dynamic" else 2)
 
@@ -230,7 +232,7 @@ def test_a_captured_tensor_of_another_length_is_traced_again(mode):
     q, k, v = qkv()
     f, _ = compiled(lambda q, k, v, m: flex_attention(q, k, v, score_mod=m), mode)
     g = torch.Generator().manual_seed(1)
-    tables = [torch.randn(n, generator=g) for n in (5, 7, 11, 16)]
+    tables = [torch.randn(n, generator=g).to(DEVICE) for n in (5, 7, 11, 16)]
     for table in tables:
         assert torch.allclose(f(q, k, v, biased(table)), eager(q, k, v, score_mod=biased(table)), atol=1e-6)
 
@@ -293,7 +295,7 @@ def test_a_mod_factorys_tensor_of_a_new_length_follows_it(mode):
     q, k, v = qkv()
     f, _ = compiled(lambda q, k, v, t: flex_attention(q, k, v, score_mod=shifted(t * 2)), mode)
     for n in (3, 5, 8):
-        t = torch.arange(n, dtype=torch.float32)
+        t = torch.arange(n, dtype=torch.float32, device=DEVICE)
         assert torch.allclose(f(q, k, v, t), eager(q, k, v, score_mod=shifted(t * 2)), atol=1e-6)
 
 
@@ -304,7 +306,7 @@ class WindowedAttention(torch.nn.Module):
     def __init__(self, w):
         super().__init__()
         self.w = w
-        self.slopes = torch.nn.Parameter(torch.rand(2))
+        self.slopes = torch.nn.Parameter(torch.rand(2, device=DEVICE))
 
     def score_mod(self, score, b, h, q_idx, kv_idx):
         return torch.where(q_idx - kv_idx <= self.w, score, -score) + self.slopes[h] * (kv_idx - q_idx)
@@ -376,8 +378,9 @@ def test_transformers_generate_with_left_padding_compiles_without_a_break(fullgr
                                       max_position_embeddings=256)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="flexattn")
-    ids = torch.randint(1, 128, (2, 12))
-    padding = torch.ones(2, 12, dtype=torch.long)
+    model = model.to(DEVICE)
+    ids = torch.randint(1, 128, (2, 12), device=DEVICE)
+    padding = torch.ones(2, 12, dtype=torch.long, device=DEVICE)
     padding[0, :4] = 0  # left padding
     want = model.generate(ids, attention_mask=padding, max_new_tokens=3, do_sample=False, pad_token_id=0)
     torch._dynamo.utils.counters.clear()
