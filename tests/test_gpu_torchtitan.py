@@ -83,4 +83,5 @@ def test_two_gpus_with_context_parallelism_train_like_one(tmp_path):
                "--backend", "full_dtensor")["float32"]
     golden = one["torchtitan"]
     ours, single = _distance(two["flexattn"], golden), _distance(one["flexattn"], golden)
-    assert ours <= 2 * single + _floor(golden), f"context parallelism: {ours:.3g} from the golden curve, one GPU {single:.3g}"
+    assert ours <= 2 * single + _floor(golden), (
+        f"context parallelism: {ours:.3g} from the golden curve, one GPU {single:.3g}")

@@ -9,7 +9,7 @@ One call turns a torchtitan training config into one that runs on flexattn::
     trainer = config.build()
     trainer.train()
 
-or, on torchtitan's own command line, every config it registers under the same name::
+or, on torchtitan's own command line, every config of ``torchtitan.models`` under its own name::
 
     torchrun --nproc_per_node 2 -m torchtitan.train --module flexattn.integrations.torchtitan \\
         --config llama3_debugmodel --parallelism.context_parallel_degree 2
@@ -225,7 +225,7 @@ def shard_batch(model, inputs: torch.Tensor, labels: torch.Tensor, extra_kwargs:
     # Tokens are queries and keys alike, and every layer must see the same shards.
     layout = built[0].plan.q_layout
     for cp in built:
-        if not (torch.equal(cp.plan.q_layout.units, layout.units) and torch.equal(cp.plan.kv_layout.units, layout.units)):
+        if not all(torch.equal(units, layout.units) for units in (cp.plan.q_layout.units, cp.plan.kv_layout.units)):
             raise InvalidInputError(
                 f"flexattn's context parallelism: the model's masks deal tokens to ranks differently under "
                 f"cp_balance={attention.cp_balance!r}, so its layers would need different shards. Use "
@@ -254,8 +254,9 @@ class FlexattnTrainer(Trainer):
         attention = _check_context_parallel(config)
         super().__init__(config)
         if attention is not None:
-            logger.info(f"flexattn: context parallelism deals tokens with cp_balance={attention.cp_balance!r} and runs "
-                        f"cp_schedule={attention.cp_schedule!r}; parallelism.context_parallel_load_balancer is not read")
+            logger.info(f"flexattn: context parallelism deals tokens with cp_balance={attention.cp_balance!r} and "
+                        f"runs cp_schedule={attention.cp_schedule!r}; parallelism.context_parallel_load_balancer "
+                        "is not read")
 
     def post_dataloading_process(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor):
         attention = _attention_config(self.model_config)
@@ -367,4 +368,5 @@ def __getattr__(name: str):
             config.__name__ = config.__qualname__ = name
             config.__doc__ = f"torchtitan's {name} on flexattn (use_flexattn)."
             return config
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r} (and torchtitan registers no config of that name)")
+    raise AttributeError(
+        f"module {__name__!r} has no attribute {name!r} (and torchtitan registers no config of that name)")
