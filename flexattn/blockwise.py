@@ -326,6 +326,17 @@ def _scores(raw, score_mod, score_captured, index_args, dtype) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
+# [Note] Selective activation checkpointing
+# torch.utils.checkpoint's selective mode (torchtitan's default activation checkpointing) records
+# the outputs of the ops its policy saves (matmuls, typically) during the forward, and when the
+# backward recomputes the forward it hands each such op its recorded output instead of running it.
+# So the forward must never change a matmul's output in place: the recomputation would be handed
+# the changed tensor. torch checks for that through version counters, but matmul of batched inputs
+# returns an _unsafe_view of its bmm, which has a version counter of its own: the change went unseen
+# and the gradients were silently wrong. Every in-place update below acts on a tensor the forward
+# made itself (the scaled scores, the running accumulators).
+
+
 def blockwise_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -368,7 +379,8 @@ def blockwise_forward(
                 for tokens, valid in _chunks(keys, Mq, lay):
                     # -- compute qk ----
                     k_tile = _gather(k, tokens, lay)
-                    raw = _times_kv_t(q_tile, k_tile, lay).mul_(lay.scale)
+                    # Out of place: see [Note] Selective activation checkpointing.
+                    raw = _times_kv_t(q_tile, k_tile, lay) * lay.scale
                     index_args = _index_args(lay, start, stop, tokens)
                     s = _scores(raw, score_mod, score_captured, index_args, lay.dtype)
                     keep = _keep(mask_mod if is_partial else None, mask_captured, index_args, valid, keys.all_valid)

@@ -193,6 +193,39 @@ def test_torch_block_mask_objects_work_too():
     _check_forward_and_backward(q, k, v, None, varied_window, block_mask, torch.float64)
 
 
+def test_selective_activation_checkpointing_gives_the_gradients_of_no_checkpointing():
+    # torch's selective activation checkpointing (torchtitan's default) keeps the outputs of the
+    # matmuls it is told to save and hands them back, in call order, when the backward recomputes
+    # the forward. A forward that then changed such an output in place (scaling q @ k^T, say) would
+    # recompute from the changed values: matmul returns an _unsafe_view of its bmm, whose in-place
+    # changes torch's mutation check does not see, so the gradients were silently wrong.
+    import functools
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    save_matmuls = functools.partial(create_selective_checkpoint_contexts,
+                                     [torch.ops.aten.bmm.default, torch.ops.aten.mm.default])
+    block_mask = create_block_mask(causal_mask, 2, 1, 256, 256, device="cpu", BLOCK_SIZE=64)
+    q, k, v = _inputs(2, 4, 4, 256, 256, 16, 16, torch.float32)
+    weight = torch.randn(16, 16)
+
+    def layer(q, k, v, weight):  # the projection's mm is saved too, as in a model
+        return flex_attention(q @ weight, k, v, block_mask=block_mask)
+
+    def gradients(checkpointed: bool):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, weight)]
+        if checkpointed:
+            out = checkpoint(layer, *leaves, use_reentrant=False, context_fn=save_matmuls)
+        else:
+            out = layer(*leaves)
+        out.square().sum().backward()
+        return [t.grad for t in leaves]
+
+    for name, got, want in zip(("dq", "dk", "dv", "dweight"), gradients(True), gradients(False)):
+        # The same operations in the same order: the same bits.
+        assert torch.equal(got, want), f"{name}: max difference {(got - want).abs().max():.3g}"
+
+
 def test_tall_blocks_and_chunked_rows(monkeypatch):
     # 512-query blocks are split into sub-rows of Q_TILE_MAX, and a tiny chunk budget cuts every row
     # into many key chunks, so the online softmax rescales across chunks many times.
