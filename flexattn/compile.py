@@ -288,13 +288,7 @@ _CALLS: dict[str, RegisteredCall] = {}
 def _content_key(traced: Optional[TracedMod]) -> str:
     if traced is None:
         return "none"
-    fixed = [None if c.fixed_value is None else (c.fixed_value.dtype, c.fixed_value.cpu().flatten().tolist())
-             for c in traced.captured]
-    spec = [(c.name, c.shape, c.dtype, c.requires_grad, c.walk_index) for c in traced.captured]
-    numbers = [(n.name, n.kind.__name__, n.expr) for n in traced.numbers]
-    specialized = [(i, repr(v)) for i, _, v in traced.specialized]
-    text = repr((traced.kind, traced.name, traced.signature_text(), spec, fixed, numbers, specialized))
-    return f"{traced.name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    return f"{traced.name}-{hashlib.sha256(traced.content_text().encode()).hexdigest()[:16]}"
 
 
 def _layout(fn: Callable, kind: str, traced: TracedMod, values: list, device: torch.device) -> ModLayout:

@@ -5,6 +5,7 @@
 content-addressed name and imports it.
 """
 
-from .source import FAMILIES, KernelSpec, cache_dir, debug_enabled, load_kernel_module, render
+from .source import FAMILIES, KernelSpec, cache_dir, counts, debug_enabled, kernel_index, load_kernel_module, render
 
-__all__ = ["FAMILIES", "KernelSpec", "cache_dir", "debug_enabled", "load_kernel_module", "render"]
+__all__ = ["FAMILIES", "KernelSpec", "cache_dir", "counts", "debug_enabled", "kernel_index", "load_kernel_module",
+           "render"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -26,7 +27,8 @@ import jinja2
 from ..lowering import LoweredMod
 from .params import TEMPLATE_GROUPS, mods_group
 
-__all__ = ["FAMILIES", "KernelSpec", "render", "cache_dir", "load_kernel_module", "debug_enabled"]
+__all__ = ["FAMILIES", "KernelSpec", "render", "cache_dir", "load_kernel_module", "debug_enabled", "KernelIndex",
+           "counts"]
 
 TEMPLATE_DIR = Path(__file__).parent.parent / "templates"
 
@@ -140,11 +142,22 @@ def _slug(name: str) -> str:
     return re.sub(r"[^0-9a-zA-Z]+", "_", name).strip("_")[:40] or "mod"
 
 
+class Counts:
+    """Renders and index hits in this process (tests check that a warm process renders nothing)."""
+
+    renders = 0
+    index_hits = 0
+
+
+counts = Counts()
+
+
 def render(spec: KernelSpec) -> str:
     """The kernel module's source: the family's template filled with plain values.
 
     Besides the lowered mods, a template gets the declarations of codegen/params.py: its kernels'
     parameters and its helpers' groups, and this render's groups of the mods' parameters."""
+    counts.renders += 1
     template, kernel_name, _ = FAMILIES[spec.family]
     score_params = mods_group(spec.score_mod.kernel_params if spec.score_mod else ())
     mask_params = mods_group(spec.mask_mod.kernel_params if spec.mask_mod else ())
@@ -219,3 +232,76 @@ def load_kernel_module(source: str, readable_name: str) -> ModuleType:
         evicted, _ = _loaded.popitem(last=False)
         sys.modules.pop(f"flexattn_generated_{evicted}", None)
     return module
+
+
+# [Note] The kernel index. Lowering a mod and rendering its kernels costs a new process most of its
+# first call's host time with warm disk caches: a score_mod's gradient is traced through torch's
+# derivative formulas (make_fx, about 2 s for ALiBi on the first backward), sympy simplifies the
+# index arithmetic, Jinja parses the templates. The kernel index keeps, on disk beside the kernels,
+# which source file a family renders for a given input, so a later process imports that file
+# without lowering or rendering again. The key is everything the rendered source depends on:
+# the family, the traced mods' content (graph text, captured inputs' specs, frozen constants, the
+# numbers' expressions, the specialized values, names), the lowering variants, the tanh option, the
+# Triton release (the Gluon spellings follow it), and a digest of the code that renders (the
+# templates and the lowering, codegen and trace packages' files, read once per process). What it
+# leaves out, and why that is safe: the shapes and values of a call (a source is the same for every
+# call of its variants; launches choose constexprs, kept in the autotune store), and the lowering
+# table's user entries (register_lowering): a process that registered one does not use the index.
+# An entry names its source by the source's own digest, and the file is checked against it before
+# it is imported, so a stale or damaged entry costs a render, never a wrong kernel.
+
+
+def _code_digest() -> str:
+    root = Path(__file__).parent.parent
+    h = hashlib.sha256()
+    for folder in ("templates", "lowering", "codegen", "trace"):
+        for path in sorted((root / folder).rglob("*")):
+            if path.is_file() and path.suffix in (".py", ".jinja"):
+                h.update(path.relative_to(root).as_posix().encode())
+                h.update(path.read_bytes())
+    try:
+        import triton
+
+        h.update(triton.__version__.encode())
+    except ImportError:
+        pass
+    return h.hexdigest()[:16]
+
+
+class KernelIndex:
+    """Family input key -> ``{"stem", "source_digest", "readable_name", "trainable"}``, one small JSON
+    file per entry under ``<cache dir>/index`` (see [Note] The kernel index)."""
+
+    def __init__(self):
+        self._digest: Optional[str] = None
+
+    def key(self, parts: tuple) -> str:
+        if self._digest is None:
+            self._digest = _code_digest()
+        return hashlib.sha256(repr((self._digest, parts)).encode()).hexdigest()[:32]
+
+    def _path(self, key: str) -> Path:
+        return cache_dir() / "index" / f"{key}.json"
+
+    def get(self, key: str) -> Optional[tuple]:
+        """``(record, source)`` for ``key``, or None (no entry, or a file that no longer matches)."""
+        try:
+            record = json.loads(self._path(key).read_text())
+            source = (cache_dir() / "kernels" / f"{record['stem']}.py").read_text()
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if hashlib.sha256(source.encode()).hexdigest()[:16] != record.get("source_digest"):
+            return None
+        counts.index_hits += 1
+        return record, source
+
+    def put(self, key: str, record: dict) -> None:
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write_if_different(path, json.dumps(record, sort_keys=True))
+        except OSError:  # a read-only cache: the next process renders again
+            pass
+
+
+kernel_index = KernelIndex()

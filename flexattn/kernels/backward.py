@@ -137,7 +137,7 @@ class BackwardKernel(KernelFamily):
         plan = self._plans.get(key)
         if plan is None or plan.check_compiled:
             return None
-        if plan.compiled.spec.score_grad is not None and plan.compiled.spec.score_grad.trainable:
+        if plan.compiled.trainable:
             return None
         return _for_call(plan, q, k, v, grad_out)
 
@@ -158,7 +158,7 @@ class BackwardKernel(KernelFamily):
         delta = preprocess_delta(module, plan.steps["preprocess"], out, grad_out, grad_lse)
 
         # -- captured tensors and their gradient buffers ----
-        trainable = plan.compiled.spec.score_grad.trainable if plan.compiled.spec.score_grad else ()
+        trainable = plan.compiled.trainable
         dkdv = plan.steps["dkdv"]
         if plan.constexprs("dkdv")["DETERMINISTIC"] and trainable:
             stride = max(score_captured[i].numel() for i in trainable)  # one slot holds the largest
@@ -301,7 +301,7 @@ class BackwardKernel(KernelFamily):
         E, Ev = q.shape[-1], v.shape[-1]
         sparse_q, sparse_kv = block_mask.BLOCK_SIZE
         key = "|".join(str(x) for x in (
-            "backward", compiled.spec.readable_name(), compiled.source_digest, torch.cuda.get_device_name(q.device),
+            "backward", compiled.readable_name, compiled.source_digest, torch.cuda.get_device_name(q.device),
             triton.__version__, q.dtype, input_precision(q.dtype), E, Ev, next_pow2(q.shape[2]),
             next_pow2(k.shape[2]), q.shape[1] // k.shape[1], sparse_q, sparse_kv,
         ))

@@ -42,10 +42,11 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable, NamedTuple, Optional
 
-from ..codegen import KernelSpec, load_kernel_module, render
+from ..codegen import KernelSpec, kernel_index, load_kernel_module, render
 from ..codegen.params import KernelParams
 from ..errors import BackendUnavailableError, ResourceError
 from ..lowering import LoweredMod, lower, lowering_variants
+from ..lowering import ops as lowering_ops
 from ..masks.layout import cdiv
 from ..options import deterministic as requested_determinism
 from ..trace import TracedMod
@@ -61,13 +62,25 @@ __all__ = [
 @dataclass(frozen=True)
 class CompiledKernel:
     """One rendered and imported kernel module: a family's kernels with the mods lowered for one
-    lowering variant."""
+    lowering variant. What launches read of it is ``readable_name`` and ``trainable``; ``spec``, the
+    lowered mods, is lowered again on first use for a module the kernel index found on disk
+    (``make_spec``: no launch needs it)."""
 
-    spec: KernelSpec
     source: str
     source_digest: str
     module: ModuleType
     variants: tuple  # (score variant, mask variant) it was lowered for; None: any lengths
+    readable_name: str
+    # The score_mod's captured inputs with a gradient buffer in the backward kernels (LoweredScoreGrad.trainable).
+    trainable: tuple
+    lowered: Optional[KernelSpec] = None
+    make_spec: Optional[Callable[[], KernelSpec]] = None
+
+    @property
+    def spec(self) -> KernelSpec:
+        if self.lowered is None:
+            object.__setattr__(self, "lowered", self.make_spec())  # frozen: kept once made
+        return self.lowered
 
     def kernel(self, params: KernelParams):
         """The Triton kernel of this module that ``params`` declares."""
@@ -177,17 +190,44 @@ class KernelFamily:
 
     # ---------------------------------------------------------------- compiled sources
     def compiled(self, bounds=None) -> CompiledKernel:
-        """The kernels for calls within ``bounds`` (an IndexBounds); None: correct at any lengths."""
+        """The kernels for calls within ``bounds`` (an IndexBounds); None: correct at any lengths.
+        From the kernel index when an earlier process rendered them ([Note] The kernel index in
+        codegen/source.py), else lowered and rendered now (and entered in the index)."""
         variants = lowering_variants(self.score, self.mask, bounds)
         compiled = self._compiled.get(variants)
         if compiled is None:
-            spec = self._spec(variants)
-            source = render(spec)
-            compiled = self._compiled[variants] = CompiledKernel(
-                spec=spec, source=source, source_digest=hashlib.sha256(source.encode()).hexdigest()[:16],
-                module=load_kernel_module(source, spec.readable_name()), variants=variants,
-            )
+            key = self._index_key(variants)
+            found = kernel_index.get(key) if key is not None else None
+            if found is not None:
+                record, source = found
+                compiled = CompiledKernel(
+                    source=source, source_digest=record["source_digest"],
+                    module=load_kernel_module(source, record["readable_name"]), variants=variants,
+                    readable_name=record["readable_name"], trainable=tuple(record["trainable"]),
+                    make_spec=lambda: self._spec(variants))
+            else:
+                spec = self._spec(variants)
+                source = render(spec)
+                digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+                trainable = tuple(spec.score_grad.trainable) if spec.score_grad is not None else ()
+                compiled = CompiledKernel(
+                    source=source, source_digest=digest, module=load_kernel_module(source, spec.readable_name()),
+                    variants=variants, readable_name=spec.readable_name(), trainable=trainable, lowered=spec)
+                if key is not None:
+                    kernel_index.put(key, {"stem": f"{spec.readable_name()}_{digest}", "source_digest": digest,
+                                           "readable_name": spec.readable_name(), "trainable": list(trainable)})
+            self._compiled[variants] = compiled
         return compiled
+
+    def _index_key(self, variants: tuple) -> Optional[str]:
+        """The kernel index's key of this family's source for ``variants``; None where the index
+        cannot serve (a lowering table entry the user registered)."""
+        if lowering_ops.user_entries:
+            return None
+        mods = tuple(None if m is None else m.content_text() for m in (self.score, self.mask))
+        # A variant's decisions, not its graph field (a hash, which differs between processes).
+        decided = tuple(None if v is None else (sorted(v.wide), v.gathers, v.torch_overflow) for v in variants)
+        return kernel_index.key((self.kind, mods, repr(decided), self.tanh_approx))
 
     def _spec(self, variants: tuple) -> KernelSpec:
         """What the family's template takes: both mods lowered for ``variants``, and their names."""

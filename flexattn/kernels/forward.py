@@ -209,7 +209,7 @@ class ForwardKernel(KernelFamily):
         # re-derived from the call in _plan. So the key is a shape class, not the exact problem.
         key = "|".join(
             str(x) for x in (
-                compiled.spec.readable_name(), compiled.source_digest, torch.cuda.get_device_name(q.device),
+                compiled.readable_name, compiled.source_digest, torch.cuda.get_device_name(q.device),
                 triton.__version__, q.dtype, input_precision(q.dtype), E, Ev, next_pow2(q.shape[2]),
                 next_pow2(k.shape[2]), q.shape[1] // k.shape[1], sparse_q, sparse_kv, need_lse or need_max,
             )

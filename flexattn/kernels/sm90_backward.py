@@ -198,8 +198,7 @@ class Sm90BackwardKernel(GluonFamily):
         if reason is not None:
             return reason
         B, Hq, L, _ = q.shape
-        score_grad = self.compiled(index_bounds(B, Hq, L, k.shape[2])).spec.score_grad
-        if score_grad is not None and score_grad.trainable:
+        if self.compiled(index_bounds(B, Hq, L, k.shape[2])).trainable:
             return ("the score_mod's captured tensors that require grad (learnable biases) get their gradients "
                     "from the portable backward")
         return None

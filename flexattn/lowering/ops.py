@@ -556,6 +556,10 @@ def precedence_of(source: str) -> int:
     return 0
 
 
+# How many entries register_lowering added or replaced in this process.
+user_entries = 0
+
+
 def register_lowering(op: Any, fn: Optional[Fn] = None, *, inputs: str = KEEP):
     """Add (or replace) the table entry for ``op``, an aten OpOverload or OpOverloadPacket.
 
@@ -578,6 +582,8 @@ def register_lowering(op: Any, fn: Optional[Fn] = None, *, inputs: str = KEEP):
     """
     if inputs not in (RESULT, COMMON, BOOL, WHERE, KEEP):
         raise ValueError(f"inputs must be one of 'result', 'common', 'bool', 'where', 'keep'; got {inputs!r}")
+    global user_entries
+    user_entries += 1  # the kernel index (codegen/source.py) no longer serves this process
     if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         raise TypeError(f"op must be an aten op such as torch.ops.aten.erf (or .default), got {op!r}")
 

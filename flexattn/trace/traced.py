@@ -127,6 +127,21 @@ class TracedMod:
         """A stable text of the graph, for cache keys of generated kernels."""
         return self.graph_module.code
 
+    def content_text(self) -> str:
+        """Everything a kernel generated for this mod depends on, as text, the same in any process:
+        for keys kept on disk or shared between processes (the kernel index, compile.py's call
+        keys)."""
+        text = self.__dict__.get("_content_text")
+        if text is None:
+            fixed = [None if c.fixed_value is None else (str(c.fixed_value.dtype), c.fixed_value.cpu().flatten().tolist())
+                     for c in self.captured]
+            spec = [(c.name, tuple(c.shape), str(c.dtype), c.requires_grad, c.walk_index) for c in self.captured]
+            numbers = [(n.name, n.kind.__name__, n.expr) for n in self.numbers]
+            specialized = [(i, t.__name__, repr(v)) for i, t, v in self.specialized]
+            text = repr((self.kind, self.name, self.signature_text(), spec, fixed, numbers, specialized))
+            self.__dict__["_content_text"] = text
+        return text
+
     def graph_module_on(self, device: torch.device) -> torch.fx.GraphModule:
         """The graph with its factory calls (``b.new_ones(())``, ``torch.full(..., device=b.device)``)
         placed on ``device``: tracing ran on CPU tensors, so the graph records ``device=cpu``, and a

@@ -1,0 +1,56 @@
+"""The kernel index ([Note] The kernel index in flexattn/codegen/source.py): a process whose disk
+cache holds a family's source imports it without lowering or rendering, and a stale or damaged
+entry costs a render, never a wrong kernel."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+
+FIRST_CALL = r"""
+import json, sys, torch, flexattn
+from flexattn.codegen import counts
+from flexattn.variants import generate_alibi_bias, causal_mask
+q, k, v = (torch.randn(1, 4, 96, 32, requires_grad=True) for _ in range(3))
+bm = flexattn.create_block_mask(causal_mask, None, None, 96, 96, device="cpu")
+out = flexattn.flex_attention(q, k, v, score_mod=generate_alibi_bias(4, "cpu"), block_mask=bm,
+                              kernel_options={"BACKEND": "TRITON"})
+out.sum().backward()
+ref = flexattn.reference.reference_attention(*(t.double() for t in (q, k, v)),
+                                             score_mod=generate_alibi_bias(4, "cpu"), mask_mod=causal_mask)[0]
+print(json.dumps({"renders": counts.renders, "hits": counts.index_hits,
+                  "err": float((out.double() - ref).abs().max())}))
+"""
+
+
+def first_call(cache: Path, extra: str = "") -> dict:
+    env = {**os.environ, "PYTHONPATH": ROOT, "FLEXATTN_CACHE_DIR": str(cache), "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", extra + FIRST_CALL], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_warm_process_neither_lowers_nor_renders(tmp_path):
+    cold = first_call(tmp_path)
+    assert cold["renders"] == 2 and cold["hits"] == 0  # the forward and the backward family
+    warm = first_call(tmp_path)
+    assert warm == {**warm, "renders": 0, "hits": 2} and warm["err"] < 1e-5
+    # A damaged source file is not imported: that family renders again, and the result is right.
+    kernels = sorted((tmp_path / "kernels").glob("bwd_*.py"))
+    assert kernels
+    kernels[0].write_text(kernels[0].read_text().replace("tl.", "tl .", 1))
+    damaged = first_call(tmp_path)
+    assert damaged["renders"] == 1 and damaged["hits"] == 1 and damaged["err"] < 1e-5
+    # A process that registers a lowering of its own does not use the index.
+    own = "import torch\nfrom flexattn.lowering import register_lowering\n" \
+          "register_lowering(torch.ops.aten.log1p, lambda x: f'tl.log(1.0 + {x})')\n"
+    assert first_call(tmp_path, own)["hits"] == 0
