@@ -118,7 +118,11 @@ def test_create_graph_gradient_equals_torch_flex_attention(layout, leaf):
     out = flex_attention(*inputs.values(), enable_gqa=gqa)
     upstream = torch.randn_like(out)
     (grad,) = torch.autograd.grad(out, inputs[leaf], upstream, create_graph=True)
-    theirs = torch_flex_attention(*inputs.values(), enable_gqa=gqa)
+    # torch takes a key/value batch of 1 for a query batch of 2 only with a BlockMask (a full one here).
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    full = torch_create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, 2, None, L, L, device="cuda")
+    theirs = torch_flex_attention(*inputs.values(), block_mask=full, enable_gqa=gqa)
     (expected,) = torch.autograd.grad(theirs, inputs[leaf], upstream)
     assert grad.shape == expected.shape
     # Both float32 with their own summation orders; each is within 1e-4 of float64 (GRAD_TOL).

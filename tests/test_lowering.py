@@ -576,7 +576,7 @@ def run_gpu_checks():
         kernel = compile_kernel(render(lowered, mask))
         M, N = score.shape
         out = torch.empty(M, N, dtype=torch.int8 if mask else torch.float32, device="cuda")
-        extra = [x for t in captured for x in (t.cuda(), *t.stride())]
+        extra = [x for t in captured for x in ((t.cuda(), *t.stride()) if isinstance(t, torch.Tensor) else (t,))]
         kernel[(1,)](out, score.cuda(), kw["b"], kw["h"], kw["q_start"], kw["kv_start"], *extra, BLOCK_M=M, BLOCK_N=N)
         return (out.bool() if mask else out).cpu()
 
