@@ -272,16 +272,6 @@ def test_the_bench_modules_keep_their_help(module, capsys):
     assert exited.value.code == 0 and "usage:" in capsys.readouterr().out
 
 
-def test_the_old_gym_module_names_still_run_and_warn(tmp_path):
-    # Deprecated for one release: python -m flexattn.gym.benchmark is python -m flexattn.bench.forward.
-    ran = subprocess.run([sys.executable, "-W", "default", "-m", "flexattn.gym.benchmark", "--help"], cwd=tmp_path,
-                         env=_env(), capture_output=True, text=True, timeout=300)
-    assert ran.returncode == 0 and "usage:" in ran.stdout, ran.stderr
-    assert "flexattn.gym.benchmark is deprecated" in ran.stderr and "flexattn.bench.forward" in ran.stderr
-    with pytest.warns(DeprecationWarning, match="flexattn.cli.report"):
-        import flexattn.gym.report  # noqa: F401
-
-
 def test_python_m_flexattn_bench_takes_a_mode(capsys):
     from flexattn.bench.__main__ import main as bench_main
 
@@ -299,8 +289,8 @@ def test_the_repository_gym_folder_is_no_package():
 # -- from any directory: python -m and the console script --------------------------------------------
 
 
-def test_python_m_flexattn_gym_runs_from_any_directory(tmp_path):
-    ran = subprocess.run([sys.executable, "-m", "flexattn.gym", "--only", "causal", "--seq", "128", "--out", "r"],
+def test_python_m_flexattn_runs_from_any_directory(tmp_path):
+    ran = subprocess.run([sys.executable, "-m", "flexattn", "gym", "--only", "causal", "--seq", "128", "--out", "r"],
                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stderr
     assert json.loads((tmp_path / "r.json").read_text())["rows"][0]["variant"] == "causal"

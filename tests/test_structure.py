@@ -110,7 +110,7 @@ def test_no_private_names_taken_from_another_package():
 def test_the_layers_import_downward():
     # The pipeline's stages, lowest first: a module may import its own layer and those below.
     layers = [
-        {"flexattn.errors", "flexattn.options", "flexattn.graphs", "flexattn.trace", "flexattn._deprecated"},
+        {"flexattn.errors", "flexattn.options", "flexattn.graphs", "flexattn.trace"},
         {"flexattn.lowering", "flexattn.reference", "flexattn.blockwise"},
         {"flexattn.masks", "flexattn.codegen"},
         {"flexattn.kernels"},
@@ -136,21 +136,3 @@ def test_the_layers_import_downward():
             if theirs is not None and theirs > mine:
                 upward.append(f"{name} -> {target}")
     assert not upward, "imports that run up the pipeline: " + ", ".join(sorted(upward))
-
-
-def test_the_old_import_paths_still_work_and_warn():
-    # Kept for one release after the redesign (CHANGELOG.md): each says where its names went.
-    import importlib
-    import sys
-
-    import pytest
-
-    for old, name, new in [("flexattn.runtime", "forward_kernel", "flexattn.kernels"),
-                           ("flexattn.block_mask", "create_block_mask", "flexattn.masks"),
-                           ("flexattn.decoding", "decode_block_mask", "flexattn.masks"),
-                           ("flexattn.paged_attention", "PagedAttention", "flexattn.masks"),
-                           ("flexattn.mods", "and_masks", "flexattn.masks")]:
-        sys.modules.pop(old, None)
-        with pytest.warns(DeprecationWarning, match=new):
-            module = importlib.import_module(old)
-        assert getattr(module, name) is getattr(importlib.import_module(new), name)

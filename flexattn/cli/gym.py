@@ -1,7 +1,7 @@
 """The gym's main job: every catalogue variant through flexattn on the local device, checked and timed.
 
     flexattn gym [--device cuda|cpu] [--seq N] [--only NAME[,NAME]] [--out PATH]
-    python -m flexattn.gym ...                      # the same
+    python -m flexattn gym ...                      # the same
 
 For each variant (``flexattn.variants.CATALOGUE``): build it (:meth:`Variant.make`), its BlockMask,
 run ``flex_attention`` forward and backward on random inputs, and compare the output and the
