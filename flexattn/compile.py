@@ -64,7 +64,7 @@ from .dispatch import (
     run_backward, run_forward,
 )
 from .errors import InvalidInputError
-from .graphs import capturing, may_keep_allocations
+from .cuda_graphs import capturing, may_keep_allocations
 from .kernels import ahead, interpreter_enabled, output_layout
 from .kernels.tables import (
     BACKWARD_TABLES, PROGRAM_WALKS, LaunchTables, RowStats, assume_groups_differ, checked_launch_tables,
@@ -514,7 +514,7 @@ def _block_mask(query, key, tables, block_size, seq_lengths, group: int, stats: 
         return dense_block_mask(L, S, query.device)
     tables = [None if t is None else t.contiguous() for t in tables]
     # What this call derives is kept for the next calls on its tables where allocations may be kept
-    # (graphs.py): not in a CUDA-graph tree's warm-up, whose allocations are the graph's.
+    # (cuda_graphs.py): not in a CUDA-graph tree's warm-up, whose allocations are the graph's.
     mask = BlockMask.from_launch_tables(tuple(seq_lengths), *tables, BLOCK_SIZE=tuple(block_size), one_call=True,
                                         derived_kept=may_keep_allocations(query.device))
     kept = None if stats is not None else _kept(mask) or _checked(mask)

@@ -13,7 +13,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from ..errors import FlexAttentionError, InvalidInputError, ModTraceError, describe_mod, raised_as_is_under_dynamo
-from ..graphs import may_keep_allocations
+from ..cuda_graphs import may_keep_allocations
 from ..lowering.ranges import mod_index_dtype
 from ..trace import GathersReadZero, trace_mod
 from .block_mask import EVERY_BLOCK_FULL, TABLES_IN_RANGE, BlockMask

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
-from ..graphs import copied_outside_graph_pools, may_keep_allocations
+from ..cuda_graphs import copied_outside_graph_pools, may_keep_allocations
 from .numbers import evaluate
 
 __all__ = [
@@ -116,7 +116,7 @@ class TracedMod:
             constants = tuple(c.fixed_value for c in self.captured)
             if may_keep_allocations(device):
                 values = tuple(None if t is None else t.to(device) for t in constants)
-            elif device.type != "cuda" or not torch.cuda.is_current_stream_capturing():  # a warm-up (graphs.py)
+            elif device.type != "cuda" or not torch.cuda.is_current_stream_capturing():  # a warm-up (cuda_graphs.py)
                 values = copied_outside_graph_pools(constants, device)
             else:  # inside a capture with no copy kept from before: for this call only
                 return tuple(None if t is None else t.to(device) for t in constants)
