@@ -71,7 +71,8 @@ from .kernels.tables import (
     launch_tables, preset_row_stats,
 )
 from .lowering import index_bounds, index_dtype
-from .masks import FACTORY_ATTRIBUTE, BlockMask, dense_block_mask, version_of
+from .masks import BlockMask, dense_block_mask, version_of
+from .mods import FACTORY_ATTRIBUTE
 from .trace import TracedMod, TracedNumber, trace_mod, with_stand_ins, with_values
 
 __all__ = ["register_call", "probe", "described", "flex_attention_op", "registered_call", "mod_inputs"]
@@ -147,7 +148,7 @@ def probe(fn: Optional[Callable], kind: str, device: torch.device, sizes=None) -
 # Tags of the tuples described() makes (plain tuples: Dynamo passes them to a constant function as
 # they are, which it does not do for NamedTuples): a tensor by what tracing needs of it (and its
 # number, so that one tensor passed twice stays one), the same tensor again, a mod made by a
-# mod_factory (masks/mods.py) as the call that made it, a bound method as its function and object,
+# mod_factory (mods.py) as the call that made it, a bound method as its function and object,
 # and a functools.partial as its parts.
 _STAND_IN = "flexattn: tensor (number, dims, dtype, device, requires_grad)"
 _SAME = "flexattn: the tensor numbered"

@@ -110,9 +110,9 @@ def test_no_private_names_taken_from_another_package():
 def test_the_layers_import_downward():
     # The pipeline's stages, lowest first: a module may import its own layer and those below.
     layers = [
-        {"flexattn.errors", "flexattn.options", "flexattn.cuda_graphs", "flexattn.trace"},
+        {"flexattn.errors", "flexattn.options", "flexattn.cuda_graphs", "flexattn.mods", "flexattn.trace"},
         {"flexattn.lowering", "flexattn.reference", "flexattn.blockwise"},
-        {"flexattn.masks", "flexattn.codegen"},
+        {"flexattn.masks", "flexattn.paged_attention", "flexattn.codegen"},
         {"flexattn.kernels"},
         {"flexattn.dispatch"},
         {"flexattn.autograd", "flexattn.compile"},

@@ -54,10 +54,10 @@ from typing import Optional, Union
 
 import torch
 
-from ..errors import FlexAttentionError, InvalidInputError
-from .block_mask import TABLES_IN_RANGE, BlockMask, as_block_mask, version_of
-from .decoding import check_on_device, index_tensor
-from .layout import cdiv, dense_to_ordered, device_argument, ordered_to_dense, positive_int
+from .errors import FlexAttentionError, InvalidInputError
+from .masks.block_mask import TABLES_IN_RANGE, BlockMask, as_block_mask, version_of
+from .masks.decoding import check_on_device, index_tensor
+from .masks.layout import cdiv, dense_to_ordered, device_argument, ordered_to_dense, positive_int
 from .mods import MaskMod, ScoreMod, identity_score_mod, mod_factory, mod_name, noop_mask
 
 __all__ = ["PagedAttention", "OutOfPagesError"]

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..errors import InvalidInputError, ModTraceError, definition_site, describe_mod
+from .errors import InvalidInputError, ModTraceError, definition_site, describe_mod
 
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
