@@ -262,13 +262,14 @@ def test_help_everywhere(command, capsys):
     assert capsys.readouterr().out.startswith("usage: flexattn" + "".join(" " + c for c in command))
 
 
-@pytest.mark.parametrize("module", ["forward", "backward", "decode", "learnable", "sweep", "sweep_backward", "startup",
-                                    "tile_census", "model"])
-def test_the_bench_modules_keep_their_help(module, capsys):
+@pytest.mark.parametrize("module", [f"flexattn.bench.{name}" for name in ("forward", "backward", "decode", "model", "fp8")]
+                         + [f"benchmarks.{name}" for name in ("learnable", "sweep", "sweep_backward", "startup",
+                                                              "tile_census", "targets")])
+def test_the_benchmarks_keep_their_help(module, capsys):
     import importlib
 
     with pytest.raises(SystemExit) as exited:
-        importlib.import_module(f"flexattn.bench.{module}").main(["--help"])
+        importlib.import_module(module).main(["--help"])
     assert exited.value.code == 0 and "usage:" in capsys.readouterr().out
 
 

@@ -136,3 +136,36 @@ def test_the_layers_import_downward():
             if theirs is not None and theirs > mine:
                 upward.append(f"{name} -> {target}")
     assert not upward, "imports that run up the pipeline: " + ", ".join(sorted(upward))
+
+
+LAB = "benchmarks"  # the checkout's lab (benchmarks/): not installed, so the package must never need it
+
+
+def _lab_uses(path: Path) -> list:
+    """Where a file imports the lab, or names one of its modules in a string (importlib.import_module)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] if not node.level else []
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [node.value] if node.value.isidentifier() or "." in node.value and " " not in node.value else []
+        else:
+            continue
+        found += [f"line {node.lineno}: {name}" for name in names if name == LAB or name.startswith(LAB + ".")]
+    return found
+
+
+def test_the_package_does_not_import_the_lab():
+    uses = [f"{name} ({use})" for name, path in _modules().items() for use in _lab_uses(path)]
+    assert not uses, "flexattn modules that need the checkout's benchmarks/: " + "; ".join(uses)
+
+
+def test_the_lab_check_finds_an_import_of_the_lab(tmp_path):
+    # The test above can fail: an import, a from-import and a module name in a string all count.
+    module = tmp_path / "m.py"
+    module.write_text("import benchmarks.sweep\nfrom benchmarks import targets\n"
+                      "importlib.import_module('benchmarks.startup')\nx = 'benchmarks are fun'\n")
+    assert [use.split(": ")[1] for use in _lab_uses(module)] == ["benchmarks.sweep", "benchmarks",
+                                                                  "benchmarks.startup"]

@@ -1,8 +1,8 @@
 """Context parallelism on one GPU (the ranks as streams), and the model of the ring at scale.
 
-    python -m flexattn.bench.context_parallel --check --out cp.json   # one GPU: check and time
-    python -m flexattn.bench.context_parallel --model                # the predicted table (no GPU)
-    python -m flexattn.bench.context_parallel --smoke                # tiny sizes on the CPU
+    python -m benchmarks.context_parallel --check --out cp.json   # one GPU: check and time
+    python -m benchmarks.context_parallel --model                # the predicted table (no GPU)
+    python -m benchmarks.context_parallel --smoke                # tiny sizes on the CPU
 
 **On one GPU** (NCCL needs one GPU per rank, so no real ranks here): R ranks of one plan run in one
 process, each with its own shards as separate tensors, its kernels on its own CUDA stream, and each

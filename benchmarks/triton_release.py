@@ -1,6 +1,6 @@
 """flexattn's default kernels under whichever Triton this process imports: one JSON line per case.
 
-    PYTHONPATH=/path/to/other/triton:. python -m flexattn.bench.triton_release > t39.jsonl
+    PYTHONPATH=/path/to/other/triton:. python -m benchmarks.triton_release > t39.jsonl
 
 For checking a Triton release before the Gluon guard (kernels/sm90.py GLUON_TRITON_VERSIONS) lets it
 run the Hopper kernels: run it once under the release the guard already takes and once under the new
