@@ -51,7 +51,7 @@ WINDOW = 4096  # the sliding window (tokens), in the GPU run and in the model
 RUN_DOCUMENT_TOKENS, MODEL_DOCUMENT_TOKENS = 2048, 32768
 
 # Measured forward and backward TFLOP/s of single-GPU flexattn on an H100, bf16, d=128, 16k tokens
-# (docs/benchmarks.md: "Forward, after the fixes" and "Backward: the Triton kernels").
+# (docs/benchmarks_log.md: "Forward before and after the trust fixes", and "Backward: the Triton kernels").
 FORWARD_TFLOPS = {"causal": 533.0, "document": 336.0, "sliding_window": 395.0}
 BACKWARD_TFLOPS = {"causal": 430.0, "document": 273.0, "sliding_window": 334.0}
 LINKS = {"NVLink 4": 450e9, "InfiniBand": 50e9}
