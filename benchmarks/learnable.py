@@ -36,7 +36,7 @@ def _backward_ms(out, inputs, grad_out) -> tuple[float, tuple]:
     def run():
         return torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
 
-    for _ in range(6):  # settles the plan (see [Note] Backward tiles the compiler made costly)
+    for _ in range(6):  # settles the plan (see [Note] Tiles the compiler made costly)
         grads = run()
     return triton.testing.do_bench(run, warmup=5, rep=50, return_mode="median"), grads
 
