@@ -19,9 +19,8 @@ from .dispatch import Call, choose_decode, pick_backend, prepare_backward, run_f
 from .errors import InvalidInputError
 from .kernels.launch import FLOAT8_DTYPES
 from .lowering import check_indices, index_bounds, index_dtype
-from .masks import (
-    BlockMask, arity_mistake, as_block_mask, dense_block_mask, noop_mask, sliced_rows_mask_mod, torch_counterpart,
-)
+from .masks import BlockMask, as_block_mask, dense_block_mask, sliced_rows_mask_mod, torch_counterpart
+from .mods import arity_mistake, noop_mask
 from .options import KNOWN_OPTIONS, AuxOutput, AuxRequest, FlexKernelOptions, normalize_kernel_options, why_ignored
 from .trace import TracedMod, detached, needs_grad, trace_mod
 

@@ -64,14 +64,15 @@ from .dispatch import (
     run_backward, run_forward,
 )
 from .errors import InvalidInputError
-from .graphs import capturing, may_keep_allocations
+from .cuda_graphs import capturing, may_keep_allocations
 from .kernels import ahead, interpreter_enabled, output_layout
 from .kernels.tables import (
     BACKWARD_TABLES, PROGRAM_WALKS, LaunchTables, RowStats, assume_groups_differ, checked_launch_tables,
     launch_tables, preset_row_stats,
 )
 from .lowering import index_bounds, index_dtype
-from .masks import FACTORY_ATTRIBUTE, BlockMask, dense_block_mask, version_of
+from .masks import BlockMask, dense_block_mask, version_of
+from .mods import FACTORY_ATTRIBUTE
 from .trace import TracedMod, TracedNumber, trace_mod, with_stand_ins, with_values
 
 __all__ = ["register_call", "probe", "described", "flex_attention_op", "registered_call", "mod_inputs"]
@@ -147,7 +148,7 @@ def probe(fn: Optional[Callable], kind: str, device: torch.device, sizes=None) -
 # Tags of the tuples described() makes (plain tuples: Dynamo passes them to a constant function as
 # they are, which it does not do for NamedTuples): a tensor by what tracing needs of it (and its
 # number, so that one tensor passed twice stays one), the same tensor again, a mod made by a
-# mod_factory (masks/mods.py) as the call that made it, a bound method as its function and object,
+# mod_factory (mods.py) as the call that made it, a bound method as its function and object,
 # and a functools.partial as its parts.
 _STAND_IN = "flexattn: tensor (number, dims, dtype, device, requires_grad)"
 _SAME = "flexattn: the tensor numbered"
@@ -508,7 +509,7 @@ def _block_mask(query, key, tables, block_size, seq_lengths, group: int, stats: 
         return dense_block_mask(L, S, query.device)
     tables = [None if t is None else t.contiguous() for t in tables]
     # What this call derives is kept for the next calls on its tables where allocations may be kept
-    # (graphs.py): not in a CUDA-graph tree's warm-up, whose allocations are the graph's.
+    # (cuda_graphs.py): not in a CUDA-graph tree's warm-up, whose allocations are the graph's.
     mask = BlockMask.from_launch_tables(tuple(seq_lengths), *tables, BLOCK_SIZE=tuple(block_size), one_call=True,
                                         derived_kept=may_keep_allocations(query.device))
     kept = None if stats is not None else _kept(mask) or _checked(mask)

@@ -1,4 +1,4 @@
-"""The ``flexattn`` command: gym, show, kernel, bench and list through ``main(argv)`` in-process, every
+"""The ``flexattn`` command: check, show, kernel, bench and list through ``main(argv)`` in-process, every
 error path (one line, naming the argument and what is valid, exit status 2), and once through the
 installed console script and ``python -m``."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flexattn.cli import main
-from flexattn.cli import gym as job
+from flexattn.cli import check as job
 from flexattn.cli.picture import EMPTY, FULL, PARTIAL, block_map, variant_mask
 from flexattn.variants import CATALOGUE, Instance, Variant
 
@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture
 def keep_threads():
-    # `flexattn gym` sets torch to one thread on a CPU, as a user's process would want; not the suite's.
+    # `flexattn check` sets torch to one thread on a CPU, as a user's process would want; not the suite's.
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
@@ -43,13 +43,13 @@ def test_list_names_every_variant_with_its_summary(capsys):
         assert line.startswith(name + " ") and variant.summary in line
 
 
-# -- gym ----------------------------------------------------------------------------------------------
+# -- check --------------------------------------------------------------------------------------------
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU table (the GPU one has speed-up columns)")
-def test_gym_checks_and_times_the_chosen_variants(tmp_path, capsys, keep_threads):
+def test_check_checks_and_times_the_chosen_variants(tmp_path, capsys, keep_threads):
     out = tmp_path / "results"
-    assert main(["gym", "--only", "causal,alibi", "--seq", "256", "--out", str(out)]) == 0
+    assert main(["check", "--only", "causal,alibi", "--seq", "256", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "causal" in printed and "alibi" in printed and "all 2 variants within tolerance" in printed
     assert str(out) + ".json" in printed.replace("\n", "")  # says where the results went
@@ -65,36 +65,36 @@ def test_gym_checks_and_times_the_chosen_variants(tmp_path, capsys, keep_threads
     assert "| variant | sparsity | fwd err | grad err |" in markdown and "| alibi |" in markdown
 
 
-def test_gym_only_writes_its_results_under_a_name_of_its_own(tmp_path, capsys, keep_threads, monkeypatch):
-    # issue 19: `--only X` used to overwrite the full run's gym-cpu.json and .md.
+def test_check_only_writes_its_results_under_a_name_of_its_own(tmp_path, capsys, keep_threads, monkeypatch):
+    # issue 19: `--only X` used to overwrite the full run's results (then gym-cpu.json and .md).
     from flexattn.cli.main import _default_results
 
     monkeypatch.setenv("FLEXATTN_CACHE_DIR", str(tmp_path))
-    assert main(["gym", "--device", "cpu", "--only", "causal,alibi", "--seq", "128"]) == 0
-    results = tmp_path / "gym"
-    assert sorted(p.name for p in results.iterdir()) == ["gym-cpu-only-causal-alibi.json", "gym-cpu-only-causal-alibi.md"]
-    assert str(results / "gym-cpu-only-causal-alibi.json") in capsys.readouterr().out.replace("\n", "")
-    assert _default_results("cpu", None) == results / "gym-cpu"
+    assert main(["check", "--device", "cpu", "--only", "causal,alibi", "--seq", "128"]) == 0
+    results = tmp_path / "check"
+    assert sorted(p.name for p in results.iterdir()) == ["check-cpu-only-causal-alibi.json", "check-cpu-only-causal-alibi.md"]
+    assert str(results / "check-cpu-only-causal-alibi.json") in capsys.readouterr().out.replace("\n", "")
+    assert _default_results("cpu", None) == results / "check-cpu"
     many = _default_results("cuda", list(CATALOGUE))  # a long list: a short name that still tells subsets apart
-    assert many.name.startswith(f"gym-cuda-only-{len(CATALOGUE)}-variants-") and len(many.name) < 60
+    assert many.name.startswith(f"check-cuda-only-{len(CATALOGUE)}-variants-") and len(many.name) < 60
     assert many != _default_results("cuda", list(CATALOGUE)[1:])
 
 
-def test_gym_exits_non_zero_when_an_error_exceeds_its_tolerance(tmp_path, capsys, keep_threads, monkeypatch):
+def test_check_exits_non_zero_when_an_error_exceeds_its_tolerance(tmp_path, capsys, keep_threads, monkeypatch):
     # fp32 errors against float64 are ~1e-7: a tolerance far below that must fail the run.
     monkeypatch.setitem(job.TOLERANCE, torch.float32, 1e-12)
-    assert main(["gym", "--device", "cpu", "--only", "causal", "--seq", "128", "--out", str(tmp_path / "r")]) == 1
+    assert main(["check", "--device", "cpu", "--only", "causal", "--seq", "128", "--out", str(tmp_path / "r")]) == 1
     printed = capsys.readouterr().out
     assert "FAIL" in printed and "1 of 1 variants FAILED: causal" in printed
     assert json.loads((tmp_path / "r.json").read_text())["rows"][0]["ok"] is False
 
 
-def test_gym_reports_a_variant_that_raises_and_goes_on(tmp_path, capsys, keep_threads, monkeypatch):
+def test_check_reports_a_variant_that_raises_and_goes_on(tmp_path, capsys, keep_threads, monkeypatch):
     def broken(B, H, Q, KV, device):
         raise RuntimeError("this variant cannot be built")
 
     monkeypatch.setitem(CATALOGUE, "broken", Variant("broken", broken, "raises when built"))
-    assert main(["gym", "--device", "cpu", "--only", "broken,causal", "--seq", "128",
+    assert main(["check", "--device", "cpu", "--only", "broken,causal", "--seq", "128",
                  "--out", str(tmp_path / "r")]) == 1
     printed = capsys.readouterr().out
     assert "this variant cannot be built" in printed  # its footnote
@@ -102,7 +102,7 @@ def test_gym_reports_a_variant_that_raises_and_goes_on(tmp_path, capsys, keep_th
     assert [row["ok"] for row in rows] == [False, True]
 
 
-def test_gym_counts_a_missing_learnable_gradient_as_a_failure(keep_threads):
+def test_check_counts_a_missing_learnable_gradient_as_a_failure(keep_threads):
     # A learnable tensor the output does not depend on through flexattn but does through the
     # reference: flexattn's gradient is None where the reference has one, an infinite error.
     bias = torch.randn(4, requires_grad=True)
@@ -114,13 +114,13 @@ def test_gym_counts_a_missing_learnable_gradient_as_a_failure(keep_threads):
 
         return Inst(None, None, learnable=(bias,))
 
-    row = job.run_variant("bias", Variant("bias", make, "test"), job.GymSizes(1, 1, 64, 16, torch.float32), "cpu")
+    row = job.run_variant("bias", Variant("bias", make, "test"), job.CheckSizes(1, 1, 64, 16, torch.float32), "cpu")
     assert row["ok"] is False and row["grad_err"] == float("inf")
 
 
 @pytest.mark.gpu
-def test_gym_on_the_gpu_times_sdpa_and_torch_flex(tmp_path, capsys):
-    assert main(["gym", "--only", "causal,alibi", "--seq", "2048", "--out", str(tmp_path / "r")]) == 0
+def test_check_on_the_gpu_times_sdpa_and_torch_flex(tmp_path, capsys):
+    assert main(["check", "--only", "causal,alibi", "--seq", "2048", "--out", str(tmp_path / "r")]) == 0
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
     for row in rows:
         assert row["backend"] == "triton" and row["backend_bwd"] == "triton"
@@ -207,21 +207,21 @@ NO_GPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine
     (["show", "nope"], ["argument NAME", "unknown variant 'nope'", "causal", "alibi"]),
     (["show", "causl"], ["did you mean 'causal'"]),
     (["kernel", "nope"], ["argument NAME", "unknown variant", "causal"]),
-    (["gym", "--only", "causal,nope"], ["argument --only", "unknown variant 'nope'", "alibi"]),
-    (["gym", "--only", "causal,,alibi"], ["argument --only", "no empty names"]),
-    (["gym", "--seq", "abc"], ["argument --seq", "from 16 to"]),
-    (["gym", "--seq", "-5"], ["argument --seq", "'-5'"]),
+    (["check", "--only", "causal,nope"], ["argument --only", "unknown variant 'nope'", "alibi"]),
+    (["check", "--only", "causal,,alibi"], ["argument --only", "no empty names"]),
+    (["check", "--seq", "abc"], ["argument --seq", "from 16 to"]),
+    (["check", "--seq", "-5"], ["argument --seq", "'-5'"]),
     (["show", "causal", "--seq", "0"], ["argument --seq", "from 16 to"]),
     (["kernel", "causal", "--seq", "8"], ["argument --seq", "from 16 to"]),
     (["show", "causal", "--seq", str(10**9)], ["argument --seq", "131072"]),
     (["kernel", "causal", "--heads", "0"], ["argument --heads"]),
-    (["gym", "--device", "tpu"], ["argument --device", "'cpu'", "'cuda'"]),
+    (["check", "--device", "tpu"], ["argument --device", "'cpu'", "'cuda'"]),
     (["bench", "--mode", "sideways"], ["argument --mode", "'decode'"]),
-    (["frobnicate"], ["argument COMMAND", "'gym'", "'show'"]),
+    (["frobnicate"], ["argument COMMAND", "'check'", "'show'"]),
     ([], ["COMMAND"]),
     (["kernel", "causal", "--backward", "--decode"], ["--decode", "--backward"]),
-    (["gym", "--", "--seq", "1"], ["'flexattn bench' only"]),
-    pytest.param(["gym", "--device", "cuda"], ["argument --device", "'cuda' is not available"], marks=NO_GPU_ONLY),
+    (["check", "--", "--seq", "1"], ["'flexattn bench' only"]),
+    pytest.param(["check", "--device", "cuda"], ["argument --device", "'cuda' is not available"], marks=NO_GPU_ONLY),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(argv, names, capsys):
     with pytest.raises(SystemExit) as exited:
@@ -243,18 +243,18 @@ def test_kernel_decode_of_a_variant_without_a_decoding_form_is_refused(monkeypat
     assert "argument --decode" in err and "packed" in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("module, command", [("rich", ["gym", "--only", "causal", "--seq", "128"]),
+@pytest.mark.parametrize("module, command", [("rich", ["check", "--only", "causal", "--seq", "128"]),
                                              ("matplotlib", ["show", "causal", "--seq", "128"])])
 def test_a_missing_extra_says_how_to_install_it(module, command, monkeypatch, capsys, tmp_path, keep_threads):
     monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ImportError
     monkeypatch.chdir(tmp_path)
     assert main(command) == 1
     err = capsys.readouterr().err
-    assert f"'{module}'" in err and "pip install 'flexattn[gym]'" in err and "Traceback" not in err
+    assert f"'{module}'" in err and "pip install 'flexattn[cli]'" in err and "Traceback" not in err
     assert not list(tmp_path.iterdir())  # nothing half-written
 
 
-@pytest.mark.parametrize("command", [[], ["gym"], ["show"], ["kernel"], ["bench"], ["list"]])
+@pytest.mark.parametrize("command", [[], ["check"], ["show"], ["kernel"], ["bench"], ["list"]])
 def test_help_everywhere(command, capsys):
     with pytest.raises(SystemExit) as exited:
         main([*command, "--help"])
@@ -262,24 +262,15 @@ def test_help_everywhere(command, capsys):
     assert capsys.readouterr().out.startswith("usage: flexattn" + "".join(" " + c for c in command))
 
 
-@pytest.mark.parametrize("module", ["forward", "backward", "decode", "learnable", "sweep", "sweep_backward", "startup",
-                                    "tile_census", "model"])
-def test_the_bench_modules_keep_their_help(module, capsys):
+@pytest.mark.parametrize("module", [f"flexattn.bench.{name}" for name in ("forward", "backward", "decode", "model", "fp8")]
+                         + [f"benchmarks.{name}" for name in ("learnable", "sweep", "sweep_backward", "startup",
+                                                              "tile_census", "targets")])
+def test_the_benchmarks_keep_their_help(module, capsys):
     import importlib
 
     with pytest.raises(SystemExit) as exited:
-        importlib.import_module(f"flexattn.bench.{module}").main(["--help"])
+        importlib.import_module(module).main(["--help"])
     assert exited.value.code == 0 and "usage:" in capsys.readouterr().out
-
-
-def test_the_old_gym_module_names_still_run_and_warn(tmp_path):
-    # Deprecated for one release: python -m flexattn.gym.benchmark is python -m flexattn.bench.forward.
-    ran = subprocess.run([sys.executable, "-W", "default", "-m", "flexattn.gym.benchmark", "--help"], cwd=tmp_path,
-                         env=_env(), capture_output=True, text=True, timeout=300)
-    assert ran.returncode == 0 and "usage:" in ran.stdout, ran.stderr
-    assert "flexattn.gym.benchmark is deprecated" in ran.stderr and "flexattn.bench.forward" in ran.stderr
-    with pytest.warns(DeprecationWarning, match="flexattn.cli.report"):
-        import flexattn.gym.report  # noqa: F401
 
 
 def test_python_m_flexattn_bench_takes_a_mode(capsys):
@@ -290,17 +281,16 @@ def test_python_m_flexattn_bench_takes_a_mode(capsys):
     assert exited.value.code == 0 and "--smoke" in capsys.readouterr().out  # the training benchmark's options
 
 
-def test_the_repository_gym_folder_is_no_package():
-    # A gym/__init__.py would shadow the well-known `gym` package for anyone running from the checkout.
-    assert not os.path.exists(os.path.join(ROOT, "gym", "__init__.py"))
-    assert not os.path.exists(os.path.join(ROOT, "gym", "__main__.py"))
+def test_the_repository_examples_folder_is_no_package():
+    # An examples/__init__.py would shadow any other `examples` package for anyone running from the checkout.
+    assert not os.path.exists(os.path.join(ROOT, "examples", "__init__.py"))
 
 
 # -- from any directory: python -m and the console script --------------------------------------------
 
 
-def test_python_m_flexattn_gym_runs_from_any_directory(tmp_path):
-    ran = subprocess.run([sys.executable, "-m", "flexattn.gym", "--only", "causal", "--seq", "128", "--out", "r"],
+def test_python_m_flexattn_runs_from_any_directory(tmp_path):
+    ran = subprocess.run([sys.executable, "-m", "flexattn", "check", "--only", "causal", "--seq", "128", "--out", "r"],
                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stderr
     assert json.loads((tmp_path / "r.json").read_text())["rows"][0]["variant"] == "causal"
@@ -312,10 +302,10 @@ def _console_script():
 
 
 @pytest.mark.skipif(_console_script() is None,
-                    reason="the flexattn console script is not installed (pip install -e '.[gym]')")
+                    reason="the flexattn console script is not installed (pip install -e '.[cli]')")
 def test_the_console_script_runs_the_main_job_and_reports_errors(tmp_path):
     script = _console_script()
-    ran = subprocess.run([script, "gym", "--only", "noop,softcap", "--seq", "128", "--out", "r"],
+    ran = subprocess.run([script, "check", "--only", "noop,softcap", "--seq", "128", "--out", "r"],
                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stderr
     assert "all 2 variants within tolerance" in ran.stdout

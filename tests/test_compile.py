@@ -519,7 +519,7 @@ def test_the_model_benchmark_runs_its_smoke_sizes(tmp_path):
 
 
 def test_the_model_profile_needs_a_gpu_and_says_so(capsys):
-    from flexattn.bench import model_profile
+    from benchmarks import model_profile
 
     if torch.cuda.is_available():
         pytest.skip("on a GPU it profiles (run on the device)")

@@ -1,4 +1,4 @@
-"""The run of context parallelism on several GPUs (flexattn/bench/context_parallel_gpus.py), small.
+"""The run of context parallelism on several GPUs (benchmarks/context_parallel_gpus.py), small.
 
 ``--smoke`` runs the program's whole code path on CPU ranks (gloo) in seconds: one spawn per world
 (2, then 1), the checks against single-process flexattn by the flash-attention rule, torch's
@@ -12,7 +12,7 @@ import json
 import pytest
 
 from flexattn import create_mask
-from flexattn.bench import context_parallel_gpus as gpus
+from benchmarks import context_parallel_gpus as gpus
 
 ITERS = 2  # --smoke's timed iterations
 

@@ -263,7 +263,7 @@ def test_one_gpu_script_runs_small_on_the_cpu(tmp_path):
     # The GPU run's own code (ranks as streams, the check, the timings) and the model, at tiny sizes.
     import json
 
-    from flexattn.bench import context_parallel
+    from benchmarks import context_parallel
 
     out = tmp_path / "cp.json"
     assert context_parallel.main(["--smoke", "--masks", "causal,alibi", "--out", str(out)]) == 0
@@ -279,7 +279,7 @@ def test_one_gpu_script_runs_small_on_the_cpu(tmp_path):
 def test_dk_dv_parts_come_back_unrounded(backend):
     # A key's dK/dV is a sum of parts from several ranks: each part stays float32 until the sum,
     # so bf16 inputs lose no more than one GPU's rounding (parts rounded to bf16 doubled dV's error).
-    from flexattn.bench.context_parallel import SimulatedRanks, shard
+    from benchmarks.context_parallel import SimulatedRanks, shard
     from flexattn.distributed.step import step_call
 
     torch.manual_seed(0)
@@ -302,7 +302,7 @@ def test_dk_dv_parts_come_back_unrounded(backend):
 def test_float32_and_rounded_kv_grads_of_one_shape_keep_their_own_plans():
     # The backward's plans are cached by shapes; dK/dV in float32 or in the inputs' dtype must not
     # share one (a plan made for bf16 dK/dV would write bf16 into a float32 buffer, or back).
-    from flexattn.bench.context_parallel import SimulatedRanks, shard
+    from benchmarks.context_parallel import SimulatedRanks, shard
     from flexattn.dispatch import run_backward, use_tanh_approx
     from flexattn.kernels import backward_kernel
     from flexattn.distributed.step import step_call

@@ -152,6 +152,86 @@ def test_link_check_finds_a_broken_link(tmp_path):
 
 
 
+# ------------------------------------------------------------------------------------ [Note]s
+
+# A [Note] is a named explanation written once, where the code it explains lives (flexattn/, its
+# templates, or a page of docs/); elsewhere "see [Note] Name (in path)" points at it. The history
+# (CHANGELOG.md, docs/benchmarks_log.md) quotes notes as they were named then, so it is not checked.
+NOTE = re.compile(r"\[Note\]\s*")
+_MARKER = re.compile(r'^\s*(?:#+|\{#|//|\*|[rf]?""")?\s*')  # comment or docstring opening
+_NAME_END = re.compile(r"\.(?:\s|$)|:|\s\(|\)|\"\"\"|#\}")
+_IN_FILE = re.compile(r"^\s*(?:in|,|\()\s*`?((?:[\w./-]+/)?[\w-]+\.(?:py\.jinja|py|jinja|md))")
+HISTORY = {"CHANGELOG.md", "docs/benchmarks_log.md", "tests/test_docs.py"}  # and this file's own examples
+
+
+def _note_files(root: Path) -> list[Path]:
+    found = [p for folder in ("flexattn", "docs", "tests", "benchmarks", "examples") if (root / folder).is_dir()
+             for p in (root / folder).rglob("*") if p.suffix in (".py", ".jinja", ".md") and "data" not in p.parts]
+    return sorted(p for p in found + [root / "README.md"]
+                  if p.is_file() and p.relative_to(root).as_posix() not in HISTORY)
+
+
+def notes(root: Path = ROOT) -> tuple[dict, list]:
+    """``({name: [where it is defined]}, [(where, the text after a reference's [Note])])``. A note is
+    defined where "[Note] Name" opens a comment, docstring or paragraph in flexattn/ or docs/ (the
+    previous line ended a sentence, or was code); its name runs to the first ".", ":" or "(". Every
+    other "[Note]" is a reference, read across line breaks and joined string literals."""
+    defined, references = {}, []
+    for path in _note_files(root):
+        where = path.relative_to(root).as_posix()
+        raw = path.read_text().splitlines()
+        prose = [_MARKER.sub("", line, count=1).rstrip() for line in raw]
+        may_define = where.startswith(("flexattn/", "docs/"))
+        for i, text in enumerate(prose):
+            for match in NOTE.finditer(text):
+                previous, code_before = (prose[i - 1], raw[i - 1].lstrip()) if i else ("", "")
+                opens = match.start() == 0 and (
+                    not previous or previous.endswith((".", ":", '"""'))
+                    or path.suffix != ".md" and not code_before.startswith(("#", "{#", "//", "*")))
+                rest = text[match.end():]
+                if may_define and opens:
+                    name = rest[:m.start()] if (m := _NAME_END.search(rest)) else rest
+                    defined.setdefault(name.strip().strip("`").strip(), []).append(where)
+                else:
+                    following = " ".join([rest, *prose[i + 1 : i + 3]])
+                    references.append((f"{where}:{i + 1}", " ".join(re.sub(r'"\s*"', "", following).split())))
+    return defined, references
+
+
+def dangling_notes(root: Path = ROOT) -> list[str]:
+    defined, references = notes(root)
+    names = sorted(defined, key=len, reverse=True)  # the longest name that fits
+    problems = []
+    for where, text in references:
+        text = text.replace("`", "")
+        name = next((n for n in names if text.startswith(n.replace("`", ""))
+                     and not text[len(n.replace("`", "")) :][:1].isalnum()), None)
+        if name is None:
+            problems.append(f"{where}: [Note] {text[:60]}... names no note")
+            continue
+        in_file = _IN_FILE.match(text[len(name.replace("`", "")) :])
+        if in_file and not any(f.endswith(in_file.group(1).removeprefix("flexattn/")) for f in defined[name]):
+            problems.append(f"{where}: [Note] {name} is not in {in_file.group(1)} (it is in {', '.join(defined[name])})")
+    return problems
+
+
+def test_every_note_referenced_is_defined():
+    problems = dangling_notes()
+    assert not problems, "references to notes that do not exist (renamed or removed?):\n" + "\n".join(problems)
+
+
+def test_the_note_check_finds_a_dangling_reference(tmp_path):
+    (tmp_path / "flexattn").mkdir()
+    (tmp_path / "README.md").write_text("See [Note] Cache keys in `flexattn/a.py` and [Note] Gone.\n")
+    (tmp_path / "flexattn" / "a.py").write_text(
+        "x = 1\n# [Note] Cache keys. Every cache keys on content.\n"
+        "# see [Note] Cache\n# keys, and [Note] Cache keys in b.py\n")
+    (tmp_path / "flexattn" / "b.py").write_text('doc = ("a long line ([Note] Cache " "keys, a.py)")\n')
+    assert notes(tmp_path)[0] == {"Cache keys": ["flexattn/a.py"]}
+    assert [p.split(": ", 1)[1] for p in dangling_notes(tmp_path)] == [
+        "[Note] Gone.... names no note", "[Note] Cache keys is not in b.py (it is in flexattn/a.py)"]
+
+
 def test_ops_the_docs_call_unsupported_are_still_missing_from_the_table():
     # docs/limitations.md and docs/adding_an_op.md name these as ops a mod cannot use yet; when one
     # is added to flexattn/lowering/ops.py, those pages must say so.

@@ -197,7 +197,7 @@ def test_gqa_8_2_odd_lengths_learnable_slopes():
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_backward_tiles_the_compiler_made_costly_are_replaced(head_dim):
-    """[Note] Backward tiles the compiler made costly: T5's bucketed bias makes the default dK/dV
+    """[Note] Tiles the compiler made costly, in the backward: T5's bucketed bias makes the default dK/dV
     tiles spill on the H100 (Triton 3.6, d=64: 258 bytes per thread); after the first backward the
     plan steps to cheaper tiles, and every backward, on every plan, keeps the flash-attention rule.
     Elsewhere the test checks whatever the compiler made of the first plan."""

@@ -144,7 +144,7 @@ def test_every_order_gives_the_same_bits(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
 def test_the_benchmark_needs_a_gpu_and_says_so(capsys):
-    from flexattn.bench import launch_order as bench
+    from benchmarks import launch_order as bench
 
     assert bench.main(["--cases", "4k_d64_causal_B4H12"]) == 2
     assert "no CUDA device" in capsys.readouterr().err

@@ -1,13 +1,13 @@
-"""The gym's notebook and examples run, so they never rot.
+"""The notebook and the examples run, so they never rot.
 
-* ``gym/tour.ipynb`` is executed with nbclient on the CPU (any cell error fails), and the committed
+* ``examples/tour.ipynb`` is executed with nbclient on the CPU (any cell error fails), and the committed
   copy must hold the outputs of a run over today's catalogue (every entry named in them).
-* ``gym/examples/*.py`` run as a user runs them, in a subprocess, and check themselves (a training
+* ``examples/*.py`` run as a user runs them, in a subprocess, and check themselves (a training
   loss that falls, a decoding loop that matches full-sequence attention without retracing).
 
 Re-execute the committed notebook after changing it or the catalogue:
 
-    python tests/test_notebook.py          # writes gym/tour.ipynb with fresh outputs (CPU)
+    python tests/test_notebook.py          # writes examples/tour.ipynb with fresh outputs (CPU)
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOK = ROOT / "gym" / "tour.ipynb"
-EXAMPLES = ROOT / "gym" / "examples"
+NOTEBOOK = ROOT / "examples" / "tour.ipynb"
+EXAMPLES = ROOT / "examples"
 CPU_ENV = {
     "CUDA_VISIBLE_DEVICES": "",  # the CPU path, also on a GPU machine
     "OMP_NUM_THREADS": "1",  # small problems on a shared machine: one thread is the steadiest
@@ -106,13 +106,13 @@ def test_committed_tour_notebook_holds_outputs_of_todays_catalogue():
     nb = _Notebook(json.loads(NOTEBOOK.read_text()))  # plain JSON: runs where Jupyter is not installed
     code_cells = [c for c in nb.cells if c["cell_type"] == "code"]
     assert code_cells and all(c.get("execution_count") for c in code_cells), (
-        "gym/tour.ipynb must be committed executed: run `python tests/test_notebook.py`"
+        "examples/tour.ipynb must be committed executed: run `python tests/test_notebook.py`"
     )
     text = _outputs_text(nb)
-    assert "ERROR" not in text, "the committed gym/tour.ipynb holds an error output"
+    assert "ERROR" not in text, "the committed examples/tour.ipynb holds an error output"
     missing = [name for name in CATALOGUE if name not in text]
     assert not missing, (
-        f"the committed gym/tour.ipynb predates the catalogue entries {missing}: re-execute it with "
+        f"the committed examples/tour.ipynb predates the catalogue entries {missing}: re-execute it with "
         "`python tests/test_notebook.py` and commit it"
     )
     assert any("image/png" in o.get("data", {}) for c in code_cells for o in c["outputs"]), "the pictures are missing"

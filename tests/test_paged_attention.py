@@ -224,7 +224,7 @@ def test_unowned_blocks_are_dropped_even_when_full():
 # ------------------------------------------------------------------------------ tables written by hand
 # page_table and physical_to_logical are the allocator's. An entry written by hand that points at another
 # sequence's page, a free page or past the cache is an InvalidInputError naming the entry, before any
-# backend reads keys ([Note] Table checks in flexattn/masks/paged.py).
+# backend reads keys ([Note] Table checks in flexattn/paged_attention.py).
 
 
 def everything_after_two_blocks(b, h, q_idx, kv_idx):

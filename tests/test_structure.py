@@ -110,9 +110,9 @@ def test_no_private_names_taken_from_another_package():
 def test_the_layers_import_downward():
     # The pipeline's stages, lowest first: a module may import its own layer and those below.
     layers = [
-        {"flexattn.errors", "flexattn.options", "flexattn.graphs", "flexattn.trace", "flexattn._deprecated"},
+        {"flexattn.errors", "flexattn.options", "flexattn.cuda_graphs", "flexattn.mods", "flexattn.trace"},
         {"flexattn.lowering", "flexattn.reference", "flexattn.blockwise"},
-        {"flexattn.masks", "flexattn.codegen"},
+        {"flexattn.masks", "flexattn.paged_attention", "flexattn.codegen"},
         {"flexattn.kernels"},
         {"flexattn.dispatch"},
         {"flexattn.autograd", "flexattn.compile"},
@@ -138,19 +138,34 @@ def test_the_layers_import_downward():
     assert not upward, "imports that run up the pipeline: " + ", ".join(sorted(upward))
 
 
-def test_the_old_import_paths_still_work_and_warn():
-    # Kept for one release after the redesign (CHANGELOG.md): each says where its names went.
-    import importlib
-    import sys
+LAB = "benchmarks"  # the checkout's lab (benchmarks/): not installed, so the package must never need it
 
-    import pytest
 
-    for old, name, new in [("flexattn.runtime", "forward_kernel", "flexattn.kernels"),
-                           ("flexattn.block_mask", "create_block_mask", "flexattn.masks"),
-                           ("flexattn.decoding", "decode_block_mask", "flexattn.masks"),
-                           ("flexattn.paged_attention", "PagedAttention", "flexattn.masks"),
-                           ("flexattn.mods", "and_masks", "flexattn.masks")]:
-        sys.modules.pop(old, None)
-        with pytest.warns(DeprecationWarning, match=new):
-            module = importlib.import_module(old)
-        assert getattr(module, name) is getattr(importlib.import_module(new), name)
+def _lab_uses(path: Path) -> list:
+    """Where a file imports the lab, or names one of its modules in a string (importlib.import_module)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] if not node.level else []
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [node.value] if node.value.isidentifier() or "." in node.value and " " not in node.value else []
+        else:
+            continue
+        found += [f"line {node.lineno}: {name}" for name in names if name == LAB or name.startswith(LAB + ".")]
+    return found
+
+
+def test_the_package_does_not_import_the_lab():
+    uses = [f"{name} ({use})" for name, path in _modules().items() for use in _lab_uses(path)]
+    assert not uses, "flexattn modules that need the checkout's benchmarks/: " + "; ".join(uses)
+
+
+def test_the_lab_check_finds_an_import_of_the_lab(tmp_path):
+    # The test above can fail: an import, a from-import and a module name in a string all count.
+    module = tmp_path / "m.py"
+    module.write_text("import benchmarks.sweep\nfrom benchmarks import targets\n"
+                      "importlib.import_module('benchmarks.startup')\nx = 'benchmarks are fun'\n")
+    assert [use.split(": ")[1] for use in _lab_uses(module)] == ["benchmarks.sweep", "benchmarks",
+                                                                  "benchmarks.startup"]

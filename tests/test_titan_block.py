@@ -1,4 +1,4 @@
-"""gym/examples/titan_block.py (issue 21): torchtitan-style compiled blocks with a dict of BlockMasks
+"""examples/titan_block.py (issue 21): torchtitan-style compiled blocks with a dict of BlockMasks
 (causal, document, sliding window) and activation checkpointing, full and selective."""
 
 import importlib.util
@@ -9,7 +9,7 @@ import torch
 
 import flexattn.compile
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "gym" / "examples" / "titan_block.py"
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "titan_block.py"
 
 
 @pytest.fixture(scope="module")

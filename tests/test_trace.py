@@ -217,10 +217,10 @@ def test_gpu_tables_are_traced_on_cpu_stand_ins(monkeypatch):
 def test_constants_copied_during_a_graph_warm_up_are_copied_by_another_thread_and_kept(monkeypatch):
     # A CUDA-graph tree's warm-up puts the warming thread's allocations into the graph's pool (so
     # they cannot be kept), and a capture may not copy from host memory: the constants are copied
-    # by a worker thread and kept (flexattn/graphs.py).
+    # by a worker thread and kept (flexattn/cuda_graphs.py).
     import threading
 
-    import flexattn.graphs as graphs
+    import flexattn.cuda_graphs as cuda_graphs
     import flexattn.trace as trace
 
     threads = []
@@ -230,7 +230,7 @@ def test_constants_copied_during_a_graph_warm_up_are_copied_by_another_thread_an
             threads.append(threading.current_thread().name)
             return ("copy", device)
 
-    assert graphs.copied_outside_graph_pools((Constant(), None), torch.device("cpu")) == (
+    assert cuda_graphs.copied_outside_graph_pools((Constant(), None), torch.device("cpu")) == (
         ("copy", torch.device("cpu")), None)
     assert threads and threads[0].startswith("flexattn-copy")
 

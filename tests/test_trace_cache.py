@@ -1,8 +1,8 @@
 """The trace cache never hands one mod another mod's graph or tensors (issue 8, items 1 and 4).
 
 A mod's graph and captured inputs are cached by a key of everything the mod can read, and warm
-calls with the same callable object skip the walk by re-reading what it read. These tests change
-each thing a mod can read (library closures, closure cells, globals, defaults, object attributes,
+calls with the same callable object skip the search of its reads by re-reading what it read. These
+tests change each thing a mod can read (library closures, closure cells, globals, defaults, object attributes,
 namespaces, modules) between calls, recycle ids, and check that the traced graph, evaluated on
 the captured inputs ``trace_mod`` returns, agrees with the mod itself; a few go end to end through
 the PyTorch backend against the float64 reference, gradients included.
@@ -470,16 +470,16 @@ CHANGES = ["tensor_of_another_shape", "plain_number", "resized_in_place", "requi
 
 
 @pytest.mark.parametrize("where", LOCATIONS)
-def test_warm_path_re_reads_what_the_walk_read(where):
+def test_warm_path_re_reads_what_the_search_read(where):
     for change in CHANGES:
         first = torch.tensor(2.0)
         location = Location(where, first)
         mod = location.mod
         assert _value_of(mod).item() == 2.0
-        traces, walks = trace.counts.traces, trace.counts.walks
+        traces, searches = trace.counts.traces, trace.counts.searches
         assert _value_of(mod).item() == 2.0
-        # A warm call neither traces nor walks (lists and dicts used to force a walk per call).
-        assert (trace.counts.traces, trace.counts.walks) == (traces, walks)
+        # A warm call neither traces nor searches (lists and dicts used to force a search per call).
+        assert (trace.counts.traces, trace.counts.searches) == (traces, searches)
         if change == "tensor_of_another_shape":
             location.set(torch.tensor([3.0]))
             expected, shape = 3.0, (1,)
@@ -551,7 +551,7 @@ def test_same_tensor_twice_does_not_share_a_graph_input_with_two_tensors():
     assert len(captured) == 2
 
 
-def test_warm_calls_neither_trace_nor_walk():
+def test_warm_calls_neither_trace_nor_search():
     slopes = torch.rand(4)
 
     def alibi(score, b, h, q_idx, kv_idx):
@@ -563,15 +563,15 @@ def test_warm_calls_neither_trace_nor_walk():
     mods = [(mod, "score_mod") for mod in score_mods] + [(torch_flex.or_masks(prefix(16), causal), "mask_mod")]
     for mod, kind in mods:
         trace_mod(mod, kind)
-        traces, walks = trace.counts.traces, trace.counts.walks
+        traces, searches = trace.counts.traces, trace.counts.searches
         for _ in range(3):
             trace_mod(mod, kind)
-        assert (trace.counts.traces, trace.counts.walks) == (traces, walks), mod
+        assert (trace.counts.traces, trace.counts.searches) == (traces, searches), mod
     # A bound method is a new object at every attribute access: its entry hangs on its object.
-    walks = trace.counts.walks
+    searches = trace.counts.searches
     trace_mod(module.score_mod, "score_mod")
     trace_mod(holder.score_mod, "score_mod")
-    assert trace.counts.walks == walks
+    assert trace.counts.searches == searches
 
 
 def test_warm_path_table_is_bounded():
@@ -612,7 +612,7 @@ def test_recycled_ids_never_return_a_stale_entry():
     assert reused > 0, "no id came back for a Window of another size: the test proves nothing"
 
 
-# ------------------------------------------------- contents the walk cannot see are never stale
+# ----------------------------------------------- contents the search cannot see are never stale
 
 
 def test_tensor_in_an_object_without_visible_contents_is_never_stale():
@@ -633,12 +633,12 @@ def test_tensor_in_an_object_without_visible_contents_is_never_stale():
     assert holds(captured, queue[0])
 
 
-def test_tensor_reached_by_an_unwalked_path_is_a_live_input():
+def test_tensor_reached_by_an_unsearched_path_is_a_live_input():
     def mod(score, b, h, q_idx, kv_idx):
-        return score + mod.table[kv_idx]  # a function attribute: not among the walked reads
+        return score + mod.table[kv_idx]  # a function attribute: not among the reads found
 
     mod.table = torch.randn(128)
-    with pytest.warns(UserWarning, match="path the walk does not follow"):
+    with pytest.warns(UserWarning, match="path the search does not follow"):
         _, captured = assert_graph_matches_mod(mod, "score_mod")
     assert holds(captured, mod.table)
     with warnings.catch_warnings():

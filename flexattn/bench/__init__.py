@@ -1,17 +1,14 @@
-"""Benchmarks and sweeps, installed with flexattn so they run from any directory (docs/benchmarks.md
-holds what they measured, with the device and versions of each run).
+"""The paper benchmarks, installed with flexattn: ``flexattn bench --mode MODE`` (or ``python -m
+flexattn.bench --mode MODE``) runs one on a CUDA GPU, side by side in one process with torch's
+compiled flex_attention and SDPA.
 
-``python -m flexattn.bench --mode fwd|bwd|decode [ARGS]`` (also ``flexattn bench``) runs one of the
-paper benchmarks, side by side in one process with torch's compiled flex_attention and SDPA:
-``forward``, ``backward`` (training) and ``decode``; ``model`` times a whole GPT-style training step
-(eager, compiled and in CUDA graphs); ``fp8`` the forward on FP8 inputs and decoding from an FP8
-cache. Beside them: ``learnable`` (the backward of
-variants with learnable tables), the launch-config sweeps ``sweep`` and ``sweep_backward``,
-``tile_census`` (what the compiler made of every default kernel), ``startup`` (the first call
-and the host overhead), ``context_parallel`` (the ring's schedule on one GPU with streams for
-ranks, and the ring's model at scale) and ``context_parallel_gpus`` (the real ranks, one process
-per GPU, beside torch's context parallelism, which ``torch_context_parallel`` sets up). ``common``
-holds what they share.
+``fwd`` (forward.py) and ``bwd`` (backward.py, training, with a gradient check) at 16k tokens on the
+paper's seven variants; ``decode`` (decode.py) one query token against a KV cache; ``model``
+(model.py) a whole GPT-style training step, eager, compiled and in CUDA graphs; ``fp8`` (fp8.py)
+the forward on FP8 inputs and decoding from an FP8 cache. ``common`` holds what they share. Each
+takes its own arguments (``flexattn bench --mode bwd -- --help``) and writes its rows as JSON with
+``--out``. docs/benchmarks.md holds the current numbers, with the device, versions and command of
+each; the project's other measuring equipment is the checkout's benchmarks/ folder, not installed.
 """
 
 import importlib

@@ -16,8 +16,7 @@ computes, the same count for every implementation.
 beside the default choice (on Hopper, the Gluon kernels where they apply). ``--torch-flash`` also
 times torch's flex_attention with ``kernel_options={"BACKEND": "FLASH"}`` (FlashAttention-4 kernels
 generated from the same mods; needs the flash-attn-4 wheels, see ../shared/tools/flash4_wheels.sh);
-a failure is recorded in the row, not fatal. After the table comes a ``below target:`` line for each
-speed target a row misses (bench/targets.py).
+a failure is recorded in the row, not fatal.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ import torch
 
 import flexattn
 from flexattn.bench.common import KV_BYTES, bench, block_density, compile_torch_flex, dense_mask_sdpa, sdpa_fn
-from flexattn.bench.targets import FORWARD, misses
 from flexattn.variants import CATALOGUE
 
 # The paper's benchmark set by default; the catalogue holds many more, each runnable by name.
@@ -181,8 +179,6 @@ def main(argv=None) -> int:
               f"| {tf('flexattn_portable_tflops')} | {tf('torch_flex_tflops')} | {tf('torch_flash_tflops')} "
               f"| {tf('sdpa_cudnn_tflops')} | {ratio('torch_flex_ms')} | {ratio('torch_flash_ms')} "
               f"| {ratio('sdpa_cudnn_ms')} |")
-    for miss in misses(rows, FORWARD):
-        print(f"below target: {miss}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"env": env, "rows": rows}, f, indent=1)

@@ -1,7 +1,7 @@
-"""The ``flexattn`` command: the gym (every catalogue variant checked and timed here), pictures of a
+"""The ``flexattn`` command: check (every catalogue variant checked and timed here), pictures of a
 variant's mask, its generated Triton source, and the paper benchmark.
 
-    flexattn gym [--device cpu|cuda] [--seq N] [--only NAME[,NAME]] [--out PATH]
+    flexattn check [--device cpu|cuda] [--seq N] [--only NAME[,NAME]] [--out PATH]
     flexattn show NAME [--seq N] [--png PATH]
     flexattn kernel NAME [--backward | --decode] [--seq N]
     flexattn bench [--mode fwd|bwd|decode|model|fp8] [-- BENCHMARK ARGS]
@@ -9,7 +9,7 @@ variant's mask, its generated Triton source, and the paper benchmark.
 
 Mistakes on the command line (an unknown variant, a bad length) get one line that names the
 argument and what is valid, and exit status 2; no traceback. The table, the progress bar and the
-PNG need the ``gym`` extra (rich, matplotlib): ``pip install 'flexattn[gym]'``.
+PNG need the ``cli`` extra (rich, matplotlib): ``pip install 'flexattn[cli]'``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from flexattn.bench import MODES as BENCH_MODES
 
 __all__ = ["main"]
 
-EXTRA_HINT = "pip install 'flexattn[gym]'"
+EXTRA_HINT = "pip install 'flexattn[cli]'"
 MIN_SEQ, MAX_SEQ = 16, 1 << 17
 USAGE_ERROR, FAILED = 2, 1
 
@@ -100,31 +100,31 @@ def _require(module: str, command: str, purpose: str):
                             f"{EXTRA_HINT}") from err
 
 
-# ---------------------------------------------------------------------------------------- gym
+# -------------------------------------------------------------------------------------- check
 
 
 def _default_results(device: str, only: Optional[list[str]]) -> Path:
-    """Where results go without --out: gym/gym-DEVICE under flexattn's cache directory for the whole
-    catalogue; a run of --only variants gets a name of its own (gym-cpu-only-causal-alibi), so it
+    """Where results go without --out: check/check-DEVICE under flexattn's cache directory for the whole
+    catalogue; a run of --only variants gets a name of its own (check-cpu-only-causal-alibi), so it
     never replaces the full run's results."""
     from flexattn.codegen import cache_dir
 
-    name = f"gym-{device}"
+    name = f"check-{device}"
     if only:
         joined = "-".join(only)
         if len(joined) > 80:  # a file name must stay short; the digest keeps distinct subsets apart
             joined = f"{len(only)}-variants-{hashlib.sha256(joined.encode()).hexdigest()[:8]}"
         name += f"-only-{joined}"
-    return cache_dir() / "gym" / name
+    return cache_dir() / "check" / name
 
 
-def _cmd_gym(args, parser) -> int:
+def _cmd_check(args, parser) -> int:
     import torch
 
-    from flexattn.cli.gym import default_sizes, run_gym
+    from flexattn.cli.check import default_sizes, run_check
     from flexattn.cli.report import describe, failures, table, write_results
 
-    _require("rich", "gym", "its table and progress bar")
+    _require("rich", "check", "its table and progress bar")
     from rich.console import Console
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -148,7 +148,7 @@ def _cmd_gym(args, parser) -> int:
     with Progress(TextColumn("[bold]{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True) as progress:
         task = progress.add_task("starting", total=len(names))
-        report = run_gym(names, device, sizes, torch_flex=not args.no_torch_flex,
+        report = run_check(names, device, sizes, torch_flex=not args.no_torch_flex,
                          on_start=lambda name: progress.update(task, description=name),
                          on_done=lambda row: progress.advance(task))
     report["seconds"] = round(time.perf_counter() - start, 1)
@@ -157,7 +157,7 @@ def _cmd_gym(args, parser) -> int:
     out = Console()
     if not out.is_terminal:  # a log or a pipe: the whole table, not one squeezed into 80 columns
         out = Console(width=max(out.width, 200))
-    grid = Table(title=f"flexattn gym: {len(names)} variants on {device}", title_justify="left")
+    grid = Table(title=f"flexattn check: {len(names)} variants on {device}", title_justify="left")
     for i, header in enumerate(headers):
         grid.add_column(header, justify="left" if i in (0, len(headers) - 1) or header == "backend" else "right",
                         no_wrap=i == 0)  # names stay whole; numbers' headers may wrap
@@ -266,7 +266,7 @@ def _cmd_bench(args, parser) -> int:
     if not torch.cuda.is_available():
         raise _CommandError(
             "the benchmark needs a CUDA GPU, and this machine has none (torch.cuda.is_available() is False); "
-            "on a CPU, 'flexattn gym' checks every variant and times the PyTorch backend", USAGE_ERROR)
+            "on a CPU, 'flexattn check' checks every variant and times the PyTorch backend", USAGE_ERROR)
     return run_mode(args.mode, args.bench_args)
 
 
@@ -293,24 +293,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"flexattn {flexattn.__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
 
-    gym = commands.add_parser(
-        "gym", help="every catalogue variant on this machine's device: errors vs float64, times, speed-ups",
+    check = commands.add_parser(
+        "check", help="every catalogue variant on this machine's device: errors vs float64, times, speed-ups",
         description="Runs every variant of flexattn.variants.CATALOGUE (forward and backward) on the local device "
         "with a progress bar, checks output and gradients against the float64 reference, times them (on a GPU also "
         "SDPA's flash kernel and torch's compiled flex_attention), prints a table and writes it as JSON and Markdown. "
         "Exits 1 if any variant's error exceeds its dtype's tolerance.")
-    gym.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when there is a GPU, else cpu")
-    gym.add_argument("--seq", type=_seq_len, default=None, metavar="N",
-                     help="sequence length (default: 1024 on a CPU, sized to finish in well under a minute; 4096 on a GPU)")
-    gym.add_argument("--only", type=_variant_names, default=None, metavar="NAME[,NAME]",
-                     help="run these variants only ('flexattn list' names them)")
-    gym.add_argument("--out", default=None, metavar="PATH",
-                     help="write PATH.json and PATH.md (default: gym/gym-DEVICE under flexattn's cache directory; "
-                          "with --only, gym/gym-DEVICE-only-NAMES)")
-    gym.add_argument("--threads", type=_positive_int, default=1, metavar="N",
-                     help="CPU threads for torch (default 1: timings stay steady on a shared machine)")
-    gym.add_argument("--no-torch-flex", action="store_true", help="GPU: skip torch's compiled flex_attention")
-    gym.set_defaults(run=_cmd_gym)
+    check.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                       help="default: cuda when there is a GPU, else cpu")
+    check.add_argument("--seq", type=_seq_len, default=None, metavar="N",
+                       help="sequence length (default: 1024 on a CPU, sized to finish in well under a minute; "
+                            "4096 on a GPU)")
+    check.add_argument("--only", type=_variant_names, default=None, metavar="NAME[,NAME]",
+                       help="run these variants only ('flexattn list' names them)")
+    check.add_argument("--out", default=None, metavar="PATH",
+                       help="write PATH.json and PATH.md (default: check/check-DEVICE under flexattn's cache "
+                            "directory; with --only, check/check-DEVICE-only-NAMES)")
+    check.add_argument("--threads", type=_positive_int, default=1, metavar="N",
+                       help="CPU threads for torch (default 1: timings stay steady on a shared machine)")
+    check.add_argument("--no-torch-flex", action="store_true", help="GPU: skip torch's compiled flex_attention")
+    check.set_defaults(run=_cmd_check)
 
     show = commands.add_parser("show", help="the variant's BlockMask as text, and a PNG of its mask and blocks",
                                description="Prints the BlockMask of a variant as text and writes a PNG: the "
@@ -351,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     listing = commands.add_parser("list", help="the catalogue's variants with their one-line summaries",
                                   description="Lists flexattn.variants.CATALOGUE: name, summary, [family, flags].")
     listing.set_defaults(run=_cmd_list)
-    parser.commands = {"gym": gym, "show": show, "kernel": kernel, "bench": bench, "list": listing}
+    parser.commands = {"check": check, "show": show, "kernel": kernel, "bench": bench, "list": listing}
     return parser
 
 

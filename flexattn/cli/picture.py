@@ -1,7 +1,7 @@
 """Pictures of a variant's mask: the BlockMask as text, and a PNG of the token-level mask next to the
 block-level map (full, partial and empty blocks in three colours).
 
-matplotlib is imported only by :func:`write_png` (it comes with the ``gym`` extra).
+matplotlib is imported only by :func:`write_png` (it comes with the ``cli`` extra).
 """
 
 from __future__ import annotations

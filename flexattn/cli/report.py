@@ -1,4 +1,4 @@
-"""The gym's results as a table: the cells and footnotes that both the terminal table (rich) and the
+"""The results of ``flexattn check`` as a table: the cells and footnotes that both the terminal table (rich) and the
 Markdown file show, so the two never disagree."""
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def _tolerance(report: dict) -> str:
 
 def to_markdown(report: dict) -> str:
     headers, cells, footnotes = table(report)
-    lines = ["# flexattn gym", "", describe(report), "",
+    lines = ["# flexattn check", "", describe(report), "",
              "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in line) + " |" for line in cells]
     if footnotes:

@@ -14,8 +14,9 @@ import torch.distributed as dist
 from ..codegen import debug_enabled
 from ..errors import InvalidInputError
 from ..lowering import mod_index_dtype
-from ..masks import as_block_mask, noop_mask, torch_counterpart
+from ..masks import as_block_mask, torch_counterpart
 from ..masks.layout import cdiv
+from ..mods import noop_mask
 from ..options import AuxOutput, AuxRequest, normalize_kernel_options, why_ignored
 from ..trace import trace_mod
 from .agreement import Agreement

@@ -3,7 +3,7 @@ needed shards, from tile counts, shard sizes and a few machine numbers.
 
 It serves two purposes: ``schedule="auto"`` picks the faster schedule with it (the plan knows every
 rank's tile counts, so every rank makes the same choice), and ``python -m
-flexattn.bench.context_parallel --model`` predicts throughput at sizes no test machine holds,
+benchmarks.context_parallel --model`` predicts throughput at sizes no test machine holds,
 beside torch's all-gather design on the same numbers (docs/context_parallel.md lists the
 assumptions).
 

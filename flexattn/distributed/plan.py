@@ -45,8 +45,9 @@ import torch
 
 from ..errors import InvalidInputError
 from ..lowering import mod_index_dtype
-from ..masks import TABLES_IN_RANGE, BlockMask, as_block_mask, mod_name, noop_mask, sliced_rows_mask_mod
+from ..masks import TABLES_IN_RANGE, BlockMask, as_block_mask, sliced_rows_mask_mod
 from ..masks.layout import cdiv, dense_to_ordered, ordered_to_dense, transposed_tables
+from ..mods import mod_name, noop_mask
 from .agreement import entries_digest
 from .cost import CostModel, Problem, StepCost, gather_seconds, ring_seconds
 from .sharding import (

@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from ..api import flex_attention
-from ..masks import mod_factory
+from ..mods import mod_factory
 from ..options import AuxRequest
 from ..variants import apply_sinks
 

@@ -1,7 +1,7 @@
 """Launch configurations: tiles, warps and pipeline stages per GPU and head dim for each kernel
 family, the checks of the ones a caller pins through kernel_options, and autotuning's store.
 
-The defaults come from sweeps on an H200 and an H100 (flexattn/bench/sweep.py, sweep_backward.py;
+The defaults come from sweeps on an H200 and an H100 (benchmarks/sweep.py, sweep_backward.py;
 docs/benchmarks.md); other GPUs start from the same shapes and shrink until shared memory fits.
 A configuration only sets speed: every fact correctness depends on (bounds checks, layouts) is
 derived from the call by the family that plans the launch.
@@ -99,7 +99,7 @@ def shared_memory_bytes(cfg: LaunchConfig, elem_bytes: int, qk_dim_p2: int, v_di
     return (q_tile + kv_tiles) * elem_bytes
 
 
-# Defaults from flexattn/bench/sweep.py on an H200 (docs/benchmarks.md); other GPUs start from the same shapes
+# Defaults from benchmarks/sweep.py on an H200 (docs/benchmarks.md); other GPUs start from the same shapes
 # and shrink until shared memory fits. AUTOTUNE searches around them per problem.
 _GPU_DEFAULTS = {  # pointer loads, any GPU
     # (head dim up to, elem bytes): config
@@ -112,7 +112,7 @@ _GPU_DEFAULTS = {  # pointer loads, any GPU
 }
 
 
-# Hopper with tensor descriptors, 16-bit inputs (flexattn/bench/sweep.py at 16k tokens on an H200): two
+# Hopper with tensor descriptors, 16-bit inputs (benchmarks/sweep.py at 16k tokens on an H200): two
 # pipeline stages beat three once the copy engine fetches K/V, and 128-row programs win at d=128.
 _HOPPER_TMA_DEFAULTS = {
     64: LaunchConfig(64, 128, 4, 2, USE_TMA=True),
@@ -189,7 +189,7 @@ def select_config(
     base = _GPU_DEFAULTS[(bucket, 2 if elem <= 2 else 4)]
     sparse_rows = has_mask_mod and blocks_per_row < 8
     if has_mask_mod and elem == 2 and bucket in (64, 128):
-        # Measured on an H200 (flexattn/bench/sweep.py, flexattn/bench/forward.py): masks whose rows visit few blocks
+        # Measured on an H200 (benchmarks/sweep.py, flexattn/bench/forward.py): masks whose rows visit few blocks
         # (documents, short windows) want more, smaller programs; dense-row masks (causal, prefix)
         # want 128 query rows per program.
         if sparse_rows:

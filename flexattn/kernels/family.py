@@ -148,7 +148,7 @@ def with_tiles(plan: Plan, role: str, roles: TileRoles, constexprs: dict) -> Pla
 #    STAGED_GATHER_BYTES or more means the software pipeliner buffers the mods' gathered tiles
 #    too: one stage fewer, down to one.
 # H100 census of the 22 catalogue entries at their defaults (bf16, 4k tokens, d=64 and 128; Triton
-# 3.6; flexattn/bench/tile_census.py, docs/benchmarks.md): in the forward five kernels changed, all
+# 3.6; benchmarks/tile_census.py, docs/benchmarks.md): in the forward five kernels changed, all
 # faster: Longformer d=64 (132 bytes spilled) 1.27 -> 0.33 ms, Graphormer d=64 (248) 0.55 -> 0.21, T5
 # d=64 (169 KB of shared memory against 104 KB of tiles) 10.8 -> 3.5, T5 d=128 (292 bytes) 7.4 -> 1.9,
 # Graphormer d=128 (177 KB against 112) 0.80 -> 0.17. Twelve d=128 kernels spill 2 to 62 bytes and

@@ -20,7 +20,7 @@ programs still run side by side, reading one pair's keys and values (or queries)
 time from L2.
 
 Measured on an H200 (bf16, GPU time with L2 flushed before each call, against the grid's order;
-``python -m flexattn.bench.launch_order``, docs/benchmarks.md): causal masks at 2k to 8k tokens
+``python -m benchmarks.launch_order``, docs/benchmarks.md): causal masks at 2k to 8k tokens
 1.02-1.07x in the forward and 1.03-1.08x in the backward; documents and a sliding window at 4k
 1.03x and 1.03-1.08x; 16k tokens within that measurement's noise. Tails of one, two and four
 programs an SM, and interleaving every pair in groups of the rule's size, were measured too: four

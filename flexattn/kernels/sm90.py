@@ -19,7 +19,7 @@ import torch
 
 from ..codegen.params import SM90_FORWARD
 from ..errors import BackendUnavailableError
-from ..graphs import capturing
+from ..cuda_graphs import capturing
 from ..lowering import index_bounds, lowering_variants
 from ..masks import EVERY_BLOCK_FULL
 from ..trace import TracedMod

@@ -14,9 +14,9 @@ from typing import NamedTuple
 
 import torch
 
+from ..cuda_graphs import capturing
 from ..errors import InvalidInputError
 from ..masks import EVERY_BLOCK_FULL, TABLES_IN_RANGE, BlockMask, DerivedKey
-from ..graphs import capturing
 from ..masks.layout import ascending, dense_to_ordered, ordered_to_dense
 from .ahead import recording
 

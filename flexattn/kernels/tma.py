@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from ..graphs import may_keep_allocations
+from ..cuda_graphs import may_keep_allocations
 from .launch import interpreter_enabled
 
 __all__ = ["tma_layout_ok", "tma_compatible", "host_descriptors_ok", "host_descriptors", "install_tma_allocator"]
@@ -71,7 +71,7 @@ def _tma_scratch_for(size: int, alignment: int, stream) -> torch.Tensor:
     # Device-side tensor descriptors need global scratch for every launch. Launches on one stream
     # run in order, so one buffer per stream, grown when needed, serves them all and saves a
     # caching-allocator round trip per call (a few microseconds of host time); inside a CUDA
-    # graph's capture or warm-up it is allocated for the launch alone (flexattn/graphs.py).
+    # graph's capture or warm-up it is allocated for the launch alone (flexattn/cuda_graphs.py).
     buf = _tma_scratch.get(stream)
     if buf is None or buf.numel() < size:
         buf = torch.empty(max(size, 1 << 16), dtype=torch.int8, device="cuda")

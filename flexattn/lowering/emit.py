@@ -3,7 +3,7 @@
 One idea in one module, longer than most: the three kinds of value below and the walk that turns
 nodes into them; each op's own Triton form lives in ops.py's table.
 
-The walk follows tinygrad's renderer (style.md, section E): one pass over the nodes in order, each
+The walk follows tinygrad's renderer (tinygrad/renderer/cstyle.py): one pass over the nodes in order, each
 node's source built by its entry in ``ops.LOWERINGS``; a value used more than once is given a name
 (``sm_t0 = ...``), a value used once is written inline where it is used.
 

@@ -1,6 +1,6 @@
 """The lowering table: one entry per aten op, each a small function that returns Triton source.
 
-This is tinygrad's ``code_for_op`` (see docs: style.md, section E) for aten graphs::
+This is tinygrad's ``code_for_op`` (tinygrad/renderer/cstyle.py) for aten graphs::
 
     aten.where: call("tl.where", inputs=WHERE),
     aten.ge:    infix(">=", CMP, inputs=COMMON),

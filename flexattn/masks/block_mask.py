@@ -52,11 +52,11 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..errors import InvalidInputError
+from ..mods import MaskMod, check_mask_mod, mod_name, noop_mask
 from .layout import (
     DEFAULT_BLOCK_SIZE, INDEX_DTYPE, BlockSize, as_4d, as_block_size, ascending, cdiv, check_visited_once,
     checked_indices, checked_table, dense_to_ordered, ordered_to_dense, positive_int, transposed_tables, widened,
 )
-from .mods import MaskMod, check_mask_mod, mod_name, noop_mask
 
 __all__ = ["BlockMask", "DerivedKey", "TABLES_IN_RANGE", "EVERY_BLOCK_FULL", "as_block_mask", "torch_counterpart", "sliced_rows_mask_mod",
            "version_of"]

@@ -12,13 +12,13 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from ..cuda_graphs import may_keep_allocations
 from ..errors import FlexAttentionError, InvalidInputError, ModTraceError, describe_mod, raised_as_is_under_dynamo
-from ..graphs import may_keep_allocations
 from ..lowering.ranges import mod_index_dtype
+from ..mods import MaskMod, check_mask_mod, mod_name
 from ..trace import GathersReadZero, trace_mod
 from .block_mask import EVERY_BLOCK_FULL, TABLES_IN_RANGE, BlockMask
 from .layout import DEFAULT_BLOCK_SIZE, INDEX_DTYPE, BlockSize, as_block_size, cdiv, device_argument, positive_int
-from .mods import MaskMod, check_mask_mod, mod_name
 
 __all__ = ["create_block_mask", "create_mask", "dense_block_mask", "TILE_ELEMENTS"]
 

@@ -34,9 +34,9 @@ from typing import Callable, Optional, Union
 import torch
 
 from ..errors import InvalidInputError
+from ..mods import MaskMod, ScoreMod, arity_mistake, check_mask_mod, identity_score_mod, mod_factory, mod_name, noop_mask
 from .block_mask import TABLES_IN_RANGE, BlockMask, as_block_mask, sliced_rows_mask_mod
 from .layout import cdiv, default_device, dense_to_ordered, device_argument, ordered_to_dense, positive_int
-from .mods import MaskMod, ScoreMod, arity_mistake, check_mask_mod, identity_score_mod, mod_factory, mod_name, noop_mask
 
 __all__ = ["offset_mask_mod", "offset_score_mod", "decode_block_mask"]
 

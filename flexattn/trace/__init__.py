@@ -8,16 +8,16 @@ is recorded as an aten op and any use of a tensor's *value* in Python (``if scor
 docs/tracing.md says why we chose this over ``torch.fx.symbolic_trace``, ``make_fx`` and Dynamo.
 
 Everything the mod can read (through closure cells, defaults, globals, helper functions, objects,
-modules and nn.Modules) is found by walking the callable (reads.py), and what can change between
+modules and nn.Modules) is found by searching the callable (reads.py), and what can change between
 calls is *lifted*: each tensor becomes a graph input after the mod's own arguments, and so does each
 Python number (numbers.py), so the same graph and the same kernels serve every call whatever the
 current values, and gradients reach captured tensors that require grad. Graphs are cached by the
 content of everything the mod can read (cache.py; [Note] Cache keys in reads.py); a warm call with
-the same callable object re-reads the locations its last walk read instead of walking again.
+the same callable object re-reads the locations its last search read instead of searching again.
 
-The homes: traced.py (what tracing gives: TracedMod), reads.py (the walk), numbers.py (numbers as
-inputs), record.py (recording the graph; the modes that evaluate mods with torch), cache.py
-(``trace_mod`` and its caches).
+The homes: traced.py (what tracing gives: TracedMod), reads.py (what a callable reads), numbers.py
+(numbers as inputs), record.py (recording the graph; the modes that evaluate mods with torch),
+cache.py (``trace_mod`` and its caches).
 """
 
 from .cache import trace_mod, with_stand_ins, with_values

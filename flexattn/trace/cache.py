@@ -1,6 +1,6 @@
 """``trace_mod``: a mod's traced graph and the values of its inputs for this call, through three
-caches (see [Note] Cache keys in reads.py): the walk's content key, the graph's text, and the
-warm-call table that answers a repeated callable without walking it again."""
+caches (see [Note] Cache keys in reads.py): the content key of its reads, the graph's text, and
+the warm-call table that answers a repeated callable without searching its reads again."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from .numbers import SIZE_QUERIES, NumberTrace, TracedNumber, sizes_of, substituted, value_at
 from .reads import (
-    ANCHOR, ATTR, CELL, INDEX, ITEM, MISSING, Walker, alias_pattern, code_of, read, tensor_meta, walk,
+    ANCHOR, ATTR, CELL, INDEX, ITEM, MISSING, Reads, alias_pattern, code_of, find_reads, read, tensor_meta,
 )
 from ..errors import describe_mod
 from .record import trace
@@ -24,9 +24,9 @@ from .traced import ARGS_OF_KIND, NUMBER_INT_LIMIT, TracedMod, counts
 
 __all__ = ["trace_mod", "with_stand_ins", "with_values"]
 
-# The caches (see [Note] Cache keys). _CACHE: (kind, the walk's signature) -> the TracedMods traced
+# The caches (see [Note] Cache keys). _CACHE: (kind, the reads' signature) -> the TracedMods traced
 # for it, one per set of values of its specialized numbers. _GRAPHS: the graph's content -> its one
-# TracedMod, so a mod traced again (on every call, when the walk cannot see all it reads) keeps one
+# TracedMod, so a mod traced again (on every call, when the search cannot see all it reads) keeps one
 # TracedMod, and the kernels built for it. _FAST: the warm-call table, callable (held weakly) ->
 # {(kind, method's function): _FastEntry}.
 _CACHE: "OrderedDict[tuple, list]" = OrderedDict()
@@ -34,7 +34,7 @@ _GRAPHS: "OrderedDict[tuple, TracedMod]" = OrderedDict()
 _FAST: "OrderedDict[weakref.ref, dict]" = OrderedDict()
 _CACHE_SIZE = 512
 _FAST_SIZE = 512
-_SPECIALIZED_KEPT = 16  # traces of one walk key for other values of its specialized numbers
+_SPECIALIZED_KEPT = 16  # traces of one reads key for other values of its specialized numbers
 
 def _same_number(a: Any, b: Any) -> bool:
     """One value for a specialized number: same type, and floats by repr (0.0 and -0.0 differ, a
@@ -45,7 +45,7 @@ def _same_number(a: Any, b: Any) -> bool:
 
 
 def _holds(traced: TracedMod, leaves: tuple) -> bool:
-    """The trace is right for these values of the walk's numbers: its specialized ones have the
+    """The trace is right for these values of the numbers it reads: its specialized ones have the
     values it was traced at."""
     return all(_same_number(leaves[i], value) for i, _, value in traced.specialized)
 
@@ -74,30 +74,30 @@ def trace_mod(fn: Callable, kind: str) -> tuple[TracedMod, list]:
     hit = _fast_lookup(fn, kind)
     if hit is not None:
         return hit
-    walker = walk(fn)
-    leaves = walker.leaf_values()
-    key = None if walker.opaque else (kind, tuple(walker.signature))
+    reads = find_reads(fn)
+    leaves = reads.leaf_values()
+    key = None if reads.opaque else (kind, tuple(reads.signature))
     for traced in _CACHE.get(key, ()) if key is not None else ():
         if _holds(traced, leaves):
-            values = traced.captured_values(walker.tensors, leaves)
+            values = traced.captured_values(reads.tensors, leaves)
             if _fits(traced, values):
                 _CACHE.move_to_end(key)
-                _remember(fn, kind, walker, traced)
+                _remember(fn, kind, reads, traced)
                 return traced, values
-    numbers = (walker.reads, walker.leaves, leaves, walker.leaf_names)
-    traced, untracked = trace(fn, kind, walker.tensors, walker.tensor_names, numbers)
-    values = traced.captured_values(walker.tensors + untracked, leaves)
+    numbers = (reads.locations, reads.leaves, leaves, reads.leaf_names)
+    traced, untracked = trace(fn, kind, reads.tensors, reads.tensor_names, numbers)
+    values = traced.captured_values(reads.tensors + untracked, leaves)
     if not _fits(traced, values):  # an int too large for the kernels' int32: a constant of the graph
-        traced, untracked = trace(fn, kind, walker.tensors, walker.tensor_names, None)
-        traced = _specialized_all(traced, walker.leaf_types, leaves)
-        values = traced.captured_values(walker.tensors + untracked, leaves)
+        traced, untracked = trace(fn, kind, reads.tensors, reads.tensor_names, None)
+        traced = _specialized_all(traced, reads.leaf_types, leaves)
+        values = traced.captured_values(reads.tensors + untracked, leaves)
     counts.traces += 1
     traced = _one_per_graph(traced)
     if key is not None and not untracked:
         _store(key, traced)
-        _remember(fn, kind, walker, traced)
+        _remember(fn, kind, reads, traced)
     else:
-        what = walker.opaque or "a tensor by a path the walk does not follow (a function attribute, a C object)"
+        what = reads.opaque or "a tensor by a path the search does not follow (a function attribute, a C object)"
         warnings.warn(
             f"{describe_mod(fn, kind)} reads {what}: flexattn cannot tell when it changes, so the mod is "
             "traced again on every call (slow, still correct). Keep what the mod reads in closure variables, "
@@ -113,20 +113,20 @@ def with_stand_ins(fn: Callable):
     traces see them, with the same leaf numbers as trace_mod's TracedMod, so code that runs the mod
     meanwhile (compile.py's probe) can tell which numbers it passes are which graph inputs. What the
     stand-ins are asked in Python is answered with their values and recorded nowhere. Yields
-    ``sizes(func, args)``: for a size query of a tensor the walk found (``t.shape``), its sizes as
+    ``sizes(func, args)``: for a size query of a tensor the search found (``t.shape``), its sizes as
     stand-ins, as tracing gives them; None for anything else."""
-    walker = walk(fn)
-    trace = NumberTrace(walker.leaf_types)
-    stand_ins = [TracedNumber(("leaf", i), v, trace) for i, v in enumerate(walker.leaf_values())]
+    reads = find_reads(fn)
+    trace = NumberTrace(reads.leaf_types)
+    stand_ins = [TracedNumber(("leaf", i), v, trace) for i, v in enumerate(reads.leaf_values())]
 
     def sizes(func, args):
         if func not in SIZE_QUERIES or not args:
             return None
-        position = next((i for i, t in enumerate(walker.tensors) if t is args[0]), None)
+        position = next((i for i, t in enumerate(reads.tensors) if t is args[0]), None)
         return None if position is None else sizes_of(func, args, position, trace)
 
     try:
-        with substituted(walker.reads, list(zip(walker.leaves, stand_ins))):
+        with substituted(reads.locations, list(zip(reads.leaves, stand_ins))):
             yield sizes
     finally:
         trace.active = False
@@ -135,23 +135,23 @@ def with_stand_ins(fn: Callable):
 @contextmanager
 def with_values(fn: Callable, tensors: dict, leaves: dict):
     """For the block, ``fn`` reading other tensors and numbers where it read its own: ``tensors``
-    maps a captured tensor's walk index (CapturedInput.walk_index) to the tensor to read there,
-    ``leaves`` a number's leaf to its value. What a trace of ``fn`` then makes is the trace of a mod
-    of the same code reading those (compile.py: the op of a compiled graph reused for another
-    closure of the same code)."""
-    walker = walk(fn)
+    maps a captured tensor's position among the tensors found (CapturedInput.walk_index) to the
+    tensor to read there, ``leaves`` a number's leaf to its value. What a trace of ``fn`` then makes
+    is the trace of a mod of the same code reading those (compile.py: the op of a compiled graph
+    reused for another closure of the same code)."""
+    reads = find_reads(fn)
     first: dict = {}
-    for position, tensor in enumerate(walker.tensors):
+    for position, tensor in enumerate(reads.tensors):
         first.setdefault(id(tensor), position)
     writes = []
-    for position, (tensor, site) in enumerate(zip(walker.tensors, walker.tensor_sites)):
+    for position, (tensor, site) in enumerate(zip(reads.tensors, reads.tensor_sites)):
         new = tensors.get(first[id(tensor)])
         if new is not None and new is not tensor:
             if site is None:
-                raise ValueError(f"cannot replace the tensor '{walker.tensor_names[position]}' where the mod reads it")
+                raise ValueError(f"cannot replace the tensor '{reads.tensor_names[position]}' where the mod reads it")
             writes.append((site, new))
-    writes += [(walker.leaves[leaf], value) for leaf, value in leaves.items() if leaf < len(walker.leaves)]
-    with substituted(walker.reads, writes):
+    writes += [(reads.leaves[leaf], value) for leaf, value in leaves.items() if leaf < len(reads.leaves)]
+    with substituted(reads.locations, writes):
         yield
 
 
@@ -205,9 +205,9 @@ _LEAFY = -2  # a read whose value is or holds numbers the graph takes (its posit
 
 
 class _FastEntry:
-    """What one walk of a callable read, to answer its next call without walking (see _fast_lookup).
+    """What one search of a callable read, to answer its next call without searching (see _fast_lookup).
     ``leaf_reads``: per read that found numbers, ``(type of the value found, ((path, type), ...))``;
-    ``leaves``: the walk's ``(read, path)`` per leaf."""
+    ``leaves``: the search's ``(read, path)`` per leaf."""
 
     __slots__ = ("reads", "tensors", "meta", "aliases", "traced", "leaf_reads", "leaves")
 
@@ -237,7 +237,7 @@ def _forget(ref: weakref.ref) -> None:
     _FAST.pop(ref, None)  # the callable died: its entries go with it
 
 
-def _remember(fn: Callable, kind: str, walker: Walker, traced: TracedMod) -> None:
+def _remember(fn: Callable, kind: str, reads: Reads, traced: TracedMod) -> None:
     anchor, func = _fast_anchor(fn)
     if anchor is None:
         return
@@ -246,18 +246,18 @@ def _remember(fn: Callable, kind: str, walker: Walker, traced: TracedMod) -> Non
     except TypeError:  # no weak references to it: no warm path
         return
     leaf_reads: dict[int, tuple] = {}
-    for (read_at, path), kind_ in zip(walker.leaves, walker.leaf_types):
-        value = walker.reads[read_at][3]
+    for (read_at, path), kind_ in zip(reads.leaves, reads.leaf_types):
+        value = reads.locations[read_at][3]
         paths = leaf_reads.get(read_at, (type(value), ()))[1]
         leaf_reads[read_at] = (type(value), paths + ((path, kind_),))
-    reads = tuple(
+    locations = tuple(
         (kind_, ANCHOR if container is anchor else container, key, value, _LEAFY if i in leaf_reads else position)
-        for i, (kind_, container, key, value, position) in enumerate(walker.reads)
+        for i, (kind_, container, key, value, position) in enumerate(reads.locations)
     )
-    tensors = tuple(walker.tensors)
+    tensors = tuple(reads.tensors)
     aliases = alias_pattern(tensors) if len(tensors) > 1 else None
-    entry = _FastEntry(reads, tensors, tuple(tensor_meta(t) for t in tensors), aliases, traced, leaf_reads,
-                       tuple(walker.leaves))
+    entry = _FastEntry(locations, tensors, tuple(tensor_meta(t) for t in tensors), aliases, traced, leaf_reads,
+                       tuple(reads.leaves))
     entries = _FAST.get(ref)
     if entries is None:
         entries = _FAST[ref] = {}
@@ -267,7 +267,7 @@ def _remember(fn: Callable, kind: str, walker: Walker, traced: TracedMod) -> Non
 
 
 def _same_shape(expected: Any, now: Any, slots: tuple) -> bool:
-    """``now`` may stand where the walk found ``expected``: a number of the same type, or a tuple of
+    """``now`` may stand where the search found ``expected``: a number of the same type, or a tuple of
     the same type whose numbers at ``slots`` have their types and whose other items are the same
     objects."""
     kind, paths = slots
@@ -297,10 +297,10 @@ def _same_besides(expected: Any, now: Any, leaf_paths: set, at: tuple) -> bool:
 
 
 def _fast_lookup(fn: Callable, kind: str):
-    """The cached trace of this very callable, if nothing its walk read has changed since but the
+    """The cached trace of this very callable, if nothing its reads hold has changed since but the
     values of the numbers the graph takes.
 
-    Re-reads every location the walk read (cells, globals, defaults, attributes, container items and
+    Re-reads every location the search read (cells, globals, defaults, attributes, container items and
     lengths): plain values must be the same objects; numbers the graph takes may be other numbers of
     the same type (its specialized ones the same value); tensors may be other objects, with the same
     dtype, shape, device and requires_grad (checked again for every tensor: in-place resizes count)

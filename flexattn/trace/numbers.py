@@ -5,9 +5,10 @@ A mask or score_mod usually reads a few Python numbers besides its arguments: a 
 prefix length, a soft-cap, a temperature, an attribute of a config object. Baking them into the
 graph would make every new value a new trace and a new kernel, and under torch.compile, where
 Dynamo turns a number that keeps changing into a symbolic value, it returned an earlier value's
-result. Instead each int, float and bool the walk finds at a location the mod reads (a closure
-cell, a global, a default, an object's attribute, a list or dict item, a tuple inside one of those)
-is a *leaf*, and tracing runs with a TracedNumber standing in for it there:
+result. Instead each int, float and bool that the search of its reads (reads.py) finds at a
+location the mod reads (a closure cell, a global, a default, an object's attribute, a list or dict
+item, a tuple inside one of those) is a *leaf*, and tracing runs with a TracedNumber standing in
+for it there:
 
 * arithmetic on stand-ins records an expression (``window // 2``), so what finally reaches a torch
   op is a number computed from the leaves, evaluated again from the leaves at every call;
@@ -60,7 +61,7 @@ _OPS: dict[str, Callable] = {
 
 def evaluate(expr: tuple, leaves, tensors=()) -> Any:
     """The value of a number's expression for these values of the leaves and these tensors found
-    by the walk (``("size", position, dim)``: a size of one of them, ``t.shape[0]``)."""
+    by the search (``("size", position, dim)``: a size of one of them, ``t.shape[0]``)."""
     tag = expr[0]
     if tag == "leaf":
         return leaves[expr[1]]
@@ -81,13 +82,13 @@ def leaves_of(expr: tuple) -> set[int]:
 
 # How a mod reads a tensor's sizes: ``t.shape``, ``t.size()``, ``t.size(d)`` (stand-ins: a size is a
 # number the graph can take, read afresh at each call) and ``len(t)``, ``t.numel()`` (plain ints:
-# Python insists on an int from __len__; the walk keys tensors by shape, so a new shape traces anew).
+# Python insists on an int from __len__; the reads' key holds tensors' shapes, so a new shape traces anew).
 _SHAPE_GETTER = torch.Tensor.shape.__get__
 SIZE_QUERIES = (_SHAPE_GETTER, torch.Tensor.size)
 
 
 def sizes_of(func, args, position: int, trace: "NumberTrace"):
-    """``t.shape`` / ``t.size(...)`` of the walked tensor at ``position`` as stand-ins."""
+    """``t.shape`` / ``t.size(...)`` of the tensor found at ``position`` as stand-ins."""
     tensor = args[0]
     stand_ins = tuple(TracedNumber(("size", position, d), s, trace) for d, s in enumerate(tensor.shape))
     if func is torch.Tensor.size and len(args) > 1:
@@ -199,7 +200,7 @@ class TracedNumber:
 
 # -- locations: writing stand-ins where the mod reads, and putting the originals back -----------
 
-# Kinds of locations a walk reads (reads.py): a closure cell, a mapping's key, an attribute, a list's
+# Kinds of locations a callable reads (reads.py): a closure cell, a mapping's key, an attribute, a list's
 # item. Defined here, where they are written.
 CELL, ITEM, ATTR, INDEX = range(4)
 
@@ -272,9 +273,9 @@ _LOCK = threading.RLock()  # one trace writes stand-ins at a time
 
 @contextmanager
 def substituted(reads: list, writes: list):
-    """Other values at some of the locations a walk read, for the duration of the block (the
+    """Other values at some of the locations a callable read, for the duration of the block (the
     originals back after it). ``writes``: ``((read, path), value)`` pairs, ``path`` the position
-    inside the tuples that read gave (reads.Walker's leaves and tensor sites); ``reads``: the walk's
+    inside the tuples that read gave (reads.Reads's leaves and tensor sites); ``reads``: the search's
     reads, ``[kind, container, key, value, ...]``."""
     by_read: dict = {}
     for (read, path), stand_in in writes:

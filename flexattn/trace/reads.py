@@ -1,6 +1,7 @@
-"""What a callable can read: one walk over everything a mod reaches, as a content key (the trace
-caches' key), a list of the locations it read (the warm-call path re-reads them), the tensors it
-found, and the Python numbers it found (numbers.py: they become runtime inputs of the graph)."""
+"""What a callable can read (its reads): found in one pass over everything a mod reaches, as a
+content key (the trace caches' key), a list of the locations it read (the warm-call path re-reads
+them), the tensors it found, and the Python numbers it found (numbers.py: they become runtime inputs
+of the graph)."""
 
 from __future__ import annotations
 
@@ -18,16 +19,16 @@ import torch
 from .numbers import ATTR, CELL, INDEX, ITEM, NUMBER_TYPES, rebuildable, value_at, writable
 from .traced import counts
 
-__all__ = ["Walker", "walk", "read", "tensor_meta", "alias_pattern", "content_key", "code_of", "MISSING", "ANCHOR",
+__all__ = ["Reads", "find_reads", "read", "tensor_meta", "alias_pattern", "content_key", "code_of", "MISSING", "ANCHOR",
            "CELL", "ITEM", "ATTR", "INDEX", "LEN", "SET"]
 
 # [Note] Cache keys
 # A traced graph depends on the mod's code and on everything that code can read: closure cells,
 # defaults, the globals its code names, the attributes of objects it reaches, container items. Every
 # cache in this module (_CACHE, _GRAPHS, _FAST) keeps three rules; a new cache must keep them too.
-#   1. A key covers everything that can change the graph or its inputs. The walk (_Walker) records
+#   1. A key covers everything that can change the graph or its inputs. The reads (Reads) record
 #      code objects, plain values with their type, tensors' dtype/shape/device/requires_grad and
-#      which walked tensors are one object, the types of the objects it looks into and what it
+#      which found tensors are one object, the types of the objects it looks into and what it
 #      finds there. A Python function is keyed by its code and what it can read, wherever it was
 #      defined (torch's or_masks returns a closure over user mods). Only what cannot hold user data
 #      is keyed by name: builtins, aten ops, library modules and classes, and closure-free functions
@@ -35,11 +36,11 @@ __all__ = ["Walker", "walk", "read", "tensor_meta", "alias_pattern", "content_ke
 #   2. No key holds the id() of an object that can die: a freed object's id comes back for another
 #      one. Keys hold content, or objects themselves (code objects, user classes), which keeps them
 #      alive. The warm-call table holds its objects weakly and drops an entry when its object dies.
-#      (Maps that live for one walk or one trace may key by id(): they keep what they key alive.)
-#   3. Derived data is keyed by content (_CACHE by the walk's key, _GRAPHS by the graph's text), or
-#      re-validated before each use (a _FAST entry re-reads every location its walk read). What the
-#      walk cannot look into (objects with neither __dict__ nor __slots__, such as C objects) and
-#      tensors the mod reaches by paths the walk does not follow are never cached: the mod is traced
+#      (Maps that live for one search or one trace may key by id(): they keep what they key alive.)
+#   3. Derived data is keyed by content (_CACHE by the reads' key, _GRAPHS by the graph's text), or
+#      re-validated before each use (a _FAST entry re-reads every location its reads hold). What the
+#      search cannot look into (objects with neither __dict__ nor __slots__, such as C objects) and
+#      tensors the mod reaches by paths the search does not follow are never cached: the mod is traced
 #      again on each call, with a warning, rather than risk a stale graph or a stale tensor.
 
 # Top-level packages whose modules, classes and closure-free functions are keyed by name, with
@@ -58,7 +59,7 @@ def _is_library_package(top: str) -> bool:
     if top in sys.builtin_module_names:
         return True
     path = getattr(sys.modules.get(top), "__file__", None)
-    if path is None:  # not imported yet (or a namespace package): walking it is the safe side
+    if path is None:  # not imported yet (or a namespace package): looking into it is the safe side
         return False
     path = os.path.realpath(path)
     return path.startswith(_STDLIB_DIRS) and not any(d in path for d in ("site-packages", "dist-packages"))
@@ -102,7 +103,7 @@ def _attribute_names(code: types.CodeType) -> frozenset[str]:
 MISSING = object()
 ANCHOR = object()
 
-# Kinds of locations a walk reads (see read): a closure cell, a mapping's key, an attribute, a list's
+# Kinds of locations a callable reads (see read): a closure cell, a mapping's key, an attribute, a list's
 # item (numbers.py, which writes them), a container's length, a mutable set's contents.
 LEN, SET = 4, 5
 
@@ -143,11 +144,11 @@ _OP_TYPES = tuple(
 )
 _DESCRIPTOR_TYPES = (types.MethodDescriptorType, types.WrapperDescriptorType, types.ClassMethodDescriptorType,
                      types.GetSetDescriptorType, types.MemberDescriptorType)
-# Looked up on the class of every object the walk enters: Python calls them implicitly.
+# Looked up on the class of every object the search enters: Python calls them implicitly.
 _IMPLICIT_METHODS = ("__call__", "__getattr__", "__getattribute__", "__getitem__")
-# Looked up on every instance the walk enters: what a decorator (functools.lru_cache) wraps.
+# Looked up on every instance the search enters: what a decorator (functools.lru_cache) wraps.
 _OBJECT_NAMES = frozenset({"__wrapped__"})
-# Looked up on every nn.Module the walk enters: calling one runs its hooks and forward.
+# Looked up on every nn.Module the search enters: calling one runs its hooks and forward.
 _MODULE_NAMES = frozenset({"forward", "_forward_hooks", "_forward_pre_hooks"})
 _MODULE_STORES = ("_parameters", "_buffers", "_modules")
 _MODULE_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList, torch.nn.ParameterDict,
@@ -180,7 +181,7 @@ def _name_key(obj: Any) -> Optional[tuple]:
         owner = getattr(obj, "__self__", None)
         if owner is None or isinstance(owner, types.ModuleType) or (isinstance(owner, type) and _is_library(owner.__module__)):
             return ("builtin", getattr(obj, "__module__", None), getattr(owner, "__name__", None), obj.__qualname__)
-        return None  # a C method bound to an object (tensor.add): walk the object
+        return None  # a C method bound to an object (tensor.add): look into the object
     if isinstance(obj, _DESCRIPTOR_TYPES):
         return ("descriptor", obj.__objclass__.__module__, obj.__qualname__)
     if isinstance(obj, _OP_TYPES):
@@ -196,15 +197,16 @@ def _has_slots(cls: type) -> bool:
     return any("__slots__" in vars(klass) for klass in cls.__mro__[:-1])
 
 
-class Walker:
-    """One walk over everything a callable can read (see [Note] Cache keys).
+class Reads:
+    """Everything a callable can read, found in one search over what it reaches (see [Note] Cache
+    keys).
 
     ``signature``: the content key, a flat list of tagged entries. ``tensors``: every tensor found,
-    in walk order, named by where it was found (``tensor_names``). ``reads``: every mutable location
-    read, as ``[kind, container, key, value, tensor position or -1]``, for the warm-call path.
-    ``opaque``: the first object the walk could not look into, if any. Objects are looked into for
-    the attribute names in ``names``; ``code_names`` collects those of every code object reached,
-    and walk repeats the walk until the two agree.
+    in the order found, named by where it was found (``tensor_names``). ``locations``: every mutable
+    location read, as ``[kind, container, key, value, tensor position or -1]``, for the warm-call
+    path. ``opaque``: the first object the search could not look into, if any. Objects are looked
+    into for the attribute names in ``names``; ``code_names`` collects those of every code object
+    reached, and find_reads searches again until the two agree.
 
     ``leaves``: the Python numbers found at locations tracing can write (numbers.py), each as
     ``(read, path)``: the read that found it, and its position inside the tuples that read gave
@@ -228,29 +230,29 @@ class Walker:
         self.tensors: list[torch.Tensor] = []
         self.tensor_names: list[str] = []
         self.tensor_sites: list[Optional[tuple]] = []  # per tensor, (read, path) where it can be written
-        self.reads: list[list] = []
+        self.locations: list[list] = []
         self.opaque: Optional[str] = None
         self._ordinal: dict[int, int] = {}  # id -> visit order, for objects kept alive in _visited
         self._visited: list = []
         self._first_position: dict[int, int] = {}  # id(tensor) -> its first position in tensors
 
     def note(self, kind: int, container: Any, key: Any) -> Any:
-        """Record a read the warm path must repeat; the value is walked by the caller."""
+        """Record a read the warm path must repeat; the caller looks into the value."""
         value = read(kind, container, key)
-        self.reads.append([kind, container, key, value, -1])
+        self.locations.append([kind, container, key, value, -1])
         return value
 
     def read(self, kind: int, container: Any, key: Any, name: str) -> Any:
-        """Record a read and walk its value."""
+        """Record a read and look into its value."""
         value = self.note(kind, container, key)
         if value is MISSING:
             self.signature.append(("missing",))
         else:
-            self.value(value, name, read=len(self.reads) - 1)
+            self.value(value, name, read=len(self.locations) - 1)
         return value
 
     def value(self, obj: Any, name: str, read: Optional[int] = None, path: Optional[tuple] = ()) -> None:
-        """Walk ``obj``, found by read ``read`` at ``path`` inside what that read gave (None: not at a
+        """Look into ``obj``, found by read ``read`` at ``path`` inside what that read gave (None: not at a
         location tracing can write)."""
         sig = self.signature
         if type(obj) in NUMBER_TYPES and self.lift_numbers and read is not None and path is not None:
@@ -263,10 +265,10 @@ class Walker:
             first = self._first_position.setdefault(id(obj), position)
             self.tensors.append(obj)
             self.tensor_names.append(name)
-            writable_site = read is not None and path is not None and writable(*self.reads[read][:3])
+            writable_site = read is not None and path is not None and writable(*self.locations[read][:3])
             self.tensor_sites.append((read, path) if writable_site else None)
             if read is not None and path == ():  # the warm path reads it there (a tuple's item: not)
-                self.reads[read][4] = position
+                self.locations[read][4] = position
             sig.append(("tensor", *tensor_meta(obj), first))
             return
         if obj is None or isinstance(obj, _PLAIN_TYPES):
@@ -285,7 +287,7 @@ class Walker:
             sig.append(named)
             return
         ordinal = self._ordinal.get(id(obj))
-        if ordinal is not None:  # seen before in this walk (shared, or a cycle)
+        if ordinal is not None:  # seen before in this search (shared, or a cycle)
             sig.append(("seen", ordinal))
             return
         self._ordinal[id(obj)] = len(self._ordinal)
@@ -317,7 +319,7 @@ class Walker:
             if isinstance(obj, set):
                 self.note(SET, obj, None)
         elif isinstance(obj, (types.BuiltinFunctionType, types.MethodWrapperType)):
-            sig.append(("bound builtin", obj.__name__))  # bound to an object: walk the object
+            sig.append(("bound builtin", obj.__name__))  # bound to an object: look into the object
             self.value(obj.__self__, name, None)
         else:
             self.object(obj, name)
@@ -327,13 +329,13 @@ class Walker:
         self.signature.append(("function", code))
         self.code_names |= _attribute_names(code)
         defaults = self.note(ATTR, fn, "__defaults__")
-        read_at = len(self.reads) - 1
+        read_at = len(self.locations) - 1
         if defaults:  # a tuple: each default is named after its parameter
             params = code.co_varnames[code.co_argcount - len(defaults) : code.co_argcount]
             self.signature.append(("defaults", len(defaults)))
             for i, (param, value) in enumerate(zip(params, defaults)):
                 self.value(value, param, read_at, (i,))
-        self.read(ATTR, fn, "__kwdefaults__", "")  # a dict: walked key by key
+        self.read(ATTR, fn, "__kwdefaults__", "")  # a dict: looked into key by key
         for var, cell in zip(code.co_freevars, fn.__closure__ or ()):
             self.read(CELL, cell, None, var)
         fn_globals = fn.__globals__
@@ -344,10 +346,10 @@ class Walker:
     def leaf(self, read: int, path: tuple, kind: type, name: str) -> Optional[int]:
         """The leaf of the number found by ``read`` at ``path`` (one per location, however often it
         is read), or None where tracing cannot put a stand-in."""
-        kind_, container, key = self.reads[read][:3]
+        kind_, container, key = self.locations[read][:3]
         if not writable(kind_, container, key):
             return None
-        location = (kind_, id(container), key, path)  # the container is kept alive by reads
+        location = (kind_, id(container), key, path)  # the container is kept alive by locations
         leaf = self._leaf_at.get(location)
         if leaf is None:
             leaf = self._leaf_at[location] = len(self.leaves)
@@ -357,8 +359,8 @@ class Walker:
         return leaf
 
     def leaf_values(self) -> tuple:
-        """The leaves' values now, as the walk found them."""
-        return tuple(value_at(self.reads[read][3], path) for read, path in self.leaves)
+        """The leaves' values now, as the search found them."""
+        return tuple(value_at(self.locations[read][3], path) for read, path in self.leaves)
 
     def mapping(self, mapping, name: str) -> None:
         keys = list(mapping)
@@ -409,7 +411,7 @@ class Walker:
             value = self.note(ITEM, instance_dict, attr)  # absent ones too: setting one shadows the class
             if value is not MISSING:
                 self.signature.append(("attr", attr))
-                self.value(value, attr, read=len(self.reads) - 1)
+                self.value(value, attr, read=len(self.locations) - 1)
                 return
         if isinstance(obj, types.ModuleType):
             return
@@ -421,7 +423,7 @@ class Walker:
                     value = self.note(ITEM, instance_dict[store], attr)
                     if value is not MISSING:
                         self.signature.append(("attr", attr, store))
-                        self.value(value, attr, read=len(self.reads) - 1)
+                        self.value(value, attr, read=len(self.locations) - 1)
                         return
 
     def class_attribute(self, obj: Any, attr: str, mro, record: bool) -> bool:
@@ -436,7 +438,7 @@ class Walker:
                     self.note(ITEM, class_dict, attr)
                 continue
             value = self.note(ITEM, class_dict, attr) if user else class_dict[attr]
-            read = len(self.reads) - 1 if user else None
+            read = len(self.locations) - 1 if user else None
             self.signature.append(("class attr", attr))
             if isinstance(value, (staticmethod, classmethod)):
                 self.value(value.__func__, attr)
@@ -463,15 +465,16 @@ def code_of(fn: Callable) -> Optional[types.CodeType]:
     return code
 
 
-def walk(fn: Callable, lift_numbers: bool = True) -> Walker:
-    """Walk ``fn`` with the attribute names of all the code it reaches (a fixed point: looking into
-    an object can reach more code, whose names can reach more of the objects)."""
-    counts.walks += 1
+def find_reads(fn: Callable, lift_numbers: bool = True) -> Reads:
+    """Everything ``fn`` can read, searched with the attribute names of all the code it reaches (a
+    fixed point: looking into an object can reach more code, whose names can reach more of the
+    objects)."""
+    counts.searches += 1
     code = code_of(fn)
     names = _attribute_names(code) if code is not None else frozenset()
     while True:
-        walker = Walker(names, lift_numbers)
-        walker.value(fn, getattr(fn, "__name__", "mod"))
-        if not walker.entered_objects or walker.code_names <= names:
-            return walker
-        names = names | walker.code_names
+        reads = Reads(names, lift_numbers)
+        reads.value(fn, getattr(fn, "__name__", "mod"))
+        if not reads.entered_objects or reads.code_names <= names:
+            return reads
+        names = names | reads.code_names

@@ -211,10 +211,11 @@ class _GraphRecorder(TorchDispatchMode):
     """Runs the mod once on 0-d tensors and records every aten op it reaches into an fx graph.
 
     A tensor reaching an op that the recorder has not produced itself is one the mod reads (found by
-    the walk, or by a path the walk does not follow: ``untracked``) or builds (``torch.tensor(2.0)``,
-    a fixed constant): it becomes a placeholder after the mod's own arguments. Reads of a tensor's
-    value into Python raise at once. A stand-in for a Python number (numbers.py) that _NumbersMode
-    says this op receives becomes a placeholder after the tensors' (``numbers``).
+    the search of its reads, or by a path the search does not follow: ``untracked``) or builds
+    (``torch.tensor(2.0)``, a fixed constant): it becomes a placeholder after the mod's own
+    arguments. Reads of a tensor's value into Python raise at once. A stand-in for a Python number
+    (numbers.py) that _NumbersMode says this op receives becomes a placeholder after the tensors'
+    (``numbers``).
 
     The first attempt runs on real CPU tensors: each op costs microseconds. Some mods cannot run
     on example values (a gather whose index is out of range at q_idx = kv_idx = 1), so the second
@@ -228,16 +229,16 @@ class _GraphRecorder(TorchDispatchMode):
         # first use. Tracing never runs under torch.compile, so opt out.
         return False
 
-    def __init__(self, walked: list[torch.Tensor], walked_names: list[str], leaf_names: list[str], on_meta: bool):
+    def __init__(self, found: list[torch.Tensor], found_names: list[str], leaf_names: list[str], on_meta: bool):
         super().__init__()
         self.graph = torch.fx.Graph()
         self.captured: list[CapturedInput] = []
         self.numbers: list[CapturedNumber] = []
-        self._walked, self._walked_names, self._leaf_names, self._on_meta = walked, walked_names, leaf_names, on_meta
+        self._found, self._found_names, self._leaf_names, self._on_meta = found, found_names, leaf_names, on_meta
         self._node_of: dict[int, torch.fx.Node] = {}
         self._captured_by_key: dict = {}
         self._number_nodes: dict[tuple, torch.fx.Node] = {}
-        self.untracked: list[torch.Tensor] = []  # tensors found while tracing, not by the walk
+        self.untracked: list[torch.Tensor] = []  # tensors found while tracing, not by the search
         self._alive: list[torch.Tensor] = []  # keeps every traced tensor alive, so ids stay unique
         self._last_placeholder: Optional[torch.fx.Node] = None  # the last argument or captured tensor
         self._last_number: Optional[torch.fx.Node] = None
@@ -258,27 +259,27 @@ class _GraphRecorder(TorchDispatchMode):
         return {c.name for c in self.captured} | {n.name for n in self.numbers}
 
     def _source_of(self, tensor: torch.Tensor, constant: bool) -> Optional[int]:
-        """The position of ``tensor`` among the walked tensors (then the untracked ones), None for
+        """The position of ``tensor`` among the tensors found (then the untracked ones), None for
         a constant the mod builds itself."""
-        live = self._walked + self.untracked
+        live = self._found + self.untracked
         position = next((i for i, t in enumerate(live) if t is tensor), None)
         if position is None:  # the same tensor under another Python object (``.data``)
-            position = next((i for i, t in enumerate(self._walked) if _same_tensor(t, tensor)), None)
+            position = next((i for i, t in enumerate(self._found) if _same_tensor(t, tensor)), None)
         if position is None and not constant:
-            # The mod reached it by a path the walk does not follow: an input of this call only.
+            # The mod reached it by a path the search does not follow: an input of this call only.
             position = len(live)
             self.untracked.append(tensor)
         return position
 
     def _capture(self, tensor: torch.Tensor, constant: bool = False) -> torch.fx.Node:
-        walk_index = self._source_of(tensor, constant)
-        key = walk_index if walk_index is not None else id(tensor)
+        position = self._source_of(tensor, constant)
+        key = position if position is not None else id(tensor)
         node = self._captured_by_key.get(key)
         if node is None:
-            if walk_index is None:
+            if position is None:
                 base = f"const{len(self.captured)}"
-            elif walk_index < len(self._walked):
-                base = self._walked_names[walk_index]
+            elif position < len(self._found):
+                base = self._found_names[position]
             else:
                 base = "untracked"
             name = _unique_name(base, self._taken_names())
@@ -303,8 +304,8 @@ class _GraphRecorder(TorchDispatchMode):
                     shape=tuple(tensor.shape),
                     dtype=tensor.dtype,
                     requires_grad=bool(tensor.requires_grad),
-                    walk_index=walk_index,
-                    fixed_value=None if walk_index is not None else tensor.detach().clone(),
+                    walk_index=position,
+                    fixed_value=None if position is not None else tensor.detach().clone(),
                 )
             )
         self._node_of[id(tensor)] = node
@@ -319,7 +320,7 @@ class _GraphRecorder(TorchDispatchMode):
         if node is None:
             leaves = sorted(leaves_of(number.expr))
             if number.expr[0] == "size":
-                base = f"{self._walked_names[number.expr[1]]}_size{number.expr[2]}"
+                base = f"{self._found_names[number.expr[1]]}_size{number.expr[2]}"
             else:
                 base = self._leaf_names[leaves[0]] if leaves else "number"
             if number.expr[0] not in ("leaf", "size"):
@@ -420,7 +421,7 @@ class _NumbersMode(GetItemToIndex):
     stand-in the op does not receive as a plain number (``torch.tensor(n)``), or whose value
     another number of the same call shares (which one the op got cannot be told), or an index
     (``bias[n]``, a select whose value picks the element), is specialized. The sizes of a tensor the
-    walk found (``t.shape[0]``) are stand-ins too (numbers.sizes_of), when ``numbers`` is given."""
+    search found (``t.shape[0]``) are stand-ins too (numbers.sizes_of), when ``numbers`` is given."""
 
     def __init__(self, recorder: _GraphRecorder, numbers: Optional[NumberTrace]):
         super().__init__()
@@ -430,7 +431,7 @@ class _NumbersMode(GetItemToIndex):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in SIZE_QUERIES and self.numbers is not None and args:
-            position = next((i for i, t in enumerate(self.recorder._walked) if t is args[0]), None)
+            position = next((i for i, t in enumerate(self.recorder._found) if t is args[0]), None)
             if position is not None:
                 return sizes_of(func, args, position, self.numbers)
         flat, spec = tree_flatten((args, kwargs))
@@ -502,9 +503,9 @@ def _record_either_way(fn, kind, tensors, names, leaf_names, numbers=None):
 
 
 def trace(fn: Callable, kind: str, tensors: list[torch.Tensor], names: list[str], numbers=None) -> tuple[TracedMod, list]:
-    """The traced mod, and the tensors it read that the walk did not find (inputs of this call).
+    """The traced mod, and the tensors it read that the search did not find (inputs of this call).
 
-    ``numbers``: ``(reads, leaves, values, leaf names)`` of the walk's leaves (reads.Walker), traced
+    ``numbers``: ``(reads, leaves, values, leaf names)`` of the leaves found (reads.Reads), traced
     with stand-ins (numbers.py); None traces every number the mod reads as a constant."""
     _check_arity(fn, kind)  # once per distinct mod: later calls hit the cache
     specialized: tuple = ()

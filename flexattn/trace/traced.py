@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
-from ..graphs import copied_outside_graph_pools, may_keep_allocations
+from ..cuda_graphs import copied_outside_graph_pools, may_keep_allocations
 from .numbers import evaluate
 
 __all__ = [
@@ -35,9 +35,10 @@ NUMBER_INT_LIMIT = 2**24
 
 
 class Counts:
-    """How many full walks and real traces ran in this process (tests check that warm calls add none)."""
+    """How many full searches of a callable's reads and real traces ran in this process (tests check
+    that warm calls add none)."""
 
-    walks = 0
+    searches = 0
     traces = 0
 
 
@@ -62,7 +63,7 @@ class CapturedNumber:
     attribute of an object): a graph input after the captured tensors, and a runtime argument of
     the kernels, so a new value reuses the kernels compiled for the last one (numbers.py).
 
-    ``expr`` says how the value is computed from the numbers the walk found (``("leaf", i)``, or
+    ``expr`` says how the value is computed from the numbers the search found (``("leaf", i)``, or
     Python arithmetic on them, ``("floordiv", ("leaf", 0), ("const", 2))``); ``kind`` is its Python
     type, which the kernels' argument has: int, float or bool."""
 
@@ -76,7 +77,7 @@ class TracedMod:
     """One traced mod: an fx graph with placeholders ``arg_names + captured + numbers``, all 0-d but
     gathers (numbers: Python values).
 
-    ``specialized``: the walk's numbers whose value this graph depends on beyond what it reads at
+    ``specialized``: the numbers found whose value this graph depends on beyond what it reads at
     run time (the mod branched on them in Python, or used them as a shape), with those values: the
     graph is right only for calls where they hold (``(leaf, type, value)`` each)."""
 
@@ -93,11 +94,11 @@ class TracedMod:
     def graph(self) -> torch.fx.Graph:
         return self.graph_module.graph
 
-    def captured_values(self, walked: list[torch.Tensor], leaves: tuple = ()) -> list:
+    def captured_values(self, found: list[torch.Tensor], leaves: tuple = ()) -> list:
         """The graph's captured inputs for this call: its tensors, from the tensors found in the
         callable now, then its numbers, from the numbers found there now (``leaves``)."""
-        values = [c.fixed_value if c.walk_index is None else walked[c.walk_index] for c in self.captured]
-        values.extend(evaluate(n.expr, leaves, walked) for n in self.numbers)
+        values = [c.fixed_value if c.walk_index is None else found[c.walk_index] for c in self.captured]
+        values.extend(evaluate(n.expr, leaves, found) for n in self.numbers)
         return values
 
     def fixed_values_on(self, device: torch.device) -> tuple[Optional[torch.Tensor], ...]:
@@ -116,7 +117,7 @@ class TracedMod:
             constants = tuple(c.fixed_value for c in self.captured)
             if may_keep_allocations(device):
                 values = tuple(None if t is None else t.to(device) for t in constants)
-            elif device.type != "cuda" or not torch.cuda.is_current_stream_capturing():  # a warm-up (graphs.py)
+            elif device.type != "cuda" or not torch.cuda.is_current_stream_capturing():  # a warm-up (cuda_graphs.py)
                 values = copied_outside_graph_pools(constants, device)
             else:  # inside a capture with no copy kept from before: for this call only
                 return tuple(None if t is None else t.to(device) for t in constants)

@@ -1,5 +1,5 @@
-"""The catalogue of attention variants: factories users call, and one registry the tests, the gym,
-the CLI and the docs walk.
+"""The catalogue of attention variants: factories users call, and one registry the tests, the CLI,
+the notebook and the docs walk.
 
 A *factory* (``generate_alibi_bias``, ``generate_sliding_window``, ...) is the public building block:
 it returns a ``score_mod`` or ``mask_mod`` a user passes to ``flex_attention`` / ``create_block_mask``.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..masks import or_masks
+from ..mods import or_masks
 from ._registry import Instance, Variant
 
 

@@ -7,7 +7,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..masks import and_masks
+from ..mods import and_masks
 from ._registry import Instance, Variant
 from .causal import causal_mask, generate_prefix_lm
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..masks import and_masks
+from ..mods import and_masks
 from ._registry import Instance, Variant
 from .causal import causal_mask
 

@@ -1,9 +1,9 @@
 """Where a compiled model step's time goes: kernel time by name, GPU idle time between kernels, and
 the host's own cost of one block. GPU only; one implementation and mode per run.
 
-    python -m flexattn.bench.model_profile --impl flexattn --mode compile --seq 4k
-    python -m flexattn.bench.model_profile --impl torch --mode reduce-overhead
-    python -m flexattn.bench.model_profile --impl sdpa --seq 16k --timeline
+    python -m benchmarks.model_profile --impl flexattn --mode compile --seq 4k
+    python -m benchmarks.model_profile --impl torch --mode reduce-overhead
+    python -m benchmarks.model_profile --impl sdpa --seq 16k --timeline
 
 The model, shapes and modes are those of ``python -m flexattn.bench --mode model`` (flexattn/bench/model.py),
 causal mask. It prints:
@@ -207,7 +207,7 @@ def _host_us(fn, calls: int) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flexattn.bench.model_profile", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.model_profile", description=__doc__.splitlines()[0])
     parser.add_argument("--impl", choices=M.IMPLS, default="flexattn")
     parser.add_argument("--mode", choices=("compile", "reduce-overhead"), default="compile")
     parser.add_argument("--seq", choices=tuple(M.SHAPES), default="4k")

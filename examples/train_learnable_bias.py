@@ -7,8 +7,8 @@ the bias receives gradients, on every backend: the blockwise PyTorch backward on
 Triton backward kernels on a GPU (the score_mod's gradient, including the bias's, is generated from
 the mod).
 
-    python gym/examples/train_learnable_bias.py                 # CPU: a few seconds
-    python gym/examples/train_learnable_bias.py --device cuda --seq 1024 --steps 100
+    python examples/train_learnable_bias.py                 # CPU: a few seconds
+    python examples/train_learnable_bias.py --device cuda --seq 1024 --steps 100
 
 Exits with status 1 if the loss did not fall by half or the bias received no gradient.
 """

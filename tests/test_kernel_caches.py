@@ -1,4 +1,4 @@
-"""Runtime caches: what a launch plan is keyed by, data derived from a BlockMask, lowering variants,
+"""The kernels' caches: what a launch plan is keyed by, data derived from a BlockMask, lowering variants,
 and block sizes the Triton backend can and cannot tile (see [Note] Cache keys in flexattn/kernels/family.py).
 
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py), so shapes are small.

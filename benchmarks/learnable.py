@@ -1,6 +1,6 @@
 """Backward of variants that train a captured table: flexattn against torch's compiled flex_attention.
 
-    python -m flexattn.bench.learnable --variants t5_bias graphormer alibi --tokens 4096
+    python -m benchmarks.learnable --variants t5_bias graphormer alibi --tokens 4096
 
 For each catalogue entry and head dim (bf16, H16, B4 at d=64 and B2 at d=128): the median time of one
 backward (``torch.autograd.grad`` of q, k, v and the entry's learnable tensors, ``do_bench``) for
@@ -36,7 +36,7 @@ def _backward_ms(out, inputs, grad_out) -> tuple[float, tuple]:
     def run():
         return torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
 
-    for _ in range(6):  # settles the plan (see [Note] Backward tiles the compiler made costly)
+    for _ in range(6):  # settles the plan (see [Note] Tiles the compiler made costly)
         grads = run()
     return triton.testing.do_bench(run, warmup=5, rep=50, return_mode="median"), grads
 
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("flexattn.bench.learnable times GPU kernels: it needs a CUDA device", file=sys.stderr)
+        print("benchmarks.learnable times GPU kernels: it needs a CUDA device", file=sys.stderr)
         return 2
     import triton
     from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention

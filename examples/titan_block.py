@@ -12,8 +12,8 @@ sliding window, one layer kind each. Three checkpointing modes:
   saves (``torch.utils.checkpoint.create_selective_checkpoint_contexts``): flexattn's op is
   ``torch.ops.flexattn.flex_attention``, so a policy can name it like any aten op.
 
-    python gym/examples/titan_block.py                         # CPU: tiny sizes, a few seconds
-    python gym/examples/titan_block.py --device cuda --seq 4096 --dim 768 --heads 12 --layers 6
+    python examples/titan_block.py                         # CPU: tiny sizes, a few seconds
+    python examples/titan_block.py --device cuda --seq 4096 --dim 768 --heads 12 --layers 6
 
 Exits with status 1 if a compiled step's loss or gradients differ from the eager model's, or if the
 loss did not fall.

@@ -1,7 +1,7 @@
 """A mod's Python numbers as kernel arguments against the same numbers written as literals.
 
-    python benchmarks/numbers.py                  # GPU: the paper's cases that read numbers, d=64 and 128
-    python benchmarks/numbers.py --compiles-only  # only the "one kernel for every value" check
+    python -m benchmarks.number_inputs                  # GPU: the paper's cases that read numbers, d=64 and 128
+    python -m benchmarks.number_inputs --compiles-only  # only the "one kernel for every value" check
 
 Since numbers a mod reads are runtime inputs (flexattn/trace/numbers.py), a sliding window's size, a
 prefix length or a soft-cap reaches the kernel as a scalar argument instead of a constant of its

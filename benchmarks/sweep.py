@@ -1,6 +1,6 @@
 """Sweep flexattn forward launch configurations on the local GPU (how runtime defaults were chosen).
 
-    python -m flexattn.bench.sweep --head-dims 64 128 --variants noop causal alibi
+    python -m benchmarks.sweep --head-dims 64 128 --variants noop causal alibi
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tile census: every catalogue entry's default kernels, what the compiler made of them, and what
 [Note] Tiles the compiler made costly (flexattn/kernels/family.py) does about it.
 
-    python -m flexattn.bench.tile_census --head-dims 64 128 --tokens 4096 [--backward]
+    python -m benchmarks.tile_census --head-dims 64 128 --tokens 4096 [--backward]
 
 For each entry and head dim (bf16, H16, B4 at d=64 and B2 at d=128): the default plan's tiles and
 stages, the compiled kernel's registers, spilled bytes per thread and shared memory, its median time
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("flexattn.bench.tile_census compiles GPU kernels: it needs a CUDA device", file=sys.stderr)
+        print("benchmarks.tile_census compiles GPU kernels: it needs a CUDA device", file=sys.stderr)
         return 2
     if args.backward:
         rows = backward_census(args.head_dims, args.tokens, args.variants)

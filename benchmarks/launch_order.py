@@ -2,8 +2,8 @@
 forward and backward in the grid's own order (TAIL_PAIRS = 1) and in the rule's, side by side in one
 process on the same inputs. GPU only.
 
-    python -m flexattn.bench.launch_order
-    python -m flexattn.bench.launch_order --cases 4k_d64_causal_B4H12 --out order.json
+    python -m benchmarks.launch_order
+    python -m benchmarks.launch_order --cases 4k_d64_causal_B4H12 --out order.json
 
 Times are GPU times: every call is enqueued while a sleep kernel holds the GPU, so the host never
 paces it (a 4k forward takes about as long on the GPU as its call on the host), and L2 is flushed
@@ -124,12 +124,12 @@ def run_case(name: str, flush: torch.Tensor) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flexattn.bench.launch_order", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.launch_order", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("python -m flexattn.bench.launch_order times GPU kernels: no CUDA device here", file=sys.stderr)
+        print("python -m benchmarks.launch_order times GPU kernels: no CUDA device here", file=sys.stderr)
         return 2
     import triton
 

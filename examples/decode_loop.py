@@ -11,8 +11,8 @@ With ``--paged`` the sequences share one paged cache (``flexattn.PagedAttention`
 The "model" is a stand-in: the queries, keys and values of every position are drawn up front, so
 each step's output can be checked against attention over the whole sequence at once.
 
-    python gym/examples/decode_loop.py            # contiguous cache, CPU: a few seconds
-    python gym/examples/decode_loop.py --paged    # one paged cache for all sequences
+    python examples/decode_loop.py            # contiguous cache, CPU: a few seconds
+    python examples/decode_loop.py --paged    # one paged cache for all sequences
 
 Exits with status 1 if a step differs from the full-sequence attention or a step retraced a mod.
 """

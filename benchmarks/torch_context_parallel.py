@@ -1,5 +1,5 @@
 """torch's context parallelism for flex_attention, as the multi-GPU run compares with it
-(``python -m flexattn.bench.context_parallel_gpus --torch``).
+(``python -m benchmarks.context_parallel_gpus --torch``).
 
 torch's design (``torch.distributed.tensor.experimental._attention`` in torch 2.11):
 ``_ContextParallel(seq_dim=2, FLEX)`` on a module that calls compiled torch ``flex_attention``: its

@@ -104,7 +104,7 @@ def test_check_indices_names_the_mod_tensor_index_and_position(backend, one_thre
     # Indices down to -192 wrap, as in torch; -193 (first at q_idx=0, kv_idx=289) is out of range.
     message = str(err.value)
     assert "score_mod 'rel_bias' reads table at index -193 in dim 0 (size 192), outside [-192, 192)" in message
-    assert "at b=0, h=0, q_idx=0, kv_idx=289" in message and "test_runtime_options.py" in message
+    assert "at b=0, h=0, q_idx=0, kv_idx=289" in message and "test_kernel_options.py" in message
     assert "clamp" in message
     bm = create_block_mask(causal_mask, 1, 1, 96, 320, device="cpu")
     with pytest.raises(InvalidInputError, match=r"mask_mod 'same_doc' reads doc at index 128 in dim 0 \(size 128\)"):

@@ -5,18 +5,18 @@ run each step once with the old checkout on PYTHONPATH and once with the new one
 file runs on its own (``python path/to/same_kernels.py``), so the flexattn it measures is whichever
 PYTHONPATH names::
 
-    PYTHONPATH=OLD python flexattn/bench/same_kernels.py record old.rec.json     # CPU, Triton interpreter
-    PYTHONPATH=OLD python flexattn/bench/same_kernels.py compile old.rec.json old.sass.json
+    PYTHONPATH=OLD python benchmarks/same_kernels.py record old.rec.json     # CPU, Triton interpreter
+    PYTHONPATH=OLD python benchmarks/same_kernels.py compile old.rec.json old.sass.json
     PYTHONPATH=NEW python ... (the same two steps for the new checkout)
-    python flexattn/bench/same_kernels.py diff old.sass.json new.sass.json
+    python benchmarks/same_kernels.py diff old.sass.json new.sass.json
 
-    PYTHONPATH=OLD python flexattn/bench/same_kernels.py run old.gpu.json        # on a GPU
-    PYTHONPATH=NEW python flexattn/bench/same_kernels.py run new.gpu.json
-    python flexattn/bench/same_kernels.py diff old.gpu.json new.gpu.json
+    PYTHONPATH=OLD python benchmarks/same_kernels.py run old.gpu.json        # on a GPU
+    PYTHONPATH=NEW python benchmarks/same_kernels.py run new.gpu.json
+    python benchmarks/same_kernels.py diff old.gpu.json new.gpu.json
 
-    PYTHONPATH=OLD python flexattn/bench/same_kernels.py time old.1.json         # on a GPU, alternately:
-    PYTHONPATH=NEW python flexattn/bench/same_kernels.py time new.1.json         # old, new, old, new
-    python flexattn/bench/same_kernels.py diff old.1.json,old.2.json new.1.json,new.2.json
+    PYTHONPATH=OLD python benchmarks/same_kernels.py time old.1.json         # on a GPU, alternately:
+    PYTHONPATH=NEW python benchmarks/same_kernels.py time new.1.json         # old, new, old, new
+    python benchmarks/same_kernels.py diff old.1.json,old.2.json new.1.json,new.2.json
 
 * ``record`` runs every catalogue variant through the forward (with its backward) and the decode
   kernels at small sizes in Triton's interpreter, and records every launch: kernel name, source,
@@ -34,7 +34,7 @@ PYTHONPATH names::
   tokens, d=64 and 128: the forward at K/V of 256 MiB, the backward at 128 MiB, as
   flexattn/bench/forward.py and backward.py size them; medians of CUDA-event timings) and on
   decoding steps (one query token, the shapes of flexattn/bench/decode.py, noop, ALiBi and
-  soft-cap; the step captured in a CUDA graph and its replays timed, as bench/decode.py does), and
+  soft-cap; the step captured in a CUDA graph and its replays timed, as flexattn/bench/decode.py does), and
   the host time of a call: decoding steps, and a small forward and backward (B1 H8, 1024 tokens,
   d=64, ALiBi + causal), whose kernels take less time than the host needs to launch them.
   ``--warm`` only runs each case once, so that several processes can compile the kernels in
@@ -301,7 +301,7 @@ def run(out_path: str, shard: tuple = (0, 1)) -> None:
 
 PAPER = ("noop", "causal", "alibi", "sliding_window", "prefix_lm", "softcap", "document_mask")
 DECODE_CASES = [(8, 16, 16, 16384, 64), (8, 16, 2, 131072, 64), (8, 12, 2, 32768, 128), (8, 16, 2, 16384, 128),
-                (1, 16, 2, 131072, 128), (1, 12, 2, 65536, 64)]  # (B, Hq, Hkv, S, D), as bench/decode.py
+                (1, 16, 2, 131072, 128), (1, 12, 2, 65536, 64)]  # (B, Hq, Hkv, S, D), as flexattn/bench/decode.py
 
 
 def time_cases(out_path: str, shard: tuple = (0, 1), warm_only: bool = False, only: tuple = ()) -> None:

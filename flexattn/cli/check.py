@@ -1,7 +1,7 @@
-"""The gym's main job: every catalogue variant through flexattn on the local device, checked and timed.
+"""``flexattn check``: every catalogue variant through flexattn on the local device, checked and timed.
 
-    flexattn gym [--device cuda|cpu] [--seq N] [--only NAME[,NAME]] [--out PATH]
-    python -m flexattn.gym ...                      # the same
+    flexattn check [--device cuda|cpu] [--seq N] [--only NAME[,NAME]] [--out PATH]
+    python -m flexattn check ...                    # the same
 
 For each variant (``flexattn.variants.CATALOGUE``): build it (:meth:`Variant.make`), its BlockMask,
 run ``flex_attention`` forward and backward on random inputs, and compare the output and the
@@ -27,7 +27,7 @@ import torch
 import flexattn
 from flexattn.variants import CATALOGUE, Variant
 
-__all__ = ["GymSizes", "default_sizes", "run_variant", "run_gym", "TOLERANCE", "environment"]
+__all__ = ["CheckSizes", "default_sizes", "run_variant", "run_check", "TOLERANCE", "environment"]
 
 # Norm-wise relative error allowed against the float64 reference, by input dtype (the tests' rule:
 # fp32 ~1e-5; 16-bit inputs ~1e-2). Gradients of learnable tensors sum over every (query, key) pair,
@@ -36,7 +36,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
 @dataclass(frozen=True)
-class GymSizes:
+class CheckSizes:
     B: int
     H: int
     L: int
@@ -44,14 +44,14 @@ class GymSizes:
     dtype: torch.dtype
 
 
-def default_sizes(device: str, seq: Optional[int] = None) -> GymSizes:
+def default_sizes(device: str, seq: Optional[int] = None) -> CheckSizes:
     """What the job runs at. On a CPU: small enough that the whole catalogue (forward, backward,
     the float64 reference and the timings) finishes in well under a minute on 2 cores with one
     thread. On a GPU: large enough that kernel time, not launch overhead, is what is timed, while
     the float64 reference (B * H * L * L doubles, a few times over for its gradients) still fits."""
     if device == "cuda":
-        return GymSizes(B=1, H=16, L=seq or 4096, D=64, dtype=torch.bfloat16)
-    return GymSizes(B=1, H=2, L=seq or 1024, D=64, dtype=torch.float32)
+        return CheckSizes(B=1, H=16, L=seq or 4096, D=64, dtype=torch.bfloat16)
+    return CheckSizes(B=1, H=2, L=seq or 1024, D=64, dtype=torch.float32)
 
 
 def environment(device: str) -> dict:
@@ -179,7 +179,7 @@ def _time_impl(attend: Callable, q, k, v, inst, dout, timer) -> _Timed:
     return result
 
 
-def run_variant(name: str, variant: Variant, sizes: GymSizes, device: str, *, repeats: int = 5,
+def run_variant(name: str, variant: Variant, sizes: CheckSizes, device: str, *, repeats: int = 5,
                 torch_flex: Optional[Callable] = None, seed: int = 0) -> dict:
     """One row: errors against the float64 reference and times (see the module docstring)."""
     B, H, L, D, dtype = sizes.B, sizes.H, sizes.L, sizes.D, sizes.dtype
@@ -249,7 +249,7 @@ def compile_torch_flex() -> Optional[Callable]:
         return None
 
 
-def run_gym(names: list[str], device: str, sizes: GymSizes, *, on_start: Callable[[str], None] = lambda name: None,
+def run_check(names: list[str], device: str, sizes: CheckSizes, *, on_start: Callable[[str], None] = lambda name: None,
             on_done: Callable[[dict], None] = lambda row: None, torch_flex: bool = True) -> dict:
     """Every named variant in order; returns ``{"env": ..., "sizes": ..., "rows": [...]}``."""
     compiled = compile_torch_flex() if device == "cuda" and torch_flex else None

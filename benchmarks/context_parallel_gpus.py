@@ -1,7 +1,7 @@
 """Context parallelism on several GPUs: the check, the throughput and memory, and torch's baseline.
 
-    python -m flexattn.bench.context_parallel_gpus --worlds 1,2 --check --torch --model --out cp_gpus.json
-    python -m flexattn.bench.context_parallel_gpus --smoke --check --torch      # tiny, CPU ranks on gloo
+    python -m benchmarks.context_parallel_gpus --worlds 1,2 --check --torch --model --out cp_gpus.json
+    python -m benchmarks.context_parallel_gpus --smoke --check --torch      # tiny, CPU ranks on gloo
 
 One process per GPU (``torch.multiprocessing`` spawn, NCCL), one spawn per world size, the largest
 first; world 1 is plain single-GPU flexattn (and torch's compiled flex_attention), no
@@ -68,10 +68,10 @@ import torch.distributed as dist  # noqa: E402
 
 from flexattn import create_block_mask, flex_attention  # noqa: E402
 from flexattn.bench.common import block_density  # noqa: E402
-from flexattn.bench.context_parallel import (  # noqa: E402
+from benchmarks.context_parallel import (  # noqa: E402
     BACKWARD_TFLOPS, FORWARD_TFLOPS, LINKS, WINDOW, _max_err, mods_of,
 )
-from flexattn.bench.torch_context_parallel import TORCH_BALANCES, TorchBaseline, torch_block_mask  # noqa: E402
+from benchmarks.torch_context_parallel import TORCH_BALANCES, TorchBaseline, torch_block_mask  # noqa: E402
 from flexattn.distributed import ContextParallel, CostModel, Problem  # noqa: E402
 from flexattn.distributed.cost import BACKWARD_COMPUTE, allgather_kv_seconds  # noqa: E402
 from flexattn.variants import (  # noqa: E402
@@ -82,7 +82,7 @@ IMPLS = ("flexattn", "torch_cp")
 THROUGHPUT_MASKS = ("causal", "document", "sliding_window")
 CHECK_VARIANTS = ("causal", "document", "sliding_window", "prefix_lm", "alibi")
 BALANCES = ("mask", "zigzag", "contiguous")
-ATOL = 1e-6  # the flash-attention rule's allowance for outputs near zero (as bench/context_parallel.py)
+ATOL = 1e-6  # the flash-attention rule's allowance for outputs near zero (as benchmarks/context_parallel.py)
 GIB = 2.0 ** 30
 # For the time estimates that order the cases and keep to --budget-s (not for any result): torch's
 # kernels at about 0.7 of flexattn's; a static torch.compile of flex forward+backward per new shape
@@ -317,7 +317,7 @@ def world_seconds(setup: Setup, world: int) -> float:
 
 
 def _model_machine(mask: str):
-    """The cost model's forward and backward machines for a mask, as bench/context_parallel.py's
+    """The cost model's forward and backward machines for a mask, as benchmarks/context_parallel.py's
     --model table has them (NVLink 4; measured throughput counts partial tiles at their cost)."""
     forward = CostModel(flops_per_s=FORWARD_TFLOPS[mask] * 1e12, link_bytes_per_s=LINKS["NVLink 4"],
                         step_latency_s=30e-6, memory_bytes_per_s=3.0e12, partial_tile_cost=1.0)
@@ -781,7 +781,7 @@ class Rank:
         }
 
     def predicted(self, case: Case, bm, cp, rows, measured_ms: float) -> dict:
-        """The cost model's time of this row (NVLink 4; bench/context_parallel.py's machines)."""
+        """The cost model's time of this row (NVLink 4; benchmarks/context_parallel.py's machines)."""
         forward, backward = _model_machine(case.mask)
         problem, block = self.problem, tuple(bm.BLOCK_SIZE)
         if case.world == 1:
@@ -1004,7 +1004,7 @@ def main(argv=None) -> int:
         return 0
     setup = make_setup(args)
     started = time.time()
-    report = {"program": "flexattn.bench.context_parallel_gpus", "argv": list(sys.argv[1:] if argv is None else argv),
+    report = {"program": "benchmarks.context_parallel_gpus", "argv": list(sys.argv[1:] if argv is None else argv),
               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "setup": dataclasses.asdict(setup),
               "environment": environment(setup), "worlds": {}, "rows": []}
     write_report(setup.out, report)

@@ -1,8 +1,8 @@
 """Context parallelism on one GPU (the ranks as streams), and the model of the ring at scale.
 
-    python -m flexattn.bench.context_parallel --check --out cp.json   # one GPU: check and time
-    python -m flexattn.bench.context_parallel --model                # the predicted table (no GPU)
-    python -m flexattn.bench.context_parallel --smoke                # tiny sizes on the CPU
+    python -m benchmarks.context_parallel --check --out cp.json   # one GPU: check and time
+    python -m benchmarks.context_parallel --model                # the predicted table (no GPU)
+    python -m benchmarks.context_parallel --smoke                # tiny sizes on the CPU
 
 **On one GPU** (NCCL needs one GPU per rank, so no real ranks here): R ranks of one plan run in one
 process, each with its own shards as separate tensors, its kernels on its own CUDA stream, and each
@@ -51,7 +51,7 @@ WINDOW = 4096  # the sliding window (tokens), in the GPU run and in the model
 RUN_DOCUMENT_TOKENS, MODEL_DOCUMENT_TOKENS = 2048, 32768
 
 # Measured forward and backward TFLOP/s of single-GPU flexattn on an H100, bf16, d=128, 16k tokens
-# (docs/benchmarks.md: "Forward, after the fixes" and "Backward: the Triton kernels").
+# (docs/benchmarks_log.md: "Forward before and after the trust fixes", and "Backward: the Triton kernels").
 FORWARD_TFLOPS = {"causal": 533.0, "document": 336.0, "sliding_window": 395.0}
 BACKWARD_TFLOPS = {"causal": 430.0, "document": 273.0, "sliding_window": 334.0}
 LINKS = {"NVLink 4": 450e9, "InfiniBand": 50e9}

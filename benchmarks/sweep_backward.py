@@ -1,6 +1,6 @@
 """Per-kernel launch-configuration sweep of the Triton backward (how its defaults were chosen).
 
-    python -m flexattn.bench.sweep_backward --head-dims 64 128 --variants noop causal alibi
+    python -m benchmarks.sweep_backward --head-dims 64 128 --variants noop causal alibi
 
 For each case (bf16, 16k tokens, B*H so that K is 128 MiB), runs the backward under each candidate
 BackwardConfig and reads every kernel's own GPU time from the CUDA profiler, so the dK/dV and the
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-tma", action="store_true", help="pointer loads only")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("flexattn.bench.sweep_backward times GPU kernels: it needs a CUDA device", file=sys.stderr)
+        print("benchmarks.sweep_backward times GPU kernels: it needs a CUDA device", file=sys.stderr)
         return 2
     chosen: dict = {}
     # The sweep decides the configuration itself: the launcher's choice is replaced for this process.

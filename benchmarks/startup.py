@@ -1,6 +1,6 @@
 """First-call latency and warm-call host overhead of flexattn on the local GPU.
 
-    python -m flexattn.bench.startup            # runs the measurements in fresh subprocesses
+    python -m benchmarks.startup            # runs the measurements in fresh subprocesses
 
 First call: a fresh Python process imports torch and flexattn (not counted), then times one call
 with a new score_mod and mask_mod: trace, lower, render, Triton compile and run, synchronised.
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("flexattn.bench.startup times flexattn's kernels on a CUDA GPU, and this machine has none; on a CPU, "
+        print("benchmarks.startup times flexattn's kernels on a CUDA GPU, and this machine has none; on a CPU, "
               "`python -m pytest -q` runs every kernel in Triton's interpreter instead", file=sys.stderr)
         return 2
     env = dict(os.environ)

@@ -1,11 +1,11 @@
 """flexattn's default kernels under whichever Triton this process imports: one JSON line per case.
 
-    PYTHONPATH=/path/to/other/triton:. python -m flexattn.bench.triton_release > t39.jsonl
+    PYTHONPATH=/path/to/other/triton:. python -m benchmarks.triton_release > t39.jsonl
 
 For checking a Triton release before the Gluon guard (kernels/sm90.py GLUON_TRITON_VERSIONS) lets it
 run the Hopper kernels: run it once under the release the guard already takes and once under the new
-one, on the same machine, and compare (docs/benchmarks.md, "The Gluon kernels under Triton 3.7, 3.8
-and 3.9"). Each line names the Triton, the case, which family ran the forward and the backward
+one, on the same machine, and compare (docs/benchmarks_log.md, "The Gluon kernels under Triton 3.7,
+3.8 and 3.9"). Each line names the Triton, the case, which family ran the forward and the backward
 ("gluon" or "portable"), the times (do_bench medians) and TFLOP/s: 4 * B * H * L * S * D * density
 for the forward, 2.5 times that for the backward. bf16, 16k tokens, H16, B4 at d=64 and B2 at d=128
 (the backward sections' setup).
