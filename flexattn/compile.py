@@ -136,10 +136,31 @@ def probe(fn: Optional[Callable], kind: str, device: torch.device, sizes=None) -
     _PROBES.append((made, read, numbers, sizes))
     try:
         with torch.no_grad(), _NoteReads():
-            fn(*args)
+            fn(*args, *_defaults_beyond(fn, len(args)), **_keyword_defaults(fn))
     finally:
         _PROBES.pop()
     return read, numbers
+
+
+def _defaults_beyond(fn, given: int) -> tuple:
+    """A plain function's defaults for its parameters after the mod's arguments, passed explicitly
+    by the probe: Dynamo (torch 2.11) binds defaults it finds itself as constants it does not guard,
+    so a default changed in place (``mod.__defaults__ = (w,)``) ran the graph compiled for the old
+    value; read here, from the function, it is guarded or symbolic like any other number."""
+    if not isinstance(fn, types.FunctionType):
+        return ()
+    defaults = fn.__defaults__
+    extra = fn.__code__.co_argcount - given
+    if not defaults or extra <= 0 or extra > len(defaults):
+        return ()
+    return tuple(defaults[len(defaults) - extra:])
+
+
+def _keyword_defaults(fn) -> dict:
+    """A plain function's keyword-only defaults, passed explicitly for the same reason."""
+    if not isinstance(fn, types.FunctionType) or not fn.__code__.co_kwonlyargcount:
+        return {}
+    return dict(fn.__kwdefaults__ or {})
 
 
 # ------------------------------------------------------------------------------------ mods made in the graph

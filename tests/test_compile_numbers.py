@@ -389,3 +389,18 @@ def test_transformers_generate_with_left_padding_compiles_without_a_break(fullgr
     assert torch.equal(got, want)
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3  # sdpa: 2 (prefill, decode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_keyword_only_default_follows_its_value(mode):
+    def mod(score, b, h, q_idx, kv_idx, *, w=4):
+        return torch.where(q_idx - kv_idx <= w, score, -score)
+
+    q, k, v = qkv()
+    f, _ = compiled(lambda q, k, v: flex_attention(q, k, v, score_mod=mod), mode)
+
+    def run(w):
+        mod.__kwdefaults__ = {"w": w}
+        return f(q, k, v)
+
+    assert_follows_every_value(run, lambda w: eager(q, k, v, score_mod=mod))
