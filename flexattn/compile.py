@@ -60,8 +60,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .dispatch import (
-    Call, backward_relaunch, choose_decode, compile_ahead, forward_relaunch, pick_backend, prepare_backward,
-    run_backward, run_forward,
+    Call, backward_relaunch, compile_ahead, forward_relaunch, prepare_backward, run_backward, run_forward,
 )
 from .errors import InvalidInputError
 from .cuda_graphs import capturing, may_keep_allocations
@@ -70,9 +69,9 @@ from .kernels.tables import (
     BACKWARD_TABLES, PROGRAM_WALKS, LaunchTables, RowStats, assume_groups_differ, checked_launch_tables,
     launch_tables, preset_row_stats,
 )
-from .lowering import index_bounds, index_dtype
 from .masks import BlockMask, dense_block_mask, version_of
 from .mods import FACTORY_ATTRIBUTE
+from .request import build_call, check_captured_devices
 from .trace import TracedMod, TracedNumber, trace_mod, with_stand_ins, with_values
 
 __all__ = ["register_call", "probe", "described", "flex_attention_op", "registered_call", "mod_inputs"]
@@ -355,6 +354,7 @@ def _register_mod(fn: Optional[Callable], kind: str, device: torch.device) -> Op
     if fn is None:
         return None
     traced, values = trace_mod(fn, kind)
+    check_captured_devices(traced, values, device)  # as an eager call checks them, with the names the trace found
     return RegisteredMod(traced, _layout(fn, kind, traced, values, device), fn)
 
 
@@ -681,16 +681,11 @@ def _mods(call_key: str, score_captured, score_numbers, mask_captured, mask_numb
 
 
 def _call(mods: _Mods, query, key_t, tables, block_size, seq_lengths, scale, needs_grad, need_max,
-          stats: Optional[RowStats] = None):
-    options = mods.options
+          stats: Optional[RowStats] = None) -> Call:
+    """The Call of one op call (request.build_call), on the op's tables as a BlockMask."""
     block_mask = _block_mask(query, key_t, tables, block_size, seq_lengths, query.shape[1] // key_t.shape[1], stats)
-    backend = pick_backend(query, options)
-    B, Hq, L, _ = query.shape
-    S = key_t.shape[2]
-    wide = index_dtype(mods.score, mods.mask, bounds=index_bounds(B, Hq, L, S)) if backend == "PYTORCH" else torch.int32
-    if backend in ("TRITON", "TRITON_DECODE"):
-        backend = choose_decode(backend, options, query, block_mask, needs_grad, need_max)
-    return Call(backend, block_mask, scale, mods.score, mods.mask, mods.mask_values, options, wide)
+    return build_call(query, key_t.shape[2], block_mask, mods.score, mods.mask, mods.mask_values, mods.options, scale,
+                      needs_grad, need_max)
 
 
 # [Note] The ops' registration. The ops are defined with torch.library.Library and their bodies

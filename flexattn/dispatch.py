@@ -208,7 +208,7 @@ def run_forward(call: Call, q, k, v, score_captured, need_lse, need_max):
     if _DEBUG:
         _debug_report("forward", call, q, k, v, _blockwise_plan(call))
     # Key and value in the query's dtype first, as the kernels convert them ([Note] Mixed and FP8
-    # dtypes in api.py), so that both paths round the same way.
+    # dtypes in request.py), so that both paths round the same way.
     k, v = k.to(q.dtype), v.to(q.dtype)
     out, lse, mx = blockwise_forward(
         q, k, v, call.block_mask, call.scale,

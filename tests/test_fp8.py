@@ -1,4 +1,4 @@
-"""FP8 inputs and mixed dtypes in the forward ([Note] Mixed and FP8 dtypes in flexattn/api.py).
+"""FP8 inputs and mixed dtypes in the forward ([Note] Mixed and FP8 dtypes in flexattn/request.py).
 
 - An FP8 key/value cache read by a 16-bit query: the kernels convert keys and values as they load
   them, so the result is the call on converted tensors (the same bits under the interpreter).

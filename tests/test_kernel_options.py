@@ -12,7 +12,8 @@ from numerics import rel_err
 
 import flexattn.kernels.family as family
 import flexattn.kernels.forward as rt
-from flexattn import api, create_block_mask, flex_attention
+import flexattn.request as front_door
+from flexattn import create_block_mask, flex_attention
 from flexattn.errors import BackendUnavailableError, InvalidInputError
 from flexattn.reference import reference_attention
 from flexattn.variants import causal_mask
@@ -37,7 +38,7 @@ def reference(q, k, v, **mods):
 
 @needs_interpreter
 def test_torch_keys_are_accepted_fwd_keys_honoured_and_ignored_ones_named_once(monkeypatch, one_thread):
-    monkeypatch.setattr(api, "_reported_ignored", set())
+    monkeypatch.setattr(front_door, "_reported_ignored", set())
     # Only this test's kernel in the table: earlier tests built causal kernels of their own.
     monkeypatch.setattr(rt, "_kernels", type(rt._kernels)())
     q, k, v = qkv()
@@ -70,7 +71,7 @@ def test_unknown_keys_stay_errors():
 
 
 def test_prefixed_options_on_the_pytorch_backend(monkeypatch):
-    monkeypatch.setattr(api, "_reported_ignored", set())
+    monkeypatch.setattr(front_door, "_reported_ignored", set())
     q, k, v = qkv()
     with pytest.warns(UserWarning, match=r"bwd_BLOCK_N \(not a backward option"):
         out = flex_attention(q, k, v, kernel_options={"BACKEND": "PYTORCH", "fwd_BLOCK_N": 32, "bwd_BLOCK_N": 16,

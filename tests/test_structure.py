@@ -115,6 +115,7 @@ def test_the_layers_import_downward():
         {"flexattn.masks", "flexattn.paged_attention", "flexattn.codegen"},
         {"flexattn.kernels"},
         {"flexattn.dispatch"},
+        {"flexattn.request"},
         {"flexattn.autograd", "flexattn.compile"},
         {"flexattn.api"},
     ]

@@ -6,7 +6,7 @@ from an FP8 key/value cache.
 **Forward.** 16k tokens, B x 16 heads with K and V of 256 MiB in bf16 (the forward benchmark's
 setup). The float32 inputs are quantized per tensor to e4m3 (scale = amax / 448); the query's and
 key's scales fold into ``scale`` and the value's multiplies the output, as torch's flex_attention
-takes FP8 ([Note] Mixed and FP8 dtypes in flexattn/api.py). Timed (``do_bench`` medians):
+takes FP8 ([Note] Mixed and FP8 dtypes in flexattn/request.py). Timed (``do_bench`` medians):
 - flexattn on FP8, V column-major (the layout torch's flex_attention gives FP8 values) and V
   row-major (flexattn copies it to column-major first: the copy is in the time);
 - flexattn on bf16 (its default path);

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import math
 import sys
-import warnings
 from typing import Optional
 
 import torch
@@ -13,11 +11,13 @@ import torch.distributed as dist
 
 from ..codegen import debug_enabled
 from ..errors import InvalidInputError
+from ..kernels.launch import FLOAT8_DTYPES
 from ..lowering import mod_index_dtype
-from ..masks import as_block_mask, torch_counterpart
+from ..masks import as_block_mask
 from ..masks.layout import cdiv
 from ..mods import noop_mask
-from ..options import AuxOutput, AuxRequest, normalize_kernel_options, why_ignored
+from ..options import AuxRequest
+from ..request import check_block_mask, check_captured_devices, check_tensors, options_of, request_of, wants_grad
 from ..trace import trace_mod
 from .agreement import Agreement
 from .comm import Exchange, as_process_group
@@ -31,7 +31,6 @@ __all__ = ["ContextParallel"]
 
 logger = logging.getLogger("flexattn.distributed")
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _ROLES = ("query", "key")
 
 _FIX_MASK = ("Every rank must build the same global mask (same mask_mod, lengths, block size and captured tensors, "
@@ -42,11 +41,13 @@ _FIX_CALL = ("Every rank must make the same calls in the same order: cp.flex_att
 _FIX_UNSHARD = "Every rank must call cp.unshard with its own shard of the same tensor (cp.flex_attention's output)"
 
 
-def _mod_facts(check: Agreement, mod, kind: str) -> list:
+def _mod_facts(check: Agreement, mod, kind: str, device: Optional[torch.device] = None) -> list:
     """State what a mod computes with: its traced graph (its code) and each captured input it reads
     now: tensors by contents, the Python numbers it reads (inputs of the graph, trace/numbers.py)
-    by value. Returns the inputs."""
+    by value. ``device``: a call's, where its tensors must be (as in any call). Returns the inputs."""
     traced, captured = trace_mod(mod, kind)
+    if device is not None:
+        check_captured_devices(traced, captured, device)
     check.digest(f"the {kind}'s traced graph", traced.signature_text())
     names = [spec.name for spec in traced.captured]
     for i, value in enumerate(captured):  # every input passed at run time, named where the trace names it
@@ -233,46 +234,23 @@ class ContextParallel:
 
     # ------------------------------------------------------------------------------ attention
 
-    def _check_inputs(self, query, key, value, enable_gqa: bool) -> None:
-        for name, t in (("query", query), ("key", key), ("value", value)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                raise InvalidInputError(
-                    f"cp.flex_attention: {name} must be a 4-D tensor [batch, heads, shard, head_dim]")
-            if t.dtype not in _FLOAT_DTYPES:
-                raise InvalidInputError(f"cp.flex_attention: {name} must be float16, bfloat16, float32 or float64, "
-                                        f"got {t.dtype}")
-        if not query.dtype == key.dtype == value.dtype or not query.device == key.device == value.device:
-            raise InvalidInputError("cp.flex_attention: query, key and value must have one dtype and one device")
-        if query.device != self.device:
+    def _check_shards(self, query, key, value) -> None:
+        """What a call under context parallelism needs beyond any call's checks (request.py): one
+        dtype that is not FP8, and this rank's shards of the plan's sequences."""
+        if not query.dtype == key.dtype == value.dtype or query.dtype in FLOAT8_DTYPES:
             raise InvalidInputError(
-                f"cp.flex_attention: the tensors are on {query.device} but the block_mask on {self.device}"
+                f"cp.flex_attention: query, key and value must have one dtype, float16, bfloat16, float32 or "
+                f"float64 (context parallelism runs no FP8 or mixed dtypes), got {query.dtype}, {key.dtype} and "
+                f"{value.dtype}"
             )
-        B, Hq, L, E = query.shape
-        Bk, Hk, S, Ek = key.shape
-        if value.shape[:3] != key.shape[:3] or Ek != E or Bk not in (1, B):
-            raise InvalidInputError(
-                f"cp.flex_attention: query {tuple(query.shape)}, key {tuple(key.shape)} and value "
-                f"{tuple(value.shape)} do not fit: key and value share batch, heads and length, key the query's "
-                "head_dim, and their batch is the query's or 1"
-            )
-        if Hk != Hq and (Hq % Hk or not enable_gqa):
-            raise InvalidInputError(
-                f"cp.flex_attention: query has {Hq} heads and key/value {Hk}: grouped-query attention needs "
-                "enable_gqa=True and a key/value head count that divides the query's"
-            )
-        for name, length, layout in (("query", L, self.plan.q_layout), ("key", S, self.plan.kv_layout)):
+        for name, length, layout in (("query", query.shape[2], self.plan.q_layout),
+                                     ("key", key.shape[2], self.plan.kv_layout)):
             if length != layout.local_length:
                 raise InvalidInputError(
                     f"cp.flex_attention: {name} has {length} positions on dim 2, but this rank's shard holds "
                     f"{layout.local_length} ({layout.length} positions padded to {layout.padded_length}, over "
                     f"{layout.world} ranks); pass cp.shard({name[0]}), not the whole sequence"
                 )
-        mb, mh = self.plan.block_mask.kv_num_blocks.shape[:2]
-        if mb not in (1, B) or mh not in (1, Hq):
-            raise InvalidInputError(
-                f"cp.flex_attention: the block_mask has batch {mb} and heads {mh}; they must be 1 or the query's "
-                f"({B}, {Hq})"
-            )
 
     def flex_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod=None,
                        scale: Optional[float] = None, enable_gqa: bool = False, kernel_options: Optional[dict] = None,
@@ -294,23 +272,21 @@ class ContextParallel:
         """
         with Agreement(self.group, "the call", _FIX_CALL) as check:
             check.digest("the ContextParallel called (its block_mask, balance and schedule)", self._identity)
-            self._check_inputs(query, key, value, enable_gqa)
-            options = self._options(kernel_options)
-            request = self._aux_request(return_aux)
-            if scale is not None and not isinstance(scale, (int, float)):
-                raise InvalidInputError(
-                    f"cp.flex_attention: scale must be a Python float or None, got {type(scale).__name__}")
-            scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-            need_max = bool(request is not None and request.max_scores)
+            # The checks of every call (request.py), then those of context parallelism.
+            check_tensors(query, key, value, enable_gqa)
+            options = options_of(kernel_options)
+            scale, outputs = request_of(query, scale, False, return_aux)
+            need_max = outputs.need_max
+            self._check_shards(query, key, value)
+            check_block_mask(self.plan.block_mask, query, None)  # the global mask: its lengths are not a shard's
             check.value("score_mod given", score_mod is not None)
             learnable = []
             if score_mod is not None:
-                learnable = [t for t in _mod_facts(check, score_mod, "score_mod")
+                learnable = [t for t in _mod_facts(check, score_mod, "score_mod", query.device)
                              if isinstance(t, torch.Tensor) and t.requires_grad]
             # The step masks read the mask_mod's captured tensors as they are now, on every call.
-            _mod_facts(check, self.plan.block_mask.mask_mod or noop_mask, "mask_mod")
-            needs_grad = torch.is_grad_enabled() and (
-                query.requires_grad or key.requires_grad or value.requires_grad or bool(learnable))
+            _mod_facts(check, self.plan.block_mask.mask_mod or noop_mask, "mask_mod", query.device)
+            needs_grad = wants_grad(query, key, value, learnable)
             B, Hq, _, E = query.shape
             Bk, Hkv, _, Ev = value.shape
             problem = Problem(B, Hq, Bk, Hkv, E, Ev, query.element_size())
@@ -339,34 +315,8 @@ class ContextParallel:
         logger.debug("rank %d: schedule %s, %d steps", self.rank, schedule, len(calls))
         run = RankRun(rank_plan, calls, self.exchange, need_max, learnable)
         if needs_grad:
-            out, lse, max_scores = ContextParallelFunction.apply(
-                query, key, value, run, bool(request is not None and request.lse), *learnable)
+            out, lse, max_scores = ContextParallelFunction.apply(query, key, value, run, outputs.need_lse, *learnable)
         else:
             with torch.no_grad():
                 out, lse, max_scores = run.forward(query, key, value)
-        if request is None:
-            return out
-        return out, AuxOutput(lse=lse if request.lse else None, max_scores=max_scores if need_max else None)
-
-    @staticmethod
-    def _options(kernel_options: Optional[dict]) -> dict:
-        if kernel_options is None:
-            return {}
-        if not isinstance(kernel_options, dict):
-            raise InvalidInputError(f"kernel_options must be a dict, got {type(kernel_options).__name__}")
-        options, ignored, unknown = normalize_kernel_options(kernel_options)
-        if unknown:
-            raise InvalidInputError(f"unknown kernel_options {sorted(unknown)} (see flexattn.FlexKernelOptions)")
-        if ignored:
-            reasons = ", ".join(f"{key} ({why_ignored(key)})" for key in ignored)
-            warnings.warn(f"kernel_options ignored by flexattn: {reasons}", UserWarning, stacklevel=3)
-        return options
-
-    @staticmethod
-    def _aux_request(return_aux) -> Optional[AuxRequest]:
-        if return_aux is None or isinstance(return_aux, AuxRequest):
-            return return_aux
-        theirs = torch_counterpart("AuxRequest")
-        if theirs is not None and isinstance(return_aux, theirs):
-            return AuxRequest(lse=bool(return_aux.lse), max_scores=bool(return_aux.max_scores))
-        raise InvalidInputError(f"return_aux must be a flexattn.AuxRequest, got {type(return_aux).__name__}")
+        return outputs.returned(out, lse, max_scores)

@@ -1,24 +1,23 @@
 """One step of a rank, run the way ``flex_attention`` runs a call, and the exact merge of steps.
 
-A step's forward and backward go straight to dispatch.py with a ``Call`` built here as api.py
-builds one (trace the mods, pick the backend, the PyTorch backend's index dtype, the mods' own
-constants on the device). The backward then runs each step's backward kernels once, with the
-*merged* output and LSE of the whole row ([Note] Backward from the merged statistics), instead of
-recomputing each step's forward to differentiate its partial result.
+A step's forward and backward go straight to dispatch.py with a ``Call`` built as every entry
+builds one (request.py: the mods' captured values on the device, then build_call). The backward
+then runs each step's backward kernels once, with the *merged* output and LSE of the whole row
+([Note] Backward from the merged statistics), instead of recomputing each step's forward to
+differentiate its partial result.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
-from ..dispatch import Call, choose_decode, pick_backend, prepare_backward, run_backward, run_forward
-from ..errors import InvalidInputError
-from ..lowering import index_bounds, index_dtype
+from ..dispatch import Call, prepare_backward, run_backward, run_forward
 from ..reference import working_dtype
-from ..trace import TracedMod, detached, trace_mod
+from ..request import build_call, captured_on
+from ..trace import detached, trace_mod
 from .plan import Step
 
 __all__ = ["StepCall", "step_call", "merge_into", "empty_result", "working_dtype"]
@@ -51,40 +50,18 @@ class StepCall(NamedTuple):
                             float32_kv_grads=True)
 
 
-def _on_device(traced: Optional[TracedMod], values: list, device: torch.device) -> list:
-    """The constants a mod builds itself (frozen on the CPU by the trace) on ``device``, as
-    flex_attention passes them; the user's tensors are checked, never moved."""
-    if traced is None:
-        return values
-    for captured, value in zip(traced.captured, values):
-        if captured.walk_index is not None and value.device != device:
-            raise InvalidInputError(
-                f"{traced.kind} '{traced.name}' reads the tensor '{captured.name}' on {value.device}, but the "
-                f"query is on {device}; create it on the query's device (e.g. {captured.name}.to('{device}'))"
-            )
-    if device.type == "cpu" or all(c.walk_index is not None for c in traced.captured):
-        return values
-    fixed = traced.fixed_values_on(device)
-    return [v if f is None else f for f, v in zip(fixed, values)] + list(values[len(fixed):])  # then the numbers
-
-
 def step_call(step: Step, score_mod, position_dtype: torch.dtype, q: torch.Tensor, options: dict, scale: float,
               needs_grad: bool, need_max: bool) -> StepCall:
     """The StepCall of ``step`` for a call of ``score_mod`` (None: none) on the query shard ``q``."""
-    B, Hq, L, _ = q.shape
-    S = step.kv_positions.numel()
+    B, S = q.shape[0], step.kv_positions.numel()
     if score_mod is None:
         score, score_captured = None, []
     else:
         score, score_captured = trace_mod(step.score_mod_at(score_mod, position_dtype), "score_mod")
     mask, mask_captured = trace_mod(step.block_mask.mask_mod, "mask_mod")
-    mask_captured = detached(mask_captured)
-    backend = pick_backend(q, options)
-    if backend in ("TRITON", "TRITON_DECODE"):
-        backend = choose_decode(backend, options, q, step.block_mask, needs_grad, need_max)
-    wide = index_dtype(score, mask, bounds=index_bounds(B, Hq, L, S)) if backend == "PYTORCH" else torch.int32
-    call = Call(backend, step.block_mask, scale, score, mask, _on_device(mask, mask_captured, q.device), options, wide)
-    step_call_ = StepCall(step, call, _on_device(score, score_captured, q.device))
+    mask_captured = captured_on(mask, detached(mask_captured), q.device)
+    call = build_call(q, S, step.block_mask, score, mask, mask_captured, options, scale, needs_grad, need_max)
+    step_call_ = StepCall(step, call, captured_on(score, score_captured, q.device))
     if needs_grad:
         # The gradient is lowered now, at the forward, as flex_attention does; only k's length is read.
         prepare_backward(call, q, q.new_empty(()).expand(B, 1, S, q.shape[-1]))
