@@ -19,8 +19,8 @@ from typing import NamedTuple, Sequence
 
 __all__ = [
     "Group", "KernelParams", "mods_group", "FORWARD", "BACKWARD_PREPROCESS", "BACKWARD_DKDV", "BACKWARD_DQ",
-    "DECODE_PARTIAL", "DECODE_MERGE", "SM90_FORWARD", "SM90_BACKWARD_DKDV", "SM90_BACKWARD_DQ", "KERNELS",
-    "FORWARD_HELPERS", "BACKWARD_HELPERS", "DECODE_HELPERS", "SM90_FORWARD_HELPERS", "SM90_BACKWARD_HELPERS",
+    "DECODE_PARTIAL", "DECODE_MERGE", "HOPPER_FORWARD", "HOPPER_BACKWARD_DKDV", "HOPPER_BACKWARD_DQ", "KERNELS",
+    "FORWARD_HELPERS", "BACKWARD_HELPERS", "DECODE_HELPERS", "HOPPER_FORWARD_HELPERS", "HOPPER_BACKWARD_HELPERS",
     "TEMPLATE_GROUPS",
 ]
 
@@ -266,9 +266,11 @@ DECODE_MERGE = KernelParams("flex_attention_decode_merge", [
 _RESIDENT_IN_REGISTERS = _constexprs(
     "RESIDENT_IN_REGISTERS",
     doc="each consumer holds the tile it keeps for its whole walk (forward: Q; dK/dV: K and V) in registers, as "
-        "its S (and dP) products' first operand ([Note] Resident tiles in registers, kernels/sm90.py)")
+        "its S (and dP) products' first operand ([Note] Resident tiles in registers, kernels/hopper/common.py)")
 
-SM90_FORWARD = KernelParams("flex_attention_forward_sm90", [
+# The Hopper kernels' names end in _sm90, the compute capability, as profilers have shown them: traces,
+# the recorded data in docs/data and the launch records that compare two versions key on them.
+HOPPER_FORWARD = KernelParams("flex_attention_forward_sm90", [
     _tensors("Q", "K", "V", "OUT", doc="2-D tensor descriptors over each tensor's storage ([Note] 2-D views)"),
     _tensors("LSE"),
     _tensors("KV_NUM_BLKS", "KV_IDX", "FULL_KV_NUM_BLKS", "FULL_KV_IDX", doc="the BlockMask's forward tables"),
@@ -290,21 +292,21 @@ SM90_FORWARD = KernelParams("flex_attention_forward_sm90", [
     _RESIDENT_IN_REGISTERS,
     _constexprs("CONSUMERS", doc="consumer warpgroups of 64 query rows: 2 (BLOCK_M 128, the BlockMask's query block), "
                                  "or 3 (BLOCK_M 192) on a walk every row shares ([Note] Three consumers on an unmasked "
-                                 "walk, kernels/sm90.py)"),
+                                 "walk, kernels/hopper/forward.py)"),
     _constexprs("TAKE_TURNS", doc="the consumers issue their products in a fixed round ([Note] Turns on the tensor "
-                                  "cores, kernels/sm90.py)"),
+                                  "cores, kernels/hopper/forward.py)"),
     _constexprs("UNION_WALK", doc="three consumers whose program spans two query blocks walk the union of their walks "
-                                  "([Note] Programs across query blocks, kernels/sm90.py)"),
+                                  "([Note] Programs across query blocks, kernels/hopper/forward.py)"),
 ], doc="Hopper, Gluon: one program per 128 (or 192) queries of one query head, a loader warp and two (or three) "
        "consumer warpgroups")
 
-_SM90_TILES = _constexprs("HEAD_DIM", "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "STAGES",
+_HOPPER_TILES = _constexprs("HEAD_DIM", "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "STAGES",
                           "CONSUMER_REGS")
 
-SM90_BACKWARD_DKDV = KernelParams("flex_attention_backward_dkdv_sm90", [
+HOPPER_BACKWARD_DKDV = KernelParams("flex_attention_backward_dkdv_sm90", [
     _tensors("Q", "K", "V", "DO", "DK", "DV", doc="2-D tensor descriptors over each tensor's storage"),
     _tensors("DQ_ACC", doc="FUSED_DQ: a float32 [batch * query heads * Q_LEN, HEAD_DIM] descriptor the kernel adds dQ "
-                           "into, in boxes of 64 rows and sm90_backward.DQ_BOX_COLUMNS columns"),
+                           "into, in boxes of 64 rows and hopper.backward.DQ_BOX_COLUMNS columns"),
     _tensors("LSE", "DELTA"),
     _tensors("Q_NUM_BLKS", "Q_IDX", "FULL_Q_NUM_BLKS", "FULL_Q_IDX", doc="the transposed tables"),
     _tensors("WALK_FIRST", "Q_TURNS", "FULL_Q_TURNS", "DQ_ADDED",
@@ -318,7 +320,7 @@ SM90_BACKWARD_DKDV = KernelParams("flex_attention_backward_dkdv_sm90", [
     _LAUNCH_ORDER,
     _MODS,
     _SPARSE_LAYOUT,
-    _SM90_TILES,
+    _HOPPER_TILES,
     _MOD_FLAGS,
     _constexprs("FUSED_DQ", doc="dQ added into DQ_ACC by the copy engine here, so no dQ kernel runs"),
     _constexprs("ORDERED_DQ", doc="with FUSED_DQ: each query tile's parts added in key block order, bit-identical "
@@ -326,7 +328,7 @@ SM90_BACKWARD_DKDV = KernelParams("flex_attention_backward_dkdv_sm90", [
     _RESIDENT_IN_REGISTERS,
 ], doc="Hopper, Gluon: one program per 128 keys of one key/value head, a loader warp and two consumer warpgroups")
 
-SM90_BACKWARD_DQ = KernelParams("flex_attention_backward_dq_sm90", [
+HOPPER_BACKWARD_DQ = KernelParams("flex_attention_backward_dq_sm90", [
     _tensors("Q", "K", "V", "DO", "DQ", doc="2-D tensor descriptors over each tensor's storage"),
     _tensors("LSE", "DELTA"),
     _tensors("KV_NUM_BLKS", "KV_IDX", "FULL_KV_NUM_BLKS", "FULL_KV_IDX", doc="the BlockMask's forward tables"),
@@ -337,7 +339,7 @@ SM90_BACKWARD_DQ = KernelParams("flex_attention_backward_dq_sm90", [
     _LAUNCH_ORDER,
     _MODS,
     _SPARSE_LAYOUT,
-    _SM90_TILES,
+    _HOPPER_TILES,
     _MOD_FLAGS,
 ], doc="Hopper, Gluon: one program per 128 queries of one query head, a loader warp and two consumer warpgroups")
 
@@ -345,8 +347,8 @@ KERNELS = {
     "forward": (FORWARD,),
     "backward": (BACKWARD_PREPROCESS, BACKWARD_DKDV, BACKWARD_DQ),
     "decode": (DECODE_PARTIAL, DECODE_MERGE),
-    "sm90_forward": (SM90_FORWARD,),
-    "sm90_backward": (BACKWARD_PREPROCESS, SM90_BACKWARD_DKDV, SM90_BACKWARD_DQ),
+    "hopper_forward": (HOPPER_FORWARD,),
+    "hopper_backward": (BACKWARD_PREPROCESS, HOPPER_BACKWARD_DKDV, HOPPER_BACKWARD_DQ),
 }
 
 
@@ -434,9 +436,9 @@ DECODE_HELPERS = _by_name(
     _flags("output_dims", "NUM_HEADS_Q", "QUERY_LEN", "V_HEAD_DIM", doc="OUT's heads, queries and head dim"),
 )
 
-# The sm90 kernel's partitions: gl.warp_specialize hands each one a tuple, so every group, the
+# The Hopper forward's partitions: gl.warp_specialize hands each one a tuple, so every group, the
 # constexprs too, is passed by position (a constexpr value stays one through the call).
-SM90_FORWARD_HELPERS = _by_name(
+HOPPER_FORWARD_HELPERS = _by_name(
     _values("ring", "q_bufs", "k_smem", "v_smem", "q_bar", "k_ready", "v_ready", "k_empty", "v_empty", "turns",
             doc="the shared-memory buffers and the mbarriers of the Q buffers and the K/V ring, and the "
                 "consumers' turns"),
@@ -455,15 +457,15 @@ SM90_FORWARD_HELPERS = _by_name(
                 "many consumer warpgroups, whether they take turns"),
 )
 
-# The sm90 backward's partitions, one set of groups per kernel (passed by position, as above).
-_SM90_VIEWS = ("row_qz", "row_qh", "col_qh", "row_kz", "row_kh", "col_kh", "row_vz", "row_vh", "col_vh",
+# The Hopper backward's partitions, one set of groups per kernel (passed by position, as above).
+_HOPPER_VIEWS = ("row_qz", "row_qh", "col_qh", "row_kz", "row_kh", "col_kh", "row_vz", "row_vh", "col_vh",
                "row_doz", "row_doh", "col_doh")
-SM90_BACKWARD_HELPERS = _by_name(
+HOPPER_BACKWARD_HELPERS = _by_name(
     _values("dkdv_ring", "q_smem", "do_smem", "k_smem", "v_smem", "lse_smem", "delta_smem", "ds_smem", "dq_smem",
             "ds_ready", "ds_free", "dq_full", "dq_empty", "kv_bar", "ready", "empty",
             doc="dK/dV: the key tiles, the query-side ring (Q, dO, LSE, DELTA per slot) and its mbarriers; "
                 "with FUSED_DQ each consumer's dS^T and dQ tiles"),
-    _values("dkdv_views", "Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "DQ_ADDED", "LSE", "DELTA", *_SM90_VIEWS,
+    _values("dkdv_views", "Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "DQ_ADDED", "LSE", "DELTA", *_HOPPER_VIEWS,
             "row_dkz", "row_dkh", "col_dkh",
             doc="dK/dV: the descriptors and where a (batch, head) starts in them"),
     _values("dkdv_tables", "off_z", "off_hkv", "start_n", "Q_NUM_BLKS", "Q_IDX", "FULL_Q_NUM_BLKS", "FULL_Q_IDX",
@@ -475,7 +477,7 @@ SM90_BACKWARD_HELPERS = _by_name(
             doc="dK/dV: the scale, the query length, which mods run, the tiles"),
     _values("dq_ring", "q_bufs", "do_bufs", "k_smem", "v_smem", "q_bar", "k_ready", "v_ready", "k_empty", "v_empty",
             doc="dQ: the Q and dO buffers, the K/V ring and their mbarriers"),
-    _values("dq_views", "Q", "K", "V", "DO", "DQ", "LSE", "DELTA", *_SM90_VIEWS,
+    _values("dq_views", "Q", "K", "V", "DO", "DQ", "LSE", "DELTA", *_HOPPER_VIEWS,
             doc="dQ: the descriptors and where a (batch, head) starts in them"),
     _values("dq_tables", "off_z", "off_hq", "off_hkv", "start_m", "num_partial", "num_full", "partial_idx", "full_idx",
             doc="dQ: the program's batch, heads and query block, and its row of the block tables"),
@@ -491,7 +493,7 @@ TEMPLATE_GROUPS = {
     "backward": dict(BACKWARD_PREPROCESS=BACKWARD_PREPROCESS, BACKWARD_DKDV=BACKWARD_DKDV, BACKWARD_DQ=BACKWARD_DQ,
                      **BACKWARD_HELPERS),
     "decode": dict(DECODE_PARTIAL=DECODE_PARTIAL, DECODE_MERGE=DECODE_MERGE, **DECODE_HELPERS),
-    "sm90_forward": dict(SM90_FORWARD=SM90_FORWARD, **SM90_FORWARD_HELPERS),
-    "sm90_backward": dict(BACKWARD_PREPROCESS=BACKWARD_PREPROCESS, SM90_BACKWARD_DKDV=SM90_BACKWARD_DKDV,
-                          SM90_BACKWARD_DQ=SM90_BACKWARD_DQ, **SM90_BACKWARD_HELPERS),
+    "hopper_forward": dict(HOPPER_FORWARD=HOPPER_FORWARD, **HOPPER_FORWARD_HELPERS),
+    "hopper_backward": dict(BACKWARD_PREPROCESS=BACKWARD_PREPROCESS, HOPPER_BACKWARD_DKDV=HOPPER_BACKWARD_DKDV,
+                          HOPPER_BACKWARD_DQ=HOPPER_BACKWARD_DQ, **HOPPER_BACKWARD_HELPERS),
 }

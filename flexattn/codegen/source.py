@@ -43,7 +43,7 @@ _environment = jinja2.Environment(
 # Two of the calls the lowering writes need a layout there: tl.full gets the template's full_auto
 # (Gluon's full with the layout left to the compiler) and tl.zeros_like Gluon's own, which takes
 # its argument's layout. Anything else Gluon lacks fails to compile, and the call runs the
-# portable forward (kernels/sm90.py).
+# portable forward (kernels/hopper/forward.py).
 _GLUON_SPELLING = (("tl.full(", "full_auto("), ("tl.zeros_like(", "gl.zeros_like("))
 
 
@@ -58,7 +58,7 @@ _environment.filters["gluon_spelling"] = gluon_spelling
 
 
 # [Note] Gluon API by Triton release. Gluon is experimental and renames its ops between releases;
-# the sm90 templates spell the ones that moved through ``gluon_api`` (chosen here at render time
+# the Hopper templates spell the ones that moved through ``gluon_api`` (chosen here at render time
 # from the installed Triton), so under Triton 3.6 their source is what it always was. Each entry is
 # the first release of a spelling, and holds until the next entry:
 # - 3.7: gl.thread_barrier -> gl.barrier (the same barrier within a CTA; 3.7 drops the old name);
@@ -66,8 +66,8 @@ _environment.filters["gluon_spelling"] = gluon_spelling
 #   tma.async_store (3.8 keeps the old names as aliases; 3.9 removes them), and the copy engine's
 #   reduce-add, which 3.6's builder has without a Gluon name (the template's tma_reduce_add), becomes
 #   tma.async_atomic_add.
-# Each release's kernels ran on a GPU (kernels/sm90.py GLUON_TRITON_VERSIONS, the runtime guard) and
-# compile offline for sm90 in the CPU tests (GLUON_COMPILES_ON).
+# Each release's kernels ran on a GPU (kernels/hopper/common.py GLUON_TRITON_VERSIONS, the runtime guard) and
+# compile offline for sm_90 in the CPU tests (GLUON_COMPILES_ON).
 _GLUON_API = (
     ((3, 6), dict(tma_load="tma.async_copy_global_to_shared", tma_store="tma.async_copy_shared_to_global",
                   thread_barrier="gl.thread_barrier", tma_reduce_add="tma_reduce_add")),
@@ -109,13 +109,13 @@ def cache_dir() -> Path:
 
 
 # Each kernel family's template and the name of the kernel (or kernel prefix) it defines, and the
-# prefix of its generated files.
+# prefix of its generated files (the Hopper kernels' names: see codegen/params.py).
 FAMILIES = {
     "forward": ("forward.py.jinja", "flex_attention_forward", "fwd"),
     "backward": ("backward.py.jinja", "flex_attention_backward", "bwd"),
     "decode": ("decode.py.jinja", "flex_attention_decode", "dec"),
-    "sm90_forward": ("forward_sm90.py.jinja", "flex_attention_forward_sm90", "sm90"),
-    "sm90_backward": ("backward_sm90.py.jinja", "flex_attention_backward_sm90", "sm90bwd"),
+    "hopper_forward": ("hopper_forward.py.jinja", "flex_attention_forward_sm90", "hopper_fwd"),
+    "hopper_backward": ("hopper_backward.py.jinja", "flex_attention_backward_sm90", "hopper_bwd"),
 }
 
 
@@ -151,7 +151,7 @@ def render(spec: KernelSpec) -> str:
     # The backward's kernels hand the score_mod's gradient its parameters: the score_mod's (first),
     # then the gradient buffers of its trainable captured tensors.
     grad_params = mods_group(spec.score_grad.kernel_params if spec.score_grad else ())
-    kernel_mods = grad_params if spec.family in ("backward", "sm90_backward") else score_params
+    kernel_mods = grad_params if spec.family in ("backward", "hopper_backward") else score_params
     # The numbers the mods read are scalars the kernels are not specialised on (a new window size
     # reuses the compiled kernel): the kernels that take the mods list them in do_not_specialize.
     numbers = [p for m in (spec.score_mod, spec.mask_mod) if m is not None for p in m.number_params]
