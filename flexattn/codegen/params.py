@@ -177,11 +177,14 @@ _TILES = _constexprs("SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE", "BLOCK_M", "
 _MOD_FLAGS = _constexprs("HAS_SCORE_MOD", "SCALE_FIRST", "HAS_PARTIAL_BLOCKS", "HAS_FULL_BLOCKS")
 
 
+_FORWARD_QKV_STRIDES = _strides(q="zhmd", k="zhnd", v="zhnd")
+_FORWARD_OUT_STRIDES = _strides(o="zhmd")
+
 FORWARD = KernelParams("flex_attention_forward", [
     _tensors("Q", "K", "V", "OUT", "LSE", "MAX_SCORES"),
     _tensors("KV_NUM_BLKS", "KV_IDX", "FULL_KV_NUM_BLKS", "FULL_KV_IDX", doc="the BlockMask's forward tables"),
-    _strides(q="zhmd", k="zhnd", v="zhnd"),
-    _strides(o="zhmd"),
+    _FORWARD_QKV_STRIDES,
+    _FORWARD_OUT_STRIDES,
     _scalars("SPARSE_ROWS", "IDX_COLS", "FULL_IDX_COLS", doc="the tables' rows and widths"),
     _scalars("Q_LEN", "KV_LEN", "SM_SCALE"),
     _LAUNCH_ORDER,
@@ -396,6 +399,9 @@ FORWARD_HELPERS = _by_name(
     _HELPER_MOD_FLAGS,
     _flags("loads", "INPUT_PRECISION", "NUM_STAGES", "UPCAST_DOTS", "USE_TMA", "HOST_DESCRIPTORS",
            doc="how tiles are loaded and multiplied"),
+    # The helpers of each load mode ([Note] Load modes in the template).
+    _values("qkv_strides", *_FORWARD_QKV_STRIDES.expanded(), doc="Q's, K's and V's strides"),
+    _values("out_strides", *_FORWARD_OUT_STRIDES.expanded(), doc="OUT's strides"),
 )
 
 BACKWARD_HELPERS = _by_name(
