@@ -142,6 +142,21 @@ def test_auto_rule_keeps_few_block_rows_at_head_dim_64_portable():
     assert hopper_forward.auto_reason(bhnd(N=4096, D=128), long, has_score_mod=True) is None
 
 
+def test_gluon_spellings_by_release():
+    # [Note] Gluon API by Triton release (codegen/source.py): the decorator of the partitions'
+    # aggregate classes is private before 3.8, public from it; each release's own module has it.
+    import triton
+
+    from flexattn.codegen.source import gluon_api
+
+    assert gluon_api("3.6.0")["aggregate"] == gluon_api("3.7.1")["aggregate"] == "triton.language.core._aggregate"
+    assert gluon_api("3.8.0")["aggregate"] == gluon_api("3.9.0")["aggregate"] == "gluon.aggregate"
+    from triton.experimental import gluon  # the rendered module's name for it
+
+    holder, _, name = gluon_api()["aggregate"].rpartition(".")
+    assert callable(getattr({"gluon": gluon, "triton.language.core": triton.language.core}[holder], name))
+
+
 def test_backend_values():
     assert resolve_backend_name({"BACKEND": "GLUON"}) == "GLUON"
     with pytest.raises(ValueError, match="GLUON"):

@@ -20,7 +20,7 @@ from typing import NamedTuple, Sequence
 __all__ = [
     "Group", "KernelParams", "mods_group", "FORWARD", "BACKWARD_PREPROCESS", "BACKWARD_DKDV", "BACKWARD_DQ",
     "DECODE_PARTIAL", "DECODE_MERGE", "HOPPER_FORWARD", "HOPPER_BACKWARD_DKDV", "HOPPER_BACKWARD_DQ", "KERNELS",
-    "FORWARD_HELPERS", "BACKWARD_HELPERS", "DECODE_HELPERS", "HOPPER_FORWARD_HELPERS", "HOPPER_BACKWARD_HELPERS",
+    "FORWARD_HELPERS", "BACKWARD_HELPERS", "DECODE_HELPERS", "HOPPER_FORWARD_STATE", "HOPPER_BACKWARD_STATE",
     "TEMPLATE_GROUPS",
 ]
 
@@ -69,6 +69,26 @@ class Group(NamedTuple):
         """The names after a call's or a def's own arguments, on one line: ``, a, b`` (nothing when
         the group is empty). For the mods' hooks, whose groups hold no constexprs."""
         return "".join(f", {n}" for n in self.expanded())
+
+    def tail_of(self, holder: str) -> str:
+        """``tail`` read from the fields of ``holder``, an aggregate of the group: ``, m.a, m.b``."""
+        return "".join(f", {holder}.{n}" for n in self.expanded())
+
+    def wrapped(self, indent: int, width: int = 112) -> str:
+        """The names for a call, comma-separated and wrapped at ``width`` columns, the lines after the
+        first indented by ``indent`` spaces (for an aggregate's constructor in a Gluon template)."""
+        lines, line = [], ""
+        for n in self.expanded():
+            if line and indent + len(line) + len(n) + 2 > width:
+                lines.append(line + ",")
+                line = ""
+            line = f"{line}, {n}" if line else n
+        return ("\n" + " " * indent).join(lines + [line]) if line else ""
+
+    @property
+    def aggregate(self) -> str:
+        """The name of the group's aggregate class in a Gluon template: ``dkdv_ring`` -> ``DkdvRing``."""
+        return "".join(part.title() for part in self.name.split("_"))
 
     def __str__(self) -> str:
         return self.args
@@ -442,16 +462,19 @@ DECODE_HELPERS = _by_name(
     _flags("output_dims", "NUM_HEADS_Q", "QUERY_LEN", "V_HEAD_DIM", doc="OUT's heads, queries and head dim"),
 )
 
-# The Hopper forward's partitions: gl.warp_specialize hands each one a tuple, so every group, the
-# constexprs too, is passed by position (a constexpr value stays one through the call).
-HOPPER_FORWARD_HELPERS = _by_name(
+# [Note] Partition state. What the Hopper kernels' partitions share, in groups: each group is an
+# aggregate class of the rendered module (templates/hopper_state.py.jinja, state_class), which the
+# kernel fills and gl.warp_specialize hands to every partition, so a partition takes one argument per
+# group and reads a value as ``ring.k_ready``. Constexprs stay constexprs in them, and the mods'
+# tensors are one more aggregate (Mods), made from each render's mods group.
+HOPPER_FORWARD_STATE = _by_name(
     _values("ring", "q_bufs", "k_smem", "v_smem", "q_bar", "k_ready", "v_ready", "k_empty", "v_empty", "turns",
             doc="the shared-memory buffers and the mbarriers of the Q buffers and the K/V ring, and the "
                 "consumers' turns"),
     _values("views", "Q", "K", "V", "OUT", "LSE", "row_qz", "row_qh", "col_qh", "row_kz", "row_kh", "col_kh",
             "row_vz", "row_vh", "col_vh", "row_oz", "row_oh", "col_oh",
             doc="the descriptors and where a (batch, head) starts in them"),
-    _values("tables", "off_z", "off_hq", "off_hkv", "start_m", "num_partial", "num_full", "partial_idx", "full_idx",
+    _values("program", "off_z", "off_hq", "off_hkv", "start_m", "num_partial", "num_full", "partial_idx", "full_idx",
             doc="the program's batch, heads and query block, and its row of the block tables"),
     _values("mod_flags", "SM_SCALE", "HAS_SCORE_MOD", "SCALE_FIRST", "HAS_PARTIAL_BLOCKS", "UNION_WALK",
             "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE",
@@ -463,10 +486,10 @@ HOPPER_FORWARD_HELPERS = _by_name(
                 "many consumer warpgroups, whether they take turns"),
 )
 
-# The Hopper backward's partitions, one set of groups per kernel (passed by position, as above).
+# The Hopper backward's partition state, one set of groups per kernel ([Note] Partition state).
 _HOPPER_VIEWS = ("row_qz", "row_qh", "col_qh", "row_kz", "row_kh", "col_kh", "row_vz", "row_vh", "col_vh",
-               "row_doz", "row_doh", "col_doh")
-HOPPER_BACKWARD_HELPERS = _by_name(
+                 "row_doz", "row_doh", "col_doh")
+HOPPER_BACKWARD_STATE = _by_name(
     _values("dkdv_ring", "q_smem", "do_smem", "k_smem", "v_smem", "lse_smem", "delta_smem", "ds_smem", "dq_smem",
             "ds_ready", "ds_free", "dq_full", "dq_empty", "kv_bar", "ready", "empty",
             doc="dK/dV: the key tiles, the query-side ring (Q, dO, LSE, DELTA per slot) and its mbarriers; "
@@ -474,7 +497,7 @@ HOPPER_BACKWARD_HELPERS = _by_name(
     _values("dkdv_views", "Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "DQ_ADDED", "LSE", "DELTA", *_HOPPER_VIEWS,
             "row_dkz", "row_dkh", "col_dkh",
             doc="dK/dV: the descriptors and where a (batch, head) starts in them"),
-    _values("dkdv_tables", "off_z", "off_hkv", "start_n", "Q_NUM_BLKS", "Q_IDX", "FULL_Q_NUM_BLKS", "FULL_Q_IDX",
+    _values("dkdv_program", "off_z", "off_hkv", "start_n", "Q_NUM_BLKS", "Q_IDX", "FULL_Q_NUM_BLKS", "FULL_Q_IDX",
             "WALK_FIRST", "Q_TURNS", "FULL_Q_TURNS", "SPARSE_COLS", "IDX_ROWS", "FULL_IDX_ROWS",
             doc="dK/dV: the program's batch, head and key block, and the transposed tables"),
     _values("dkdv_flags", "SM_SCALE", "Q_LEN", "HAS_SCORE_MOD", "SCALE_FIRST", "HAS_PARTIAL_BLOCKS",
@@ -485,7 +508,7 @@ HOPPER_BACKWARD_HELPERS = _by_name(
             doc="dQ: the Q and dO buffers, the K/V ring and their mbarriers"),
     _values("dq_views", "Q", "K", "V", "DO", "DQ", "LSE", "DELTA", *_HOPPER_VIEWS,
             doc="dQ: the descriptors and where a (batch, head) starts in them"),
-    _values("dq_tables", "off_z", "off_hq", "off_hkv", "start_m", "num_partial", "num_full", "partial_idx", "full_idx",
+    _values("dq_program", "off_z", "off_hq", "off_hkv", "start_m", "num_partial", "num_full", "partial_idx", "full_idx",
             doc="dQ: the program's batch, heads and query block, and its row of the block tables"),
     _values("dq_flags", "SM_SCALE", "Q_LEN", "HAS_SCORE_MOD", "SCALE_FIRST", "HAS_PARTIAL_BLOCKS",
             "SPARSE_KV_BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "STAGES",
@@ -499,7 +522,7 @@ TEMPLATE_GROUPS = {
     "backward": dict(BACKWARD_PREPROCESS=BACKWARD_PREPROCESS, BACKWARD_DKDV=BACKWARD_DKDV, BACKWARD_DQ=BACKWARD_DQ,
                      **BACKWARD_HELPERS),
     "decode": dict(DECODE_PARTIAL=DECODE_PARTIAL, DECODE_MERGE=DECODE_MERGE, **DECODE_HELPERS),
-    "hopper_forward": dict(HOPPER_FORWARD=HOPPER_FORWARD, **HOPPER_FORWARD_HELPERS),
+    "hopper_forward": dict(HOPPER_FORWARD=HOPPER_FORWARD, **HOPPER_FORWARD_STATE),
     "hopper_backward": dict(BACKWARD_PREPROCESS=BACKWARD_PREPROCESS, HOPPER_BACKWARD_DKDV=HOPPER_BACKWARD_DKDV,
-                          HOPPER_BACKWARD_DQ=HOPPER_BACKWARD_DQ, **HOPPER_BACKWARD_HELPERS),
+                          HOPPER_BACKWARD_DQ=HOPPER_BACKWARD_DQ, **HOPPER_BACKWARD_STATE),
 }

@@ -65,14 +65,18 @@ _environment.filters["gluon_spelling"] = gluon_spelling
 # - 3.8: tma.async_copy_global_to_shared -> tma.async_load and tma.async_copy_shared_to_global ->
 #   tma.async_store (3.8 keeps the old names as aliases; 3.9 removes them), and the copy engine's
 #   reduce-add, which 3.6's builder has without a Gluon name (the template's tma_reduce_add), becomes
-#   tma.async_atomic_add.
+#   tma.async_atomic_add; and the decorator of aggregate classes ([Note] Partition state in
+#   codegen/params.py), which 3.6 and 3.7 have only as triton.language.core._aggregate (the name
+#   their own Gluon examples import), becomes public as gluon.aggregate.
 # Each release's kernels ran on a GPU (kernels/hopper/common.py GLUON_TRITON_VERSIONS, the runtime guard) and
 # compile offline for sm_90 in the CPU tests (GLUON_COMPILES_ON).
 _GLUON_API = (
     ((3, 6), dict(tma_load="tma.async_copy_global_to_shared", tma_store="tma.async_copy_shared_to_global",
-                  thread_barrier="gl.thread_barrier", tma_reduce_add="tma_reduce_add")),
+                  thread_barrier="gl.thread_barrier", tma_reduce_add="tma_reduce_add",
+                  aggregate="triton.language.core._aggregate")),
     ((3, 7), dict(thread_barrier="gl.barrier")),
-    ((3, 8), dict(tma_load="tma.async_load", tma_store="tma.async_store", tma_reduce_add="tma.async_atomic_add")),
+    ((3, 8), dict(tma_load="tma.async_load", tma_store="tma.async_store", tma_reduce_add="tma.async_atomic_add",
+                  aggregate="gluon.aggregate")),
 )
 
 
