@@ -420,7 +420,9 @@ FORWARD_HELPERS = _by_name(
     _flags("loads", "INPUT_PRECISION", "NUM_STAGES", "UPCAST_DOTS", "USE_TMA", "HOST_DESCRIPTORS",
            doc="how tiles are loaded and multiplied"),
     # The helpers of each load mode ([Note] Load modes in the template).
-    _values("qkv_strides", *_FORWARD_QKV_STRIDES.expanded(), doc="Q's, K's and V's strides"),
+    _values("q_strides", *(n for n in _FORWARD_QKV_STRIDES.expanded() if n.startswith("stride_q")), doc="Q's strides"),
+    _values("kv_strides", *(n for n in _FORWARD_QKV_STRIDES.expanded() if not n.startswith("stride_q")),
+            doc="K's and V's strides"),
     _values("out_strides", *_FORWARD_OUT_STRIDES.expanded(), doc="OUT's strides"),
 )
 
