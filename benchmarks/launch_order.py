@@ -82,7 +82,8 @@ def _gpu_time(fn, flush: torch.Tensor) -> float:
 
 def run_case(name: str, flush: torch.Tensor) -> dict:
     from flexattn import create_block_mask, flex_attention
-    from flexattn.kernels import launch_order, sm90, sm90_backward
+    from flexattn.kernels import launch_order
+    from flexattn.kernels.hopper import backward as hopper_backward, forward as hopper_forward
 
     B, H, L, D, mask, options = CASES[name]
     device = torch.device("cuda")
@@ -100,11 +101,11 @@ def run_case(name: str, flush: torch.Tensor) -> dict:
     try:
         for order, tail in orders.items():
             launch_order._cached_tail = tail
-            forward_before, backward_before = sm90.launches, sm90_backward.launches
+            forward_before, backward_before = hopper_forward.launches, hopper_backward.launches
             out = flex_attention(q, k, v, **kwargs)
             bits[order] = [out] + list(torch.autograd.grad(out, (q, k, v), dout))
-            result["gluon forward, backward"] = [sm90.launches > forward_before,
-                                                 sm90_backward.launches > backward_before]
+            result["gluon forward, backward"] = [hopper_forward.launches > forward_before,
+                                                 hopper_backward.launches > backward_before]
         result["same bits (out, dq, dk, dv)"] = [torch.equal(a, b) for a, b in zip(bits["grid"], bits["rule"])]
         out = flex_attention(q, k, v, **kwargs)
         timed = {"forward": lambda: flex_attention(q, k, v, **kwargs),

@@ -2,7 +2,7 @@
 
     PYTHONPATH=/path/to/other/triton:. python -m benchmarks.triton_release > t39.jsonl
 
-For checking a Triton release before the Gluon guard (kernels/sm90.py GLUON_TRITON_VERSIONS) lets it
+For checking a Triton release before the Gluon guard (kernels/hopper/common.py GLUON_TRITON_VERSIONS) lets it
 run the Hopper kernels: run it once under the release the guard already takes and once under the new
 one, on the same machine, and compare (docs/benchmarks_log.md, "The Gluon kernels under Triton 3.7,
 3.8 and 3.9"). Each line names the Triton, the case, which family ran the forward and the backward
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     import triton
     from triton.testing import do_bench
 
-    from flexattn.kernels import sm90, sm90_backward
+    from flexattn.kernels.hopper import backward as hopper_backward, forward as hopper_forward
 
     device, L, H = torch.device("cuda"), args.seq_len, 16
     for D in args.head_dims:
@@ -56,9 +56,9 @@ def main(argv=None) -> int:
                 with torch.no_grad():
                     return flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
-            before = sm90.launches
+            before = hopper_forward.launches
             forward()
-            forward_path = "gluon" if sm90.launches > before else "portable"
+            forward_path = "gluon" if hopper_forward.launches > before else "portable"
             forward_ms = do_bench(forward, rep=args.rep)
             out = flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
             grad_out = torch.randn_like(out)
@@ -66,9 +66,9 @@ def main(argv=None) -> int:
             def backward():
                 return torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
 
-            before = sm90_backward.launches
+            before = hopper_backward.launches
             backward()
-            backward_path = "gluon" if sm90_backward.launches > before else "portable"
+            backward_path = "gluon" if hopper_backward.launches > before else "portable"
             backward_ms = do_bench(backward, rep=args.rep)
             flops = 4.0 * B * H * L * L * D * density
             print(json.dumps(dict(

@@ -563,7 +563,7 @@ def _block_mask(query, key, tables, block_size, seq_lengths, group: int, stats: 
 #   consecutive-block path, so a step never waits for the GPU for its mask;
 # * the backward's transposed tables (computed on the device), kept after a backward outside a
 #   capture (inside one, they are written only when the graph replays);
-# * the forward's program walks (kernels/sm90.py [Note] Programs across query blocks, computed on
+# * the forward's program walks (kernels/hopper/forward.py [Note] Programs across query blocks, computed on
 #   the device), kept after a forward that walked them (never inside a capture);
 # * per table shape, the mean row length of the first mask checked: the density that the launch
 #   choices (AUTO's Gluon or portable kernel, tile sizes) assume for a mask of that shape whose

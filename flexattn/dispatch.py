@@ -3,7 +3,7 @@ and backward of each backend.
 
 Backends:
 - TRITON: the generated FlashAttention-2 kernels (CUDA; CPU under ``TRITON_INTERPRET=1``). Its
-  forward and backward run the Hopper Gluon kernels (kernels/sm90.py, kernels/sm90_backward.py)
+  forward and backward run the Hopper Gluon kernels (kernels/hopper/)
   where they apply, unless ``BACKEND='TRITON'`` was given explicitly; ``BACKEND='GLUON'`` pins them
   (see run_forward and run_backward).
 - TRITON_DECODE: the generated split-KV decode kernels for short queries at inference; chosen by
@@ -28,9 +28,9 @@ from .codegen import debug_enabled
 from .errors import BackendUnavailableError, InvalidInputError
 from .kernels import ahead
 from .kernels import (
-    MAX_AUTO_QUERY_LEN, Sm90Unavailable, backward_kernel, decode_kernel, descriptor_ready, forward_kernel,
-    in_output_layout, interpreter_enabled, output_layout, sm90_auto_reason, sm90_backward_kernel,
-    sm90_forward_kernel, unsupported_reason,
+    MAX_AUTO_QUERY_LEN, HopperUnavailable, backward_kernel, decode_kernel, descriptor_ready, forward_kernel,
+    hopper_auto_reason, hopper_backward_kernel, hopper_forward_kernel, in_output_layout, interpreter_enabled,
+    output_layout, unsupported_reason,
 )
 from .kernels.launch import FLOAT8_DTYPES
 from .kernels.tables import backward_tables, launch_tables
@@ -226,7 +226,7 @@ def forward_relaunch(call: Call, q, k, v, need_max: bool):
     alignment and table statistics; compile.py keys them, [Note] Warm calls of the forward op), or
     None where there is no such single launch to repeat: another backend, FP8 or mixed dtypes, a
     plan still settling, the debug report on. A relaunch whose ``takes_walks`` is true also takes
-    ``walks=``, the program walks of the tables it is given (kernels/sm90.py)."""
+    ``walks=``, the program walks of the tables it is given (kernels/hopper/forward.py)."""
     if _DEBUG or call.backend != "TRITON" or not q.dtype == k.dtype == v.dtype or q.dtype in FLOAT8_DTYPES:
         return None
     tables = launch_tables(call.block_mask)
@@ -264,13 +264,13 @@ def sm90_forward_choice(call: Call, q, k, v, need_max: bool):
     out before any family is built (nothing about the kernel is asked then)."""
     def reason(kernel):
         return (kernel.unsupported_reason(q, k, v, call.block_mask, need_max),
-                lambda: sm90_auto_reason(q, call.block_mask, call.score is not None, call.mask is not None))
+                lambda: hopper_auto_reason(q, call.block_mask, call.score is not None, call.mask is not None))
 
-    return _gluon_choice(call, q, "forward", _PORTABLE_TUNING, sm90_forward_kernel, reason)
+    return _gluon_choice(call, q, "forward", _PORTABLE_TUNING, hopper_forward_kernel, reason)
 
 
 def _gluon_choice(call: Call, q, stage: str, portable_tuning: frozenset, family, reasons):
-    """The choice both sm90_*_choice make: the options first (``BACKEND='TRITON'``, or a tile option
+    """The choice both sm90_forward_choice and sm90_backward_choice make: the options first (``BACKEND='TRITON'``, or a tile option
     of the portable ``stage`` without ``BACKEND='GLUON'``), then ``reasons(kernel)``: why this call
     cannot take the family's kernels, and (a callable) why AUTO would not, asked unless pinned."""
     pinned = call.options.get("BACKEND") == "GLUON"
@@ -306,7 +306,7 @@ def _run_gluon(stage: str, call: Call, q, k, v, choice, run):
     if kernel is not None and reason is None:
         try:
             result = run(kernel)
-        except Sm90Unavailable as err:  # the mods' kernels did not compile: remembered, not retried
+        except HopperUnavailable as err:  # the mods' kernels did not compile: remembered, not retried
             reason = str(err)
         else:
             if _DEBUG:
@@ -330,7 +330,7 @@ def sm90_backward_choice(call: Call, q, k, v, float32_kv_grads: bool = False, gr
         # backward on every case, rows of three key blocks included (docs/benchmarks.md, 2026-11-28).
         return (kernel.unsupported_reason(q, k, v, call.block_mask, float32_kv_grads, grad_out), lambda: None)
 
-    return _gluon_choice(call, q, "backward", _PORTABLE_BACKWARD_TUNING, sm90_backward_kernel, reason)
+    return _gluon_choice(call, q, "backward", _PORTABLE_BACKWARD_TUNING, hopper_backward_kernel, reason)
 
 
 def _sm90_backward(call: Call, q, k, v, out, lse, grad_out, grad_lse, score_captured, float32_kv_grads):

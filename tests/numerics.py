@@ -16,14 +16,14 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (diff.norm() / expected[finite].norm().clamp_min(1e-30)).item()
 
 
-_BACKWARD_FAMILIES = ("flexattn.kernels.backward", "flexattn.kernels.sm90_backward")
+_BACKWARD_FAMILIES = ("flexattn.kernels.backward", "flexattn.kernels.hopper.backward")
 
 
 @contextlib.contextmanager
 def expect_triton_backward():
     """Fails unless the block ran generated backward kernels: the portable Triton ones
     (``flexattn.kernels.backward.launches``) or, on Hopper, the Gluon ones
-    (``flexattn.kernels.sm90_backward.launches``); each counter is bumped once per backward call.
+    (``flexattn.kernels.hopper.backward.launches``); each counter is bumped once per backward call.
     A backward that silently fell back to the blockwise PyTorch path would pass every numerical
     check, so this is what says the kernels were tested."""
     launchers = [importlib.import_module(name) for name in _BACKWARD_FAMILIES]
@@ -31,5 +31,5 @@ def expect_triton_backward():
     yield
     assert sum(launcher.launches for launcher in launchers) > before, (
         "the backward did not run the generated kernels (flexattn.kernels.backward.launches and "
-        "flexattn.kernels.sm90_backward.launches did not grow)"
+        "flexattn.kernels.hopper.backward.launches did not grow)"
     )

@@ -1,5 +1,5 @@
 """Kernels compiled ahead (kernels/ahead.py, kernels/compile_worker.py) without a GPU: a recorded
-launch runs nothing and keeps nothing, a worker process compiles it for sm90 into Triton's cache,
+launch runs nothing and keeps nothing, a worker process compiles it for sm_90 into Triton's cache,
 and the compile the real launch then does finds it there (the same cache key). Triton's driver is
 replaced by a stand-in that names an H100 as the target, so all of it runs on a CPU machine.
 
@@ -22,7 +22,7 @@ from flexattn import create_block_mask
 from flexattn.kernels import ahead
 from flexattn.kernels.launch import empty_output, zeroed_output
 
-from test_sm90 import _offline_compile_available
+from test_hopper_forward import _offline_compile_available
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,7 +75,7 @@ def test_compile_ahead_leaves_cpu_calls_alone():
 
 
 @pytest.mark.skipif(not _offline_compile_available(),
-                    reason="needs a Triton of sm90.GLUON_COMPILES_ON with its ptxas (offline sm90 compile)")
+                    reason="needs a Triton of hopper_common.GLUON_COMPILES_ON with its ptxas (offline sm_90 compile)")
 def test_recorded_launches_are_compiled_by_a_worker_into_the_cache_the_real_launch_reads(tmp_path):
     """In a process of its own without TRITON_INTERPRET (recording asks Triton's JIT, which the
     interpreter replaces); about 15 s with one worker."""
@@ -95,8 +95,8 @@ def record_compile_and_hit():
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
 
-    import flexattn.kernels.sm90 as sm90
-    import flexattn.kernels.sm90_backward as sm90_backward
+    import flexattn.kernels.hopper.backward as hopper_backward
+    import flexattn.kernels.hopper.forward as hopper_forward
     from flexattn.trace import trace_mod
 
     class H100:  # what Triton's JIT asks of its driver, short of running anything
@@ -119,13 +119,13 @@ def record_compile_and_hit():
     block_mask = create_block_mask(causal, None, None, L, L, device="cpu")
     traced = trace_mod(causal, "mask_mod")[0]
     # Causal, deterministic, in the two-kernel form (ORDERS_DQ off): the dK/dV and dQ kernels; no mod
-    # at all: dQ added in the dK/dV kernel (sm90_backward.dq_form).
-    sm90_backward.ORDERS_DQ = "never"  # this process is the test's own
-    families = [(sm90.Sm90ForwardKernel(None, mask, tanh_approx=True),
-                 sm90_backward.Sm90BackwardKernel(None, mask, tanh_approx=True)) for mask in (traced, None)]
+    # at all: dQ added in the dK/dV kernel (hopper_backward.dq_form).
+    hopper_backward.ORDERS_DQ = "never"  # this process is the test's own
+    families = [(hopper_forward.HopperForwardKernel(None, mask, tanh_approx=True),
+                 hopper_backward.HopperBackwardKernel(None, mask, tanh_approx=True)) for mask in (traced, None)]
     q = torch.empty(B, H, L, D, dtype=torch.bfloat16, device="meta")
     lse = torch.empty(B, H, L, device="meta")
-    launches = (sm90.launches, sm90_backward.launches)
+    launches = (hopper_forward.launches, hopper_backward.launches)
 
     def run_all():
         for forward, backward in families:
@@ -140,7 +140,7 @@ def record_compile_and_hit():
     assert recorded.count("flex_attention_forward_sm90") == 2 and recorded.count("flex_attention_backward_dkdv_sm90") == 2
     assert recorded.count("flex_attention_backward_dq_sm90") == 1  # the fused form has no dQ kernel
     assert all(not f._plans and not b._plans and f.last_plan is None for f, b in families)
-    assert (sm90.launches, sm90_backward.launches) == launches
+    assert (hopper_forward.launches, hopper_backward.launches) == launches
     assert all(not entry[0].device_caches[0][0] for entry in ahead.pending.values())  # nothing compiled here
 
     # 2. The worker compiles them; each answered kernel leaves `pending`.
@@ -159,14 +159,14 @@ def record_compile_and_hit():
 
     import flexattn.kernels.backward as portable_backward  # the preprocess launches from there
 
-    for module in (sm90, sm90_backward, portable_backward):
+    for module in (hopper_forward, hopper_backward, portable_backward):
         module.launch = compile_here
     run_all()
     assert sorted(seen) == recorded, seen
     assert set(cache.iterdir()) == compiled, "a kernel compiled ahead was compiled again"
 
     # 4. A job the worker cannot do (a specialization of another kernel) is answered, not waited on.
-    jit_fn = families[0][0].compiled(None).kernel(sm90.SM90_FORWARD)
+    jit_fn = families[0][0].compiled(None).kernel(hopper_forward.HOPPER_FORWARD)
     ahead._submit(jit_fn, '{"name": "elsewhere"}')
     ahead.wait_for(jit_fn)
     assert not ahead.pending

@@ -971,7 +971,7 @@ def test_compiled_calls_on_inference_mode_masks_read_their_tables_once_per_shape
 
 def test_program_walks_are_kept_per_table_and_follow_changes_in_place(monkeypatch):
     # [Note] What a compiled call's mask derives, kept: each call makes a new BlockMask on the op's
-    # tables; the Gluon forward's program walks (kernels/sm90.py [Note] Programs across query blocks)
+    # tables; the Gluon forward's program walks (kernels/hopper/forward.py [Note] Programs across query blocks)
     # derived by one call are handed to the next calls on the same tables, until a table changes,
     # and a warm launch of union walks takes them from the current record only.
     import flexattn.compile as compiled_module

@@ -19,7 +19,7 @@ from numerics import rel_err
 import flexattn
 from flexattn import create_block_mask, flex_attention
 from flexattn.errors import InvalidInputError
-from flexattn.kernels import sm90
+from flexattn.kernels.hopper import common as hopper_common
 from flexattn.reference import reference_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -145,7 +145,7 @@ def test_a_gradient_needs_one_dtype_that_is_not_fp8():
 def test_the_gluon_kernels_say_why_they_take_one_16bit_dtype():
     q, k, v = inputs(128, 128, torch.bfloat16, torch.float8_e4m3fn)
     mask = create_block_mask(causal, 1, None, 128, 128, device=DEVICE)
-    reason = sm90.shape_reason(q, k, v, mask, False)
+    reason = hopper_common.shape_reason(q, k, v, mask, False)
     assert reason == ("the Gluon kernel takes a query, key and value of one dtype, float16 or bfloat16, got "
                       "bfloat16, float8_e4m3fn, float8_e4m3fn")
 

@@ -320,7 +320,7 @@ def test_reduce_overhead_from_a_problems_first_call(monkeypatch, options):
     q, k, v = (torch.randn(B, H, L, D, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
     for _ in range(3):
         out = compiled(q, k, v)
-    # Eager and compiled calls walk this mask with three consumers (kernels/sm90.py [Note] Programs
+    # Eager and compiled calls walk this mask with three consumers (kernels/hopper/forward.py [Note] Programs
     # across query blocks), the warm-up and the capture above with two: the same attention summed in
     # another order, within bf16's error.
     want = flex_attention(q.double(), k.double(), v.double(), block_mask=mask, kernel_options={"BACKEND": "PYTORCH"})

@@ -189,7 +189,7 @@ def test_backward_from_an_infinite_lse(case, backend):
 @pytest.mark.parametrize("case", ["q_plus_inf", "q_minus_inf", "k_plus_inf", "k_minus_inf"])
 def test_gpu_kernels_give_the_reference_out_and_lse(case, config, backend):
     """The compiled kernels (the Hopper Gluon forward where it applies) in bfloat16 at d=64."""
-    import flexattn.kernels.sm90 as sm90
+    import flexattn.kernels.hopper.common as hopper_common
 
     device, L, D = "cuda", (4 if backend == "TRITON_DECODE" else 256), 64
     q = torch.randn(1, H, L, D, device=device, dtype=torch.bfloat16)
@@ -202,7 +202,7 @@ def test_gpu_kernels_give_the_reference_out_and_lse(case, config, backend):
     from flexattn.masks import dense_block_mask
 
     checked = block_mask if block_mask is not None else dense_block_mask(L, 256, device)  # what a call passes
-    if backend == "GLUON" and sm90.problem_reason(q, k, v, checked, need_max=False) is not None:
+    if backend == "GLUON" and hopper_common.problem_reason(q, k, v, checked, need_max=False) is not None:
         pytest.skip("the Gluon forward does not apply here")
     out, aux = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                               kernel_options={"BACKEND": backend}, return_aux=AuxRequest(lse=True))

@@ -16,12 +16,12 @@ import flexattn.kernels.backward as backward_module
 import flexattn.kernels.decode as decode_module
 import flexattn.kernels.forward as runtime_module
 from flexattn.codegen.params import FORWARD, KERNELS, KernelParams, mods_group
-from flexattn.kernels import backward_kernel, decode_kernel, forward_kernel, sm90_backward_kernel, sm90_forward_kernel
+from flexattn.kernels import backward_kernel, decode_kernel, forward_kernel, hopper_backward_kernel, hopper_forward_kernel
 from flexattn.trace import trace_mod
 from flexattn.variants import CATALOGUE
 
 FAMILY_KERNELS = {"forward": forward_kernel, "backward": backward_kernel, "decode": decode_kernel,
-                  "sm90_forward": sm90_forward_kernel, "sm90_backward": sm90_backward_kernel}
+                  "hopper_forward": hopper_forward_kernel, "hopper_backward": hopper_backward_kernel}
 # No mods, a mask only, a score_mod with a captured tensor and a mask, learnable tables (their
 # gradient buffers are parameters of the backward kernels).
 VARIANTS = ("noop", "causal", "alibi", "t5_bias", "graphormer")
@@ -38,7 +38,7 @@ def mods_of(spec):
     """The mods' parameters the kernels of ``spec`` take: the score_mod's (in the backward, those of
     its gradient: the score_mod's, then the gradient buffers), then the mask_mod's."""
     score = spec.score_mod.kernel_params if spec.score_mod else ()
-    if spec.family in ("backward", "sm90_backward") and spec.score_grad is not None:
+    if spec.family in ("backward", "hopper_backward") and spec.score_grad is not None:
         assert spec.score_grad.kernel_params[:len(score)] == score
         score = spec.score_grad.kernel_params
     return mods_group(score, spec.mask_mod.kernel_params if spec.mask_mod else ())
@@ -147,9 +147,9 @@ def test_launches_pass_what_the_declaration_packs(monkeypatch, one_thread):
                         block_mask=flexattn.decode_block_mask(block_mask, L - 1, q_len=1),
                         kernel_options={"BACKEND": "TRITON_DECODE", "DECODE_NUM_SPLITS": 2})  # and a merge
 
-    # The Gluon kernels run only on a Hopper GPU, through their own launches (tests/test_gpu_sm90*.py).
+    # The Gluon kernels run only on a Hopper GPU, through their own launches (tests/test_gpu_hopper_*.py).
     declared = {kernel.name: kernel for family, kernels in KERNELS.items() for kernel in kernels
-                if not family.startswith("sm90")}
+                if not family.startswith("hopper")}
     assert {fn.__name__ for fn, _, _ in launches} == set(declared)
     for fn, args, constexprs in launches:
         kernel = declared[fn.__name__]

@@ -106,9 +106,9 @@ def _timer(device: torch.device, rep_ms: float, min_reps: int) -> Callable[[Call
 
 def _backward_launches() -> dict:
     """The launch counters of flexattn's backward kernel families, by path: "GLUON" (the Hopper
-    kernels, flexattn.kernels.sm90_backward) and "TRITON" (the portable ones)."""
+    kernels, flexattn.kernels.hopper.backward) and "TRITON" (the portable ones)."""
     counts = {}
-    for path, module_name in (("GLUON", "flexattn.kernels.sm90_backward"), ("TRITON", "flexattn.kernels.backward")):
+    for path, module_name in (("GLUON", "flexattn.kernels.hopper.backward"), ("TRITON", "flexattn.kernels.backward")):
         try:
             module = __import__(module_name, fromlist=["launches"])
         except ImportError:

@@ -39,12 +39,12 @@ SEQ_LEN = 16384
 
 
 def flexattn_path(call) -> str:
-    """Which flexattn forward kernel ``call()`` runs: "gluon" (kernels/sm90.py) or "portable"."""
-    from flexattn.kernels import sm90
+    """Which flexattn forward kernel ``call()`` runs: "gluon" (kernels/hopper/forward.py) or "portable"."""
+    from flexattn.kernels.hopper import forward as hopper_forward
 
-    before = sm90.launches
+    before = hopper_forward.launches
     call()
-    return "gluon" if sm90.launches > before else "portable"
+    return "gluon" if hopper_forward.launches > before else "portable"
 
 
 def main(argv=None) -> int:

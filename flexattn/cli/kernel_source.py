@@ -44,7 +44,7 @@ def explain(score_mod: Optional[Callable], mask_mod: Optional[Callable], B: int,
 
     from flexattn.dispatch import Call, choose_decode, pick_backend, sm90_backward_choice, sm90_forward_choice
     from flexattn.kernels.launch_order import rows_alike
-    from flexattn.kernels.sm90_backward import dq_form
+    from flexattn.kernels.hopper.backward import dq_form
     from flexattn.kernels.tables import launch_tables
     from flexattn.masks import create_block_mask
     from flexattn.options import deterministic
@@ -64,8 +64,8 @@ def explain(score_mod: Optional[Callable], mask_mod: Optional[Callable], B: int,
         portable = f"blockwise PyTorch: {why}"
         return [("forward", portable), ("backward", portable), ("decode", portable)]
     lines = []
-    for stage, choice, family in (("forward", sm90_forward_choice(call, q, k, v, need_max=False), "forward_sm90"),
-                                  ("backward", sm90_backward_choice(call, q, k, v), "backward_sm90")):
+    for stage, choice in (("forward", sm90_forward_choice(call, q, k, v, need_max=False)),
+                          ("backward", sm90_backward_choice(call, q, k, v))):
         _, reason = choice
         if reason is None:
             form = ""
@@ -75,10 +75,9 @@ def explain(score_mod: Optional[Callable], mask_mod: Optional[Callable], B: int,
                 form = "; dK/dV and dQ kernels"
                 if fused:
                     form = f"; dQ added in the dK/dV kernel{' in a fixed order' if ordered else ''}, no dQ kernel"
-            lines.append((stage, f"Gluon Hopper kernels (templates/{family}.py.jinja){form}"))
+            lines.append((stage, f"Gluon Hopper kernels (templates/hopper_{stage}.py.jinja){form}"))
         else:
-            portable = family.split("_")[0]
-            lines.append((stage, f"portable Triton kernels (templates/{portable}.py.jinja); not Gluon: {reason}"))
+            lines.append((stage, f"portable Triton kernels (templates/{stage}.py.jinja); not Gluon: {reason}"))
     short = q[:, :, :decode_len]
     decode_mask = block_mask if decode_len > block_mask.BLOCK_SIZE[0] else create_block_mask(
         mask_mod if mask_mod is not None else _everything, None, None, decode_len, KV_LEN, device=device)

@@ -19,8 +19,8 @@ from typing import NamedTuple, Sequence
 
 __all__ = [
     "Group", "KernelParams", "mods_group", "FORWARD", "BACKWARD_PREPROCESS", "BACKWARD_DKDV", "BACKWARD_DQ",
-    "DECODE_PARTIAL", "DECODE_MERGE", "SM90_FORWARD", "SM90_BACKWARD_DKDV", "SM90_BACKWARD_DQ", "KERNELS",
-    "FORWARD_HELPERS", "BACKWARD_HELPERS", "DECODE_HELPERS", "SM90_FORWARD_HELPERS", "SM90_BACKWARD_HELPERS",
+    "DECODE_PARTIAL", "DECODE_MERGE", "HOPPER_FORWARD", "HOPPER_BACKWARD_DKDV", "HOPPER_BACKWARD_DQ", "KERNELS",
+    "FORWARD_HELPERS", "BACKWARD_HELPERS", "DECODE_HELPERS", "HOPPER_FORWARD_STATE", "HOPPER_BACKWARD_STATE",
     "TEMPLATE_GROUPS",
 ]
 
@@ -69,6 +69,26 @@ class Group(NamedTuple):
         """The names after a call's or a def's own arguments, on one line: ``, a, b`` (nothing when
         the group is empty). For the mods' hooks, whose groups hold no constexprs."""
         return "".join(f", {n}" for n in self.expanded())
+
+    def tail_of(self, holder: str) -> str:
+        """``tail`` read from the fields of ``holder``, an aggregate of the group: ``, m.a, m.b``."""
+        return "".join(f", {holder}.{n}" for n in self.expanded())
+
+    def wrapped(self, indent: int, width: int = 112) -> str:
+        """The names for a call, comma-separated and wrapped at ``width`` columns, the lines after the
+        first indented by ``indent`` spaces (for an aggregate's constructor in a Gluon template)."""
+        lines, line = [], ""
+        for n in self.expanded():
+            if line and indent + len(line) + len(n) + 2 > width:
+                lines.append(line + ",")
+                line = ""
+            line = f"{line}, {n}" if line else n
+        return ("\n" + " " * indent).join(lines + [line]) if line else ""
+
+    @property
+    def aggregate(self) -> str:
+        """The name of the group's aggregate class in a Gluon template: ``dkdv_ring`` -> ``DkdvRing``."""
+        return "".join(part.title() for part in self.name.split("_"))
 
     def __str__(self) -> str:
         return self.args
@@ -177,11 +197,14 @@ _TILES = _constexprs("SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE", "BLOCK_M", "
 _MOD_FLAGS = _constexprs("HAS_SCORE_MOD", "SCALE_FIRST", "HAS_PARTIAL_BLOCKS", "HAS_FULL_BLOCKS")
 
 
+_FORWARD_QKV_STRIDES = _strides(q="zhmd", k="zhnd", v="zhnd")
+_FORWARD_OUT_STRIDES = _strides(o="zhmd")
+
 FORWARD = KernelParams("flex_attention_forward", [
     _tensors("Q", "K", "V", "OUT", "LSE", "MAX_SCORES"),
     _tensors("KV_NUM_BLKS", "KV_IDX", "FULL_KV_NUM_BLKS", "FULL_KV_IDX", doc="the BlockMask's forward tables"),
-    _strides(q="zhmd", k="zhnd", v="zhnd"),
-    _strides(o="zhmd"),
+    _FORWARD_QKV_STRIDES,
+    _FORWARD_OUT_STRIDES,
     _scalars("SPARSE_ROWS", "IDX_COLS", "FULL_IDX_COLS", doc="the tables' rows and widths"),
     _scalars("Q_LEN", "KV_LEN", "SM_SCALE"),
     _LAUNCH_ORDER,
@@ -266,9 +289,11 @@ DECODE_MERGE = KernelParams("flex_attention_decode_merge", [
 _RESIDENT_IN_REGISTERS = _constexprs(
     "RESIDENT_IN_REGISTERS",
     doc="each consumer holds the tile it keeps for its whole walk (forward: Q; dK/dV: K and V) in registers, as "
-        "its S (and dP) products' first operand ([Note] Resident tiles in registers, kernels/sm90.py)")
+        "its S (and dP) products' first operand ([Note] Resident tiles in registers, kernels/hopper/common.py)")
 
-SM90_FORWARD = KernelParams("flex_attention_forward_sm90", [
+# The Hopper kernels' names end in _sm90, the compute capability, as profilers have shown them: traces,
+# the recorded data in docs/data and the launch records that compare two versions key on them.
+HOPPER_FORWARD = KernelParams("flex_attention_forward_sm90", [
     _tensors("Q", "K", "V", "OUT", doc="2-D tensor descriptors over each tensor's storage ([Note] 2-D views)"),
     _tensors("LSE"),
     _tensors("KV_NUM_BLKS", "KV_IDX", "FULL_KV_NUM_BLKS", "FULL_KV_IDX", doc="the BlockMask's forward tables"),
@@ -290,21 +315,21 @@ SM90_FORWARD = KernelParams("flex_attention_forward_sm90", [
     _RESIDENT_IN_REGISTERS,
     _constexprs("CONSUMERS", doc="consumer warpgroups of 64 query rows: 2 (BLOCK_M 128, the BlockMask's query block), "
                                  "or 3 (BLOCK_M 192) on a walk every row shares ([Note] Three consumers on an unmasked "
-                                 "walk, kernels/sm90.py)"),
+                                 "walk, kernels/hopper/forward.py)"),
     _constexprs("TAKE_TURNS", doc="the consumers issue their products in a fixed round ([Note] Turns on the tensor "
-                                  "cores, kernels/sm90.py)"),
+                                  "cores, kernels/hopper/forward.py)"),
     _constexprs("UNION_WALK", doc="three consumers whose program spans two query blocks walk the union of their walks "
-                                  "([Note] Programs across query blocks, kernels/sm90.py)"),
+                                  "([Note] Programs across query blocks, kernels/hopper/forward.py)"),
 ], doc="Hopper, Gluon: one program per 128 (or 192) queries of one query head, a loader warp and two (or three) "
        "consumer warpgroups")
 
-_SM90_TILES = _constexprs("HEAD_DIM", "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "STAGES",
+_HOPPER_TILES = _constexprs("HEAD_DIM", "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "STAGES",
                           "CONSUMER_REGS")
 
-SM90_BACKWARD_DKDV = KernelParams("flex_attention_backward_dkdv_sm90", [
+HOPPER_BACKWARD_DKDV = KernelParams("flex_attention_backward_dkdv_sm90", [
     _tensors("Q", "K", "V", "DO", "DK", "DV", doc="2-D tensor descriptors over each tensor's storage"),
     _tensors("DQ_ACC", doc="FUSED_DQ: a float32 [batch * query heads * Q_LEN, HEAD_DIM] descriptor the kernel adds dQ "
-                           "into, in boxes of 64 rows and sm90_backward.DQ_BOX_COLUMNS columns"),
+                           "into, in boxes of 64 rows and hopper.backward.DQ_BOX_COLUMNS columns"),
     _tensors("LSE", "DELTA"),
     _tensors("Q_NUM_BLKS", "Q_IDX", "FULL_Q_NUM_BLKS", "FULL_Q_IDX", doc="the transposed tables"),
     _tensors("WALK_FIRST", "Q_TURNS", "FULL_Q_TURNS", "DQ_ADDED",
@@ -318,7 +343,7 @@ SM90_BACKWARD_DKDV = KernelParams("flex_attention_backward_dkdv_sm90", [
     _LAUNCH_ORDER,
     _MODS,
     _SPARSE_LAYOUT,
-    _SM90_TILES,
+    _HOPPER_TILES,
     _MOD_FLAGS,
     _constexprs("FUSED_DQ", doc="dQ added into DQ_ACC by the copy engine here, so no dQ kernel runs"),
     _constexprs("ORDERED_DQ", doc="with FUSED_DQ: each query tile's parts added in key block order, bit-identical "
@@ -326,7 +351,7 @@ SM90_BACKWARD_DKDV = KernelParams("flex_attention_backward_dkdv_sm90", [
     _RESIDENT_IN_REGISTERS,
 ], doc="Hopper, Gluon: one program per 128 keys of one key/value head, a loader warp and two consumer warpgroups")
 
-SM90_BACKWARD_DQ = KernelParams("flex_attention_backward_dq_sm90", [
+HOPPER_BACKWARD_DQ = KernelParams("flex_attention_backward_dq_sm90", [
     _tensors("Q", "K", "V", "DO", "DQ", doc="2-D tensor descriptors over each tensor's storage"),
     _tensors("LSE", "DELTA"),
     _tensors("KV_NUM_BLKS", "KV_IDX", "FULL_KV_NUM_BLKS", "FULL_KV_IDX", doc="the BlockMask's forward tables"),
@@ -337,7 +362,7 @@ SM90_BACKWARD_DQ = KernelParams("flex_attention_backward_dq_sm90", [
     _LAUNCH_ORDER,
     _MODS,
     _SPARSE_LAYOUT,
-    _SM90_TILES,
+    _HOPPER_TILES,
     _MOD_FLAGS,
 ], doc="Hopper, Gluon: one program per 128 queries of one query head, a loader warp and two consumer warpgroups")
 
@@ -345,8 +370,8 @@ KERNELS = {
     "forward": (FORWARD,),
     "backward": (BACKWARD_PREPROCESS, BACKWARD_DKDV, BACKWARD_DQ),
     "decode": (DECODE_PARTIAL, DECODE_MERGE),
-    "sm90_forward": (SM90_FORWARD,),
-    "sm90_backward": (BACKWARD_PREPROCESS, SM90_BACKWARD_DKDV, SM90_BACKWARD_DQ),
+    "hopper_forward": (HOPPER_FORWARD,),
+    "hopper_backward": (BACKWARD_PREPROCESS, HOPPER_BACKWARD_DKDV, HOPPER_BACKWARD_DQ),
 }
 
 
@@ -394,6 +419,11 @@ FORWARD_HELPERS = _by_name(
     _HELPER_MOD_FLAGS,
     _flags("loads", "INPUT_PRECISION", "NUM_STAGES", "UPCAST_DOTS", "USE_TMA", "HOST_DESCRIPTORS",
            doc="how tiles are loaded and multiplied"),
+    # The helpers of each load mode ([Note] Load modes in the template).
+    _values("q_strides", *(n for n in _FORWARD_QKV_STRIDES.expanded() if n.startswith("stride_q")), doc="Q's strides"),
+    _values("kv_strides", *(n for n in _FORWARD_QKV_STRIDES.expanded() if not n.startswith("stride_q")),
+            doc="K's and V's strides"),
+    _values("out_strides", *_FORWARD_OUT_STRIDES.expanded(), doc="OUT's strides"),
 )
 
 BACKWARD_HELPERS = _by_name(
@@ -434,16 +464,19 @@ DECODE_HELPERS = _by_name(
     _flags("output_dims", "NUM_HEADS_Q", "QUERY_LEN", "V_HEAD_DIM", doc="OUT's heads, queries and head dim"),
 )
 
-# The sm90 kernel's partitions: gl.warp_specialize hands each one a tuple, so every group, the
-# constexprs too, is passed by position (a constexpr value stays one through the call).
-SM90_FORWARD_HELPERS = _by_name(
+# [Note] Partition state. What the Hopper kernels' partitions share, in groups: each group is an
+# aggregate class of the rendered module (templates/hopper_state.py.jinja, state_class), which the
+# kernel fills and gl.warp_specialize hands to every partition, so a partition takes one argument per
+# group and reads a value as ``ring.k_ready``. Constexprs stay constexprs in them, and the mods'
+# tensors are one more aggregate (Mods), made from each render's mods group.
+HOPPER_FORWARD_STATE = _by_name(
     _values("ring", "q_bufs", "k_smem", "v_smem", "q_bar", "k_ready", "v_ready", "k_empty", "v_empty", "turns",
             doc="the shared-memory buffers and the mbarriers of the Q buffers and the K/V ring, and the "
                 "consumers' turns"),
     _values("views", "Q", "K", "V", "OUT", "LSE", "row_qz", "row_qh", "col_qh", "row_kz", "row_kh", "col_kh",
             "row_vz", "row_vh", "col_vh", "row_oz", "row_oh", "col_oh",
             doc="the descriptors and where a (batch, head) starts in them"),
-    _values("tables", "off_z", "off_hq", "off_hkv", "start_m", "num_partial", "num_full", "partial_idx", "full_idx",
+    _values("program", "off_z", "off_hq", "off_hkv", "start_m", "num_partial", "num_full", "partial_idx", "full_idx",
             doc="the program's batch, heads and query block, and its row of the block tables"),
     _values("mod_flags", "SM_SCALE", "HAS_SCORE_MOD", "SCALE_FIRST", "HAS_PARTIAL_BLOCKS", "UNION_WALK",
             "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE",
@@ -455,18 +488,18 @@ SM90_FORWARD_HELPERS = _by_name(
                 "many consumer warpgroups, whether they take turns"),
 )
 
-# The sm90 backward's partitions, one set of groups per kernel (passed by position, as above).
-_SM90_VIEWS = ("row_qz", "row_qh", "col_qh", "row_kz", "row_kh", "col_kh", "row_vz", "row_vh", "col_vh",
-               "row_doz", "row_doh", "col_doh")
-SM90_BACKWARD_HELPERS = _by_name(
+# The Hopper backward's partition state, one set of groups per kernel ([Note] Partition state).
+_HOPPER_VIEWS = ("row_qz", "row_qh", "col_qh", "row_kz", "row_kh", "col_kh", "row_vz", "row_vh", "col_vh",
+                 "row_doz", "row_doh", "col_doh")
+HOPPER_BACKWARD_STATE = _by_name(
     _values("dkdv_ring", "q_smem", "do_smem", "k_smem", "v_smem", "lse_smem", "delta_smem", "ds_smem", "dq_smem",
             "ds_ready", "ds_free", "dq_full", "dq_empty", "kv_bar", "ready", "empty",
             doc="dK/dV: the key tiles, the query-side ring (Q, dO, LSE, DELTA per slot) and its mbarriers; "
                 "with FUSED_DQ each consumer's dS^T and dQ tiles"),
-    _values("dkdv_views", "Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "DQ_ADDED", "LSE", "DELTA", *_SM90_VIEWS,
+    _values("dkdv_views", "Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "DQ_ADDED", "LSE", "DELTA", *_HOPPER_VIEWS,
             "row_dkz", "row_dkh", "col_dkh",
             doc="dK/dV: the descriptors and where a (batch, head) starts in them"),
-    _values("dkdv_tables", "off_z", "off_hkv", "start_n", "Q_NUM_BLKS", "Q_IDX", "FULL_Q_NUM_BLKS", "FULL_Q_IDX",
+    _values("dkdv_program", "off_z", "off_hkv", "start_n", "Q_NUM_BLKS", "Q_IDX", "FULL_Q_NUM_BLKS", "FULL_Q_IDX",
             "WALK_FIRST", "Q_TURNS", "FULL_Q_TURNS", "SPARSE_COLS", "IDX_ROWS", "FULL_IDX_ROWS",
             doc="dK/dV: the program's batch, head and key block, and the transposed tables"),
     _values("dkdv_flags", "SM_SCALE", "Q_LEN", "HAS_SCORE_MOD", "SCALE_FIRST", "HAS_PARTIAL_BLOCKS",
@@ -475,9 +508,9 @@ SM90_BACKWARD_HELPERS = _by_name(
             doc="dK/dV: the scale, the query length, which mods run, the tiles"),
     _values("dq_ring", "q_bufs", "do_bufs", "k_smem", "v_smem", "q_bar", "k_ready", "v_ready", "k_empty", "v_empty",
             doc="dQ: the Q and dO buffers, the K/V ring and their mbarriers"),
-    _values("dq_views", "Q", "K", "V", "DO", "DQ", "LSE", "DELTA", *_SM90_VIEWS,
+    _values("dq_views", "Q", "K", "V", "DO", "DQ", "LSE", "DELTA", *_HOPPER_VIEWS,
             doc="dQ: the descriptors and where a (batch, head) starts in them"),
-    _values("dq_tables", "off_z", "off_hq", "off_hkv", "start_m", "num_partial", "num_full", "partial_idx", "full_idx",
+    _values("dq_program", "off_z", "off_hq", "off_hkv", "start_m", "num_partial", "num_full", "partial_idx", "full_idx",
             doc="dQ: the program's batch, heads and query block, and its row of the block tables"),
     _values("dq_flags", "SM_SCALE", "Q_LEN", "HAS_SCORE_MOD", "SCALE_FIRST", "HAS_PARTIAL_BLOCKS",
             "SPARSE_KV_BLOCK_SIZE", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "STAGES",
@@ -491,7 +524,7 @@ TEMPLATE_GROUPS = {
     "backward": dict(BACKWARD_PREPROCESS=BACKWARD_PREPROCESS, BACKWARD_DKDV=BACKWARD_DKDV, BACKWARD_DQ=BACKWARD_DQ,
                      **BACKWARD_HELPERS),
     "decode": dict(DECODE_PARTIAL=DECODE_PARTIAL, DECODE_MERGE=DECODE_MERGE, **DECODE_HELPERS),
-    "sm90_forward": dict(SM90_FORWARD=SM90_FORWARD, **SM90_FORWARD_HELPERS),
-    "sm90_backward": dict(BACKWARD_PREPROCESS=BACKWARD_PREPROCESS, SM90_BACKWARD_DKDV=SM90_BACKWARD_DKDV,
-                          SM90_BACKWARD_DQ=SM90_BACKWARD_DQ, **SM90_BACKWARD_HELPERS),
+    "hopper_forward": dict(HOPPER_FORWARD=HOPPER_FORWARD, **HOPPER_FORWARD_STATE),
+    "hopper_backward": dict(BACKWARD_PREPROCESS=BACKWARD_PREPROCESS, HOPPER_BACKWARD_DKDV=HOPPER_BACKWARD_DKDV,
+                          HOPPER_BACKWARD_DQ=HOPPER_BACKWARD_DQ, **HOPPER_BACKWARD_STATE),
 }

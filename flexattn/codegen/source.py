@@ -45,7 +45,7 @@ _environment = jinja2.Environment(
 # Two of the calls the lowering writes need a layout there: tl.full gets the template's full_auto
 # (Gluon's full with the layout left to the compiler) and tl.zeros_like Gluon's own, which takes
 # its argument's layout. Anything else Gluon lacks fails to compile, and the call runs the
-# portable forward (kernels/sm90.py).
+# portable forward (kernels/hopper/forward.py).
 _GLUON_SPELLING = (("tl.full(", "full_auto("), ("tl.zeros_like(", "gl.zeros_like("))
 
 
@@ -60,21 +60,25 @@ _environment.filters["gluon_spelling"] = gluon_spelling
 
 
 # [Note] Gluon API by Triton release. Gluon is experimental and renames its ops between releases;
-# the sm90 templates spell the ones that moved through ``gluon_api`` (chosen here at render time
+# the Hopper templates spell the ones that moved through ``gluon_api`` (chosen here at render time
 # from the installed Triton), so under Triton 3.6 their source is what it always was. Each entry is
 # the first release of a spelling, and holds until the next entry:
 # - 3.7: gl.thread_barrier -> gl.barrier (the same barrier within a CTA; 3.7 drops the old name);
 # - 3.8: tma.async_copy_global_to_shared -> tma.async_load and tma.async_copy_shared_to_global ->
 #   tma.async_store (3.8 keeps the old names as aliases; 3.9 removes them), and the copy engine's
 #   reduce-add, which 3.6's builder has without a Gluon name (the template's tma_reduce_add), becomes
-#   tma.async_atomic_add.
-# Each release's kernels ran on a GPU (kernels/sm90.py GLUON_TRITON_VERSIONS, the runtime guard) and
-# compile offline for sm90 in the CPU tests (GLUON_COMPILES_ON).
+#   tma.async_atomic_add; and the decorator of aggregate classes ([Note] Partition state in
+#   codegen/params.py), which 3.6 and 3.7 have only as triton.language.core._aggregate (the name
+#   their own Gluon examples import), becomes public as gluon.aggregate.
+# Each release's kernels ran on a GPU (kernels/hopper/common.py GLUON_TRITON_VERSIONS, the runtime guard) and
+# compile offline for sm_90 in the CPU tests (GLUON_COMPILES_ON).
 _GLUON_API = (
     ((3, 6), dict(tma_load="tma.async_copy_global_to_shared", tma_store="tma.async_copy_shared_to_global",
-                  thread_barrier="gl.thread_barrier", tma_reduce_add="tma_reduce_add")),
+                  thread_barrier="gl.thread_barrier", tma_reduce_add="tma_reduce_add",
+                  aggregate="triton.language.core._aggregate")),
     ((3, 7), dict(thread_barrier="gl.barrier")),
-    ((3, 8), dict(tma_load="tma.async_load", tma_store="tma.async_store", tma_reduce_add="tma.async_atomic_add")),
+    ((3, 8), dict(tma_load="tma.async_load", tma_store="tma.async_store", tma_reduce_add="tma.async_atomic_add",
+                  aggregate="gluon.aggregate")),
 )
 
 
@@ -111,13 +115,13 @@ def cache_dir() -> Path:
 
 
 # Each kernel family's template and the name of the kernel (or kernel prefix) it defines, and the
-# prefix of its generated files.
+# prefix of its generated files (the Hopper kernels' names: see codegen/params.py).
 FAMILIES = {
     "forward": ("forward.py.jinja", "flex_attention_forward", "fwd"),
     "backward": ("backward.py.jinja", "flex_attention_backward", "bwd"),
     "decode": ("decode.py.jinja", "flex_attention_decode", "dec"),
-    "sm90_forward": ("forward_sm90.py.jinja", "flex_attention_forward_sm90", "sm90"),
-    "sm90_backward": ("backward_sm90.py.jinja", "flex_attention_backward_sm90", "sm90bwd"),
+    "hopper_forward": ("hopper_forward.py.jinja", "flex_attention_forward_sm90", "hopper_fwd"),
+    "hopper_backward": ("hopper_backward.py.jinja", "flex_attention_backward_sm90", "hopper_bwd"),
 }
 
 
@@ -164,7 +168,7 @@ def render(spec: KernelSpec) -> str:
     # The backward's kernels hand the score_mod's gradient its parameters: the score_mod's (first),
     # then the gradient buffers of its trainable captured tensors.
     grad_params = mods_group(spec.score_grad.kernel_params if spec.score_grad else ())
-    kernel_mods = grad_params if spec.family in ("backward", "sm90_backward") else score_params
+    kernel_mods = grad_params if spec.family in ("backward", "hopper_backward") else score_params
     # The numbers the mods read are scalars the kernels are not specialised on (a new window size
     # reuses the compiled kernel): the kernels that take the mods list them in do_not_specialize.
     numbers = [p for m in (spec.score_mod, spec.mask_mod) if m is not None for p in m.number_params]

@@ -6,21 +6,23 @@ codegen -> kernels).
 ``configs`` (tiles, warps and stages per GPU, autotuning's store) and ``tables`` (what the kernels
 read from a BlockMask) stand on it; ``family`` is what every kernel family shares (compiled
 sources, plans, the launch loop with its resource fallback and replan rule); ``forward``,
-``backward`` and ``decode`` hold only what is their own; ``sm90`` and ``sm90_backward`` are the
-Hopper forward and backward in Gluon, taken where they apply.
+``backward`` and ``decode`` hold only what is their own; ``hopper/`` holds the Hopper forward and
+backward in Gluon, taken where they apply.
 """
 
 from .backward import BackwardKernel, backward_kernel
 from .decode import MAX_AUTO_QUERY_LEN, DecodeKernel, decode_kernel, unsupported_reason
 from .forward import ForwardKernel, forward_kernel
 from .launch import in_output_layout, interpreter_enabled, output_layout
-from .sm90 import Sm90ForwardKernel, Sm90Unavailable, descriptor_ready, sm90_forward_kernel
-from .sm90 import auto_reason as sm90_auto_reason
-from .sm90_backward import Sm90BackwardKernel, sm90_backward_kernel
+from .hopper import (
+    HopperBackwardKernel, HopperForwardKernel, HopperUnavailable, descriptor_ready, hopper_backward_kernel,
+    hopper_forward_kernel,
+)
+from .hopper import auto_reason as hopper_auto_reason
 
 __all__ = [
     "BackwardKernel", "backward_kernel", "DecodeKernel", "decode_kernel", "MAX_AUTO_QUERY_LEN", "unsupported_reason",
-    "ForwardKernel", "forward_kernel", "interpreter_enabled", "Sm90ForwardKernel", "Sm90Unavailable",
-    "sm90_forward_kernel", "sm90_auto_reason", "Sm90BackwardKernel", "sm90_backward_kernel",
+    "ForwardKernel", "forward_kernel", "interpreter_enabled", "HopperForwardKernel", "HopperUnavailable",
+    "hopper_forward_kernel", "hopper_auto_reason", "HopperBackwardKernel", "hopper_backward_kernel",
     "output_layout", "in_output_layout", "descriptor_ready",
 ]

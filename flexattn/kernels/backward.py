@@ -342,7 +342,7 @@ class BackwardKernel(KernelFamily):
 def preprocess_delta(module, step: Step, out: torch.Tensor, grad_out: torch.Tensor,
                      grad_lse: Optional[torch.Tensor], repeated: Optional[RepeatedLaunch] = None) -> torch.Tensor:
     """DELTA = rowsum(dO * O) - dLSE, a contiguous [B, H, L] float32 buffer, by the preprocess kernel
-    of ``module`` (templates/backward_preprocess.py.jinja; the sm90 backward runs it too).
+    of ``module`` (templates/backward_preprocess.py.jinja; the Hopper backward runs it too).
     ``repeated``: a warm call's launch of this step ([Note] Ready launches in kernels/launch.py)."""
     B, Hq, L = out.shape[:3]
     delta = empty_output((B, Hq, L), torch.float32, out.device)

@@ -30,7 +30,7 @@ cannot fix (its fresh buffers' alignment). Everything ``launch`` sends Triton's 
 hook, the debug knob, kernels compiling ahead, another current device) it still does. The warm
 calls also copy their descriptors from templates (``descriptor_template``, ``descriptor_over``)
 rather than building and checking them again. With the shapes, strides and launch-order ints the
-families' warm launches work out once (kernels/forward.py, kernels/sm90.py), a warm op body took
+families' warm launches work out once (kernels/forward.py, kernels/hopper/forward.py), a warm op body took
 69 us instead of 114 (4k tokens, portable forward) and 62 instead of 122 (16k, Gluon forward) on
 the H200 machine's host.
 

@@ -146,7 +146,7 @@ LAUNCH_TABLES = DerivedKey("launch tables")
 #   measured before the capture steers speed only and is kept;
 # - the backward's transposed tables are made inside the graph, at each replay;
 # - decoding takes GQA groups as listing different blocks (always right), and the Hopper forward
-#   does not walk the unions of two query blocks (kernels/sm90.py [Note] Programs across query blocks).
+#   does not walk the unions of two query blocks (kernels/hopper/forward.py [Note] Programs across query blocks).
 # The checks of range and order ran once, before the capture, on the tables as they were then: a
 # replay cannot read them back. The all-full mask of a call without one is marked so by construction
 # and keeps its flags. A kernel the capture launches first (its flags off) compiles there: checked on
@@ -236,7 +236,7 @@ def block_mask_row_stats(block_mask: BlockMask) -> RowStats:
 
 class ProgramWalks(NamedTuple):
     """The key blocks a forward program of ``rows`` query rows walks when its rows span two of the
-    BlockMask's query blocks (kernels/sm90.py [Note] Programs across query blocks): the union of the
+    BlockMask's query blocks (kernels/hopper/forward.py [Note] Programs across query blocks): the union of the
     two blocks' rows of the tables, ascending. Each entry is ``block << 4 | first << 2 | last``, where
     ``first`` and ``last`` say what the block is to the program's first and last query block: 0 not
     listed, 1 partial (the mask_mod runs), 2 full. Kept on the mask (BlockMask.derived)."""
@@ -276,7 +276,7 @@ def _walks_key(rows: int, sub_rows: int) -> DerivedKey:
     return DerivedKey("walks of programs across query blocks", (rows, sub_rows))
 
 
-# The programs that walk unions: 192 query rows, three consumer warpgroups of 64 (kernels/sm90.py).
+# The programs that walk unions: 192 query rows, three consumer warpgroups of 64 (kernels/hopper/forward.py).
 UNION_PROGRAM_ROWS, UNION_CONSUMER_ROWS = 192, 64
 PROGRAM_WALKS = _walks_key(UNION_PROGRAM_ROWS, UNION_CONSUMER_ROWS)
 
@@ -337,7 +337,7 @@ def backward_tables(block_mask: BlockMask) -> BackwardTables:
 
 class DqTurns(NamedTuple):
     """The order in which a deterministic backward adds the dQ parts of each query tile in the dK/dV
-    kernel ([Note] Ordered dQ additions in templates/backward_sm90.py.jinja): where each key block's
+    kernel ([Note] Ordered dQ additions in templates/hopper_backward.py.jinja): where each key block's
     walk starts, and for each entry of the transposed tables (BackwardTables) its turn, the number
     of the query block's other key blocks that add before it. Entries past a column's count are 0."""
 

@@ -1,4 +1,4 @@
-"""The Hopper Gluon forward (kernels/sm90.py) on a real H100-class GPU: output and LSE against the
+"""The Hopper Gluon forward (kernels/hopper/forward.py) on a real H100-class GPU: output and LSE against the
 float64 reference under the flash-attention rule, fully masked rows, GQA, a transposed layout, the
 backward after it, and which calls take it. Skipped without CUDA; skipped where the kernel does not
 apply (another GPU, another Triton), since there the portable forward is the one tested elsewhere.
@@ -17,7 +17,7 @@ from numerics import rel_err
 from test_gpu_backward import SLACK, check_flash_rule, qkv_leaves, same_dtype_attention
 
 import flexattn.kernels.launch as launch_module
-import flexattn.kernels.sm90 as sm90
+import flexattn.kernels.hopper.forward as hopper_forward
 from flexattn import AuxRequest, create_block_mask, flex_attention
 from flexattn.errors import InvalidInputError
 from flexattn.reference import reference_attention
@@ -34,7 +34,7 @@ GLUON = {"BACKEND": "GLUON"}
 def hopper_and_poisoned(monkeypatch):
     probe = torch.empty(1, 1, 128, 64, device=DEVICE, dtype=torch.bfloat16)
     mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 128, 128, device=DEVICE)
-    reason = sm90.problem_reason(probe, probe, probe, mask, need_max=False)
+    reason = hopper_forward.problem_reason(probe, probe, probe, mask, need_max=False)
     if reason is not None:
         pytest.skip(reason)
     monkeypatch.setattr(launch_module, "_POISON_OUTPUTS", True)
@@ -47,11 +47,11 @@ def check_forward(q, k, v, score_mod=None, mask_mod=None, *, gqa=False, mask_hea
     S = k.shape[2]
     block_mask = create_block_mask(mask_mod, B if mask_heads else None, Hq if mask_heads else None, L, S,
                                    device=DEVICE) if mask_mod else None
-    before = sm90.launches
+    before = hopper_forward.launches
     out, aux = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa,
                               kernel_options=options, return_aux=AuxRequest(lse=True))
     torch.cuda.synchronize()
-    assert sm90.launches == before + 1, "the Gluon kernel did not run"
+    assert hopper_forward.launches == before + 1, "the Gluon kernel did not run"
     assert not torch.isnan(out).any() and not torch.isnan(aux.lse).any(), "a row was never written"
     gold_out, gold_lse, _ = reference_attention(q.double(), k.double(), v.double(), score_mod=score_mod,
                                                 mask_mod=mask_mod, enable_gqa=gqa)
@@ -105,13 +105,13 @@ def test_score_mods(variant):
 def launched_steps(monkeypatch) -> list:
     """The forward steps the Gluon family launches from now on (a list that fills as it runs)."""
     steps = []
-    real = sm90.Sm90ForwardKernel._launch
+    real = hopper_forward.HopperForwardKernel._launch
 
     def launch(self, plan, *args):
         steps.append(plan.steps["forward"])
         return real(self, plan, *args)
 
-    monkeypatch.setattr(sm90.Sm90ForwardKernel, "_launch", launch)
+    monkeypatch.setattr(hopper_forward.HopperForwardKernel, "_launch", launch)
     return steps
 
 
@@ -123,10 +123,10 @@ def launched_steps(monkeypatch) -> list:
     ("noop", 1, 2, 2, 4096, "bhnd"),  # 32 key blocks: three consumers under the rule as it is
 ])
 def test_three_consumers_on_unmasked_calls(variant, B, Hq, Hkv, L, layout, monkeypatch):
-    # [Note] Three consumers on an unmasked walk (kernels/sm90.py): programs of 192 rows, the last of a
+    # [Note] Three consumers on an unmasked walk (kernels/hopper/forward.py): programs of 192 rows, the last of a
     # (batch, head) reaching past the queries; checked against float64, LSE included.
     steps = launched_steps(monkeypatch)
-    monkeypatch.setattr(sm90, "THREE_CONSUMERS_MIN_KEY_BLOCKS", 0)  # the short rows' programs too
+    monkeypatch.setattr(hopper_forward, "THREE_CONSUMERS_MIN_KEY_BLOCKS", 0)  # the short rows' programs too
     score_mod, _ = CATALOGUE[variant].build(B, Hq, L, L, DEVICE)
     q, k, v = qkv_in_layout(B, Hq, Hkv, L, layout)
     check_forward(q, k, v, score_mod, None, gqa=Hq != Hkv)
@@ -143,11 +143,11 @@ def test_three_consumers_on_unmasked_calls(variant, B, Hq, Hkv, L, layout, monke
     ("causal", 1, 2, 2, 6144, "bhnd"),  # 24.5 key blocks a row: three consumers under the rule as it is
 ])
 def test_three_consumers_on_masked_calls(variant, B, Hq, Hkv, L, layout, monkeypatch):
-    # [Note] Programs across query blocks (kernels/sm90.py): a 192-row program walks the union of its
+    # [Note] Programs across query blocks (kernels/hopper/forward.py): a 192-row program walks the union of its
     # two query blocks' walks; the blocks not listed for a consumer's rows keep nothing there.
     steps = launched_steps(monkeypatch)
     if L < 6144:
-        monkeypatch.setattr(sm90, "THREE_CONSUMERS_MIN_KEY_BLOCKS", 0)  # the short rows' programs too
+        monkeypatch.setattr(hopper_forward, "THREE_CONSUMERS_MIN_KEY_BLOCKS", 0)  # the short rows' programs too
     score_mod, mask_mod = CATALOGUE[variant].build(B, Hq, L, L, DEVICE)
     if layout == "fp16":
         q, k, v = qkv_in_layout(B, Hq, Hkv, L, "bhnd", torch.float16)
@@ -162,7 +162,7 @@ def test_three_consumers_follow_each_masks_walks(monkeypatch):
     # Two masks of one shape, and one mask's tables rewritten in place between calls: each call walks
     # its own mask's present tables (the program walks are derived again), never an earlier call's.
     steps = launched_steps(monkeypatch)
-    monkeypatch.setattr(sm90, "THREE_CONSUMERS_MIN_KEY_BLOCKS", 0)  # the narrow window's programs too
+    monkeypatch.setattr(hopper_forward, "THREE_CONSUMERS_MIN_KEY_BLOCKS", 0)  # the narrow window's programs too
     B, H, L = 1, 2, 3072
     q, k, v = qkv(B, H, H, L, 64, torch.bfloat16)
 
@@ -189,7 +189,7 @@ def test_a_capture_walks_the_tables_as_they_are_at_each_replay(monkeypatch):
     # [Note] Programs across query blocks: walks derived before a capture would stay in its replays
     # whatever the tables hold by then, so a capture takes two consumers and the tables themselves.
     steps = launched_steps(monkeypatch)
-    monkeypatch.setattr(sm90, "THREE_CONSUMERS_MIN_KEY_BLOCKS", 0)  # the diagonal alone too, at the end
+    monkeypatch.setattr(hopper_forward, "THREE_CONSUMERS_MIN_KEY_BLOCKS", 0)  # the diagonal alone too, at the end
     B, H, L = 1, 2, 6144
     q, k, v = qkv(B, H, H, L, 64, torch.bfloat16)
     mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, L, L, device=DEVICE)
@@ -222,7 +222,7 @@ def test_compiled_calls_walk_unions_and_follow_their_tables(monkeypatch):
     # again, never an earlier call's. Checked against float64, forward and backward.
     steps = launched_steps(monkeypatch)
     warm_steps = []
-    real_warm = sm90.WarmSm90Launch.__call__
+    real_warm = hopper_forward.WarmHopperForward.__call__
 
     def warm(self, *args, **kwargs):
         result = real_warm(self, *args, **kwargs)
@@ -230,7 +230,7 @@ def test_compiled_calls_walk_unions_and_follow_their_tables(monkeypatch):
             warm_steps.append(self.plan.steps["forward"])
         return result
 
-    monkeypatch.setattr(sm90.WarmSm90Launch, "__call__", warm)
+    monkeypatch.setattr(hopper_forward.WarmHopperForward, "__call__", warm)
     B, H, L = 1, 2, 6144  # causal rows of 24.5 key blocks on average: three consumers under the rule
     q, k, v = (t.requires_grad_() for t in qkv(B, H, H, L, 64, torch.bfloat16))
     attend = torch.compile(lambda q, k, v, bm: flex_attention(q, k, v, block_mask=bm, kernel_options=GLUON),
@@ -315,9 +315,9 @@ def test_two_masks_of_one_shape_reuse_no_stale_tables():
     windows = {w: create_block_mask(lambda b, h, qi, ki, w=w: (qi >= ki) & (qi - ki < w), None, None, L, L,
                                     device=DEVICE) for w in (256, 1024)}
     for w in (256, 1024, 256):
-        before = sm90.launches
+        before = hopper_forward.launches
         out = flex_attention(q, k, v, block_mask=windows[w], kernel_options=GLUON)
-        assert sm90.launches == before + 1
+        assert hopper_forward.launches == before + 1
         gold, _, _ = reference_attention(q.double(), k.double(), v.double(),
                                          mask_mod=lambda b, h, qi, ki, w=w: (qi >= ki) & (qi - ki < w))
         assert rel_err(out, gold) < 1e-2, f"window {w}"
@@ -359,50 +359,50 @@ def test_backward_after_the_gluon_forward(variant, head_dim, gqa):
     B, L = 2, 2048
     Hq, Hkv = (8, 2) if gqa else (4, 4)
     score_mod, mask_mod = CATALOGUE[variant].build(B, Hq, L, L, DEVICE)
-    before = sm90.launches
+    before = hopper_forward.launches
     check_flash_rule(qkv_leaves(B, Hq, Hkv, L, L, head_dim), lambda t: (t["q"], t["k"], t["v"], score_mod), mask_mod,
                      gqa=gqa, use_lse=True, options=GLUON)
-    assert sm90.launches > before
+    assert hopper_forward.launches > before
 
 
 def test_auto_takes_it_and_triton_pins_the_portable_forward():
     B, H, L = 1, 2, 1024
     q, k, v = qkv(B, H, H, L, 128, torch.float16)
-    before = sm90.launches
+    before = hopper_forward.launches
     auto = flex_attention(q, k, v)
-    assert sm90.launches == before + 1
+    assert hopper_forward.launches == before + 1
     short = qkv(B, H, H, L, 64, torch.float16)
     flex_attention(*short)  # head dim 64, 8 blocks a row: AUTO's rule keeps the portable forward
-    assert sm90.launches == before + 1
+    assert hopper_forward.launches == before + 1
     flex_attention(*short, kernel_options=GLUON)  # pinned: the rule does not apply
-    assert sm90.launches == before + 2
+    assert hopper_forward.launches == before + 2
     portable = flex_attention(q, k, v, kernel_options={"BACKEND": "TRITON"})
     tuned = flex_attention(q, k, v, kernel_options={"BLOCK_M": 64})  # a portable tile: the portable kernel
-    assert sm90.launches == before + 2
+    assert hopper_forward.launches == before + 2
     torch.testing.assert_close(auto, portable, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(tuned, portable, atol=2e-3, rtol=2e-3)
 
 
 def test_auto_at_head_dim_64_takes_it_for_a_score_mod_alone():
-    # AUTO's rule (kernels/sm90.py): on long rows at head dim 64 a score_mod alone takes the Gluon
+    # AUTO's rule (kernels/hopper/forward.py): on long rows at head dim 64 a score_mod alone takes the Gluon
     # forward; a score_mod with a mask_mod (ALiBi) keeps the portable one.
     B, H, L = 1, 2, 4096
     q, k, v = qkv(B, H, H, L, 64, torch.bfloat16)
     softcap, _ = CATALOGUE["softcap"].build(B, H, L, L, DEVICE)
-    before = sm90.launches
+    before = hopper_forward.launches
     auto = flex_attention(q, k, v, score_mod=softcap)
-    assert sm90.launches == before + 1
+    assert hopper_forward.launches == before + 1
     portable = flex_attention(q, k, v, score_mod=softcap, kernel_options={"BACKEND": "TRITON"})
     torch.testing.assert_close(auto, portable, atol=2e-2, rtol=2e-2)
     alibi, causal_mask = CATALOGUE["alibi"].build(B, H, L, L, DEVICE)
     flex_attention(q, k, v, score_mod=alibi, block_mask=create_block_mask(causal_mask, None, None, L, L, device=DEVICE))
-    assert sm90.launches == before + 1
+    assert hopper_forward.launches == before + 1
 
 
 def test_gluon_pinned_on_an_ineligible_call_names_the_reason():
     q, k, v = qkv(1, 2, 2, 1000, 64, torch.bfloat16)
     with pytest.raises(InvalidInputError, match="multiples of 128"):
         flex_attention(q, k, v, kernel_options=GLUON)
-    before = sm90.launches
+    before = hopper_forward.launches
     flex_attention(q, k, v)  # AUTO: the portable forward, no error
-    assert sm90.launches == before
+    assert hopper_forward.launches == before

@@ -1,9 +1,9 @@
-"""The Hopper Gluon forward family (kernels/sm90.py) without a GPU: its template renders for the
+"""The Hopper Gluon forward family (kernels/hopper/forward.py) without a GPU: its template renders for the
 catalogue's mods, its reasons for leaving a call to the portable forward, the BACKEND values, a
 kernel that does not compile falling back, and CPU calls untouched by it. Where Triton 3.6 and its
-ptxas are installed, one rendered kernel is compiled for sm90 offline.
+ptxas are installed, one rendered kernel is compiled for sm_90 offline.
 
-Gluon kernels do not run in Triton's interpreter: their numbers are checked in tests/test_gpu_sm90.py.
+Gluon kernels do not run in Triton's interpreter: their numbers are checked in tests/test_gpu_hopper_forward.py.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import pytest
 import torch
 
 import flexattn.dispatch as dispatch
-import flexattn.kernels.sm90 as sm90
+import flexattn.kernels.hopper.common as hopper_common
+import flexattn.kernels.hopper.forward as hopper_forward
 from flexattn import create_block_mask, flex_attention
 from flexattn.codegen import render
-from flexattn.codegen.params import SM90_FORWARD
+from flexattn.codegen.params import HOPPER_FORWARD
 from flexattn.dispatch import Call, pick_backend
 from flexattn.errors import BackendUnavailableError, InvalidInputError
 from flexattn.kernels.tables import program_walks
@@ -38,7 +39,7 @@ def family(variant: str):
     instance = CATALOGUE[variant].make(1, 2, L, L, "cpu")
     score = trace_mod(instance.score_mod, "score_mod")[0] if instance.score_mod else None
     mask = trace_mod(instance.mask_mod, "mask_mod")[0] if instance.mask_mod else None
-    return sm90.Sm90ForwardKernel(score, mask, tanh_approx=True), instance
+    return hopper_forward.HopperForwardKernel(score, mask, tanh_approx=True), instance
 
 
 def causal(b, h, q_idx, kv_idx):
@@ -54,7 +55,7 @@ def test_template_renders_for_the_catalogue(variant):
     kernel, _ = family(variant)
     source = render(kernel._spec(lowering_variants(kernel.score, kernel.mask, index_bounds(1, 2, L, L))))
     compile(source, variant, "exec")  # valid Python
-    assert f"def {SM90_FORWARD.name}(" in source
+    assert f"def {HOPPER_FORWARD.name}(" in source
     # The lowered lines reach the hooks in Gluon's spelling ([Note] Gluon spelling in codegen/source.py).
     assert "tl.full(" not in source and "tl.zeros_like(" not in source
     if kernel.mask is not None:
@@ -64,81 +65,96 @@ def test_template_renders_for_the_catalogue(variant):
 def test_rendered_module_imports_and_declares_its_kernel():
     kernel, _ = family("document_mask")
     compiled = kernel.compiled(None)
-    assert compiled.kernel(SM90_FORWARD) is not None
-    assert os.path.basename(compiled.module.__file__).startswith("sm90_identity_document_mask_")
+    assert compiled.kernel(HOPPER_FORWARD) is not None
+    assert os.path.basename(compiled.module.__file__).startswith("hopper_fwd_identity_document_mask_")
 
 
 def test_shape_reasons():
     bm = create_block_mask(causal, None, None, L, L, device="cpu")
     q = bhnd()
-    assert sm90.shape_reason(q, q, q, bm, need_max=False) is None
-    assert "float16 or bfloat16" in sm90.shape_reason(q.float(), q.float(), q.float(), bm, False)
+    assert hopper_common.shape_reason(q, q, q, bm, need_max=False) is None
+    assert "float16 or bfloat16" in hopper_common.shape_reason(q.float(), q.float(), q.float(), bm, False)
     q96 = bhnd(D=96)
-    assert "64 or 128" in sm90.shape_reason(q96, q96, q96, bm, False)
-    assert "64 or 128" in sm90.shape_reason(q, q, bhnd(D=128), bm, False)
+    assert "64 or 128" in hopper_common.shape_reason(q96, q96, q96, bm, False)
+    assert "64 or 128" in hopper_common.shape_reason(q, q, bhnd(D=128), bm, False)
     short = bhnd(N=200)
     bm200 = create_block_mask(causal, None, None, 200, 200, device="cpu")
-    assert "multiples of 128" in sm90.shape_reason(short, short, short, bm200, False)
+    assert "multiples of 128" in hopper_common.shape_reason(short, short, short, bm200, False)
     bm64 = create_block_mask(causal, None, None, L, L, device="cpu", BLOCK_SIZE=64)
-    assert "BLOCK_SIZE" in sm90.shape_reason(q, q, q, bm64, False)
-    assert "max_scores" in sm90.shape_reason(q, q, q, bm, True)
+    assert "BLOCK_SIZE" in hopper_common.shape_reason(q, q, q, bm64, False)
+    assert "max_scores" in hopper_common.shape_reason(q, q, q, bm, True)
     odd = torch.randn(1, 2, L, 64 * 3, dtype=torch.bfloat16)[..., ::3]  # no unit last stride
-    assert "2-D tensor descriptor" in sm90.shape_reason(odd, q, q, bm, False)
+    assert "2-D tensor descriptor" in hopper_common.shape_reason(odd, q, q, bm, False)
 
 
 def test_device_reasons(monkeypatch):
     device = torch.device("cuda", 0)
-    monkeypatch.setattr(sm90, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(hopper_common, "interpreter_enabled", lambda: False)
     for unchecked in ("3.5.1", "3.10.0"):
-        monkeypatch.setattr(sm90, "_triton_version", lambda: unchecked)
-        assert sm90.device_reason(device) == f"Gluon kernels validated on Triton 3.6 to 3.9 only (this is Triton {unchecked})"
+        monkeypatch.setattr(hopper_common, "_triton_version", lambda: unchecked)
+        assert hopper_common.device_reason(device) == f"Gluon kernels validated on Triton 3.6 to 3.9 only (this is Triton {unchecked})"
     for version in ("3.6.0", "3.7.1", "3.8.0", "3.9.0"):
-        monkeypatch.setattr(sm90, "_capability", lambda index: (9, 0))
-        monkeypatch.setattr(sm90, "_triton_version", lambda: version)
-        assert sm90.device_reason(device) is None
-    monkeypatch.setattr(sm90, "_triton_version", lambda: "3.6.0")
-    monkeypatch.setattr(sm90, "_capability", lambda index: (8, 0))
-    assert "compute capability 9.0" in sm90.device_reason(device)
-    monkeypatch.setattr(sm90, "_capability", lambda index: (10, 0))
-    assert "this GPU is 10.0" in sm90.device_reason(device)
-    monkeypatch.setattr(sm90, "_capability", lambda index: (9, 0))
-    assert sm90.device_reason(device) is None
-    monkeypatch.setattr(sm90, "interpreter_enabled", lambda: True)
-    assert "interpreter" in sm90.device_reason(device)
+        monkeypatch.setattr(hopper_common, "_capability", lambda index: (9, 0))
+        monkeypatch.setattr(hopper_common, "_triton_version", lambda: version)
+        assert hopper_common.device_reason(device) is None
+    monkeypatch.setattr(hopper_common, "_triton_version", lambda: "3.6.0")
+    monkeypatch.setattr(hopper_common, "_capability", lambda index: (8, 0))
+    assert "compute capability 9.0" in hopper_common.device_reason(device)
+    monkeypatch.setattr(hopper_common, "_capability", lambda index: (10, 0))
+    assert "this GPU is 10.0" in hopper_common.device_reason(device)
+    monkeypatch.setattr(hopper_common, "_capability", lambda index: (9, 0))
+    assert hopper_common.device_reason(device) is None
+    monkeypatch.setattr(hopper_common, "interpreter_enabled", lambda: True)
+    assert "interpreter" in hopper_common.device_reason(device)
     q = bhnd()
-    assert "CUDA device" in sm90.problem_reason(q, q, q, create_block_mask(causal, None, None, L, L, device="cpu"),
+    assert "CUDA device" in hopper_forward.problem_reason(q, q, q, create_block_mask(causal, None, None, L, L, device="cpu"),
                                                 False)
 
 
 def test_views_of_the_layouts_it_reads():
     B, H, N, D = 2, 4, L, 64
     q = torch.randn(B, H, N, D)
-    assert sm90.tensor_view(q, q.stride()) == sm90.View((B * H * N, D), D, H * N, N, 0)
+    assert hopper_common.tensor_view(q, q.stride()) == hopper_common.View((B * H * N, D), D, H * N, N, 0)
     t = torch.randn(B, N, H, D).transpose(1, 2)  # heads side by side in a row
-    assert sm90.tensor_view(t, t.stride()) == sm90.View((B * N, H * D), H * D, N, 0, D)
+    assert hopper_common.tensor_view(t, t.stride()) == hopper_common.View((B * N, H * D), H * D, N, 0, D)
     one = torch.randn(1, H, N, D).expand(B, -1, -1, -1)  # a broadcast batch reads batch 0's rows
-    assert sm90.tensor_view(one, one.stride()).row_z == 0
+    assert hopper_common.tensor_view(one, one.stride()).row_z == 0
     wide = torch.randn(B, H, N, 2 * D)[..., :D]  # a slice of the head dim: longer rows, same view
-    assert sm90.tensor_view(wide, wide.stride()) == sm90.View((B * H * N, D), 2 * D, H * N, N, 0)
-    assert sm90.tensor_view(q.transpose(2, 3), q.transpose(2, 3).stride()) is None
+    assert hopper_common.tensor_view(wide, wide.stride()) == hopper_common.View((B * H * N, D), 2 * D, H * N, N, 0)
+    assert hopper_common.tensor_view(q.transpose(2, 3), q.transpose(2, 3).stride()) is None
 
 
 def test_auto_rule_keeps_few_block_rows_at_head_dim_64_portable():
     q = bhnd(N=1024)
     dense = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, None, None, 1024, 1024, device="cpu")
-    assert "few key blocks" in sm90.auto_reason(q, dense)  # 8 blocks a row
-    assert sm90.auto_reason(bhnd(N=1024, D=128), dense) is None
+    assert "few key blocks" in hopper_forward.auto_reason(q, dense)  # 8 blocks a row
+    assert hopper_forward.auto_reason(bhnd(N=1024, D=128), dense) is None
     long = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, None, None, 4096, 4096, device="cpu")
-    assert sm90.auto_reason(bhnd(N=4096), long) is None  # 32 blocks a row
+    assert hopper_forward.auto_reason(bhnd(N=4096), long) is None  # 32 blocks a row
     causal = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 4096, 4096, device="cpu")
-    assert "few key blocks (16.5" in sm90.auto_reason(bhnd(N=4096), causal)  # measured faster portable
+    assert "few key blocks (16.5" in hopper_forward.auto_reason(bhnd(N=4096), causal)  # measured faster portable
     # A score_mod alone takes the Gluon forward on long rows; with a mask_mod too (ALiBi) it does not.
-    assert sm90.auto_reason(bhnd(N=4096), long, has_score_mod=True) is None
-    assert "few key blocks" in sm90.auto_reason(q, dense, has_score_mod=True)
-    assert "score_mod and a mask_mod" in sm90.auto_reason(bhnd(N=4096), causal, has_score_mod=True,
+    assert hopper_forward.auto_reason(bhnd(N=4096), long, has_score_mod=True) is None
+    assert "few key blocks" in hopper_forward.auto_reason(q, dense, has_score_mod=True)
+    assert "score_mod and a mask_mod" in hopper_forward.auto_reason(bhnd(N=4096), causal, has_score_mod=True,
                                                            has_mask_mod=True)
-    assert sm90.auto_reason(bhnd(N=4096, D=128), causal, has_score_mod=True, has_mask_mod=True) is None
-    assert sm90.auto_reason(bhnd(N=4096, D=128), long, has_score_mod=True) is None
+    assert hopper_forward.auto_reason(bhnd(N=4096, D=128), causal, has_score_mod=True, has_mask_mod=True) is None
+    assert hopper_forward.auto_reason(bhnd(N=4096, D=128), long, has_score_mod=True) is None
+
+
+def test_gluon_spellings_by_release():
+    # [Note] Gluon API by Triton release (codegen/source.py): the decorator of the partitions'
+    # aggregate classes is private before 3.8, public from it; each release's own module has it.
+    import triton
+
+    from flexattn.codegen.source import gluon_api
+
+    assert gluon_api("3.6.0")["aggregate"] == gluon_api("3.7.1")["aggregate"] == "triton.language.core._aggregate"
+    assert gluon_api("3.8.0")["aggregate"] == gluon_api("3.9.0")["aggregate"] == "gluon.aggregate"
+    from triton.experimental import gluon  # the rendered module's name for it
+
+    holder, _, name = gluon_api()["aggregate"].rpartition(".")
+    assert callable(getattr({"gluon": gluon, "triton.language.core": triton.language.core}[holder], name))
 
 
 def test_backend_values():
@@ -158,12 +174,12 @@ class _FailingKernel:
         return None
 
     def __call__(self, *args, **kwargs):
-        raise sm90.Sm90Unavailable("the Gluon kernel of these mods did not compile (CompilationError: x)")
+        raise hopper_common.HopperUnavailable("the Gluon kernel of these mods did not compile (CompilationError: x)")
 
 
 def test_a_kernel_that_does_not_compile_falls_back_unless_pinned(monkeypatch):
-    monkeypatch.setattr(dispatch, "sm90_forward_kernel", lambda *args, **kwargs: _FailingKernel())
-    monkeypatch.setattr(dispatch, "sm90_auto_reason", lambda q, block_mask, has_score_mod, has_mask_mod: None)
+    monkeypatch.setattr(dispatch, "hopper_forward_kernel", lambda *args, **kwargs: _FailingKernel())
+    monkeypatch.setattr(dispatch, "hopper_auto_reason", lambda q, block_mask, has_score_mod, has_mask_mod: None)
     q = bhnd()
     bm = create_block_mask(causal, None, None, L, L, device="cpu")
     call = Call("TRITON", bm, 0.125, None, None, [], {}, torch.int32)
@@ -184,21 +200,21 @@ def test_the_family_remembers_a_kernel_that_did_not_compile(monkeypatch):
         raise RuntimeError("error: unsupported operation in Gluon")
 
     monkeypatch.setattr(kernel, "_launch", no_compile)
-    monkeypatch.setattr(sm90, "problem_reason", lambda *args: None)
-    with pytest.raises(sm90.Sm90Unavailable, match="did not compile .*unsupported operation"):
+    monkeypatch.setattr(hopper_forward, "problem_reason", lambda *args: None)
+    with pytest.raises(hopper_common.HopperUnavailable, match="did not compile .*unsupported operation"):
         kernel(q, q, q, bm, 0.125, [], [], need_lse=True)
     assert "unsupported operation" in kernel.unsupported_reason(q, q, q, bm, False)
     assert not kernel._plans  # nothing kept of the failed launch
 
 
 def test_cpu_calls_never_reach_it():
-    before, families = sm90.launches, len(sm90._kernels)
+    before, families = hopper_forward.launches, len(hopper_forward._kernels)
     q = bhnd(D=16).float()
     flex_attention(q, q, q, block_mask=create_block_mask(causal, None, None, L, L, device="cpu"))  # PYTORCH
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         flex_attention(q, q, q, kernel_options={"BACKEND": "TRITON"})
         flex_attention(q, q, q, kernel_options={"BACKEND": "TRITON", "TANH_APPROX": False})
-    assert sm90.launches == before and len(sm90._kernels) == families
+    assert hopper_forward.launches == before and len(hopper_forward._kernels) == families
 
 
 def _offline_compile_available() -> bool:
@@ -209,21 +225,21 @@ def _offline_compile_available() -> bool:
     except ImportError:
         return False
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    return triton.__version__.startswith(sm90.GLUON_COMPILES_ON) and os.path.exists(ptxas)
+    return triton.__version__.startswith(hopper_common.GLUON_COMPILES_ON) and os.path.exists(ptxas)
 
 
 @pytest.mark.skipif(not _offline_compile_available(),
-                    reason="needs a Triton of sm90.GLUON_COMPILES_ON with its ptxas (offline sm90 compile)")
+                    reason="needs a Triton of hopper_common.GLUON_COMPILES_ON with its ptxas (offline sm_90 compile)")
 @pytest.mark.parametrize("variant, consumers", [("causal", 2), ("noop", 3), ("causal", 3)])
-def test_kernel_compiles_for_sm90_offline(variant, consumers):
-    """The rendered kernel through Triton's whole pipeline for sm90 (causal with two consumer
+def test_kernel_compiles_for_sm_90_offline(variant, consumers):
+    """The rendered kernel through Triton's whole pipeline for sm_90 (causal with two consumer
     warpgroups; noop with three, [Note] Three consumers on an unmasked walk; causal with three, [Note]
     Programs across query blocks): its consumers issue
     wgmma and it fits the shared memory of an H100. In a process of its own without
     TRITON_INTERPRET (under the interpreter @triton.jit hooks cannot be compiled); about 5 s."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    code = f"import test_sm90; test_sm90.compile_offline({variant!r}, {consumers})"
+    code = f"import test_hopper_forward; test_hopper_forward.compile_offline({variant!r}, {consumers})"
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
                           text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -246,15 +262,15 @@ def compile_offline(variant: str, consumers: int):
     descriptor = {64: TensorDescriptor(rows, [2 * L, D], [D, 1], [64, D], half),
                   128: TensorDescriptor(rows, [2 * L, D], [D, 1], [128, D], tile)}
     constexprs = dict(SPARSE_Z=1, SPARSE_HQ=1, GQA_GROUP=1, HEAD_DIM=D, SPARSE_Q_BLOCK_SIZE=128,
-                      SPARSE_KV_BLOCK_SIZE=128, BLOCK_M=128, BLOCK_N=128, STAGES=sm90.STAGES[D],
-                      CONSUMER_REGS=sm90.CONSUMER_REGS if consumers == 2 else sm90.THREE_CONSUMER_REGS,
+                      SPARSE_KV_BLOCK_SIZE=128, BLOCK_M=128, BLOCK_N=128, STAGES=hopper_forward.STAGES[D],
+                      CONSUMER_REGS=hopper_common.CONSUMER_REGS if consumers == 2 else hopper_forward.THREE_CONSUMER_REGS,
                       HAS_SCORE_MOD=False, SCALE_FIRST=False, HAS_PARTIAL_BLOCKS=kernel.has_mask_mod,
                       HAS_FULL_BLOCKS=True, OUTPUT_LSE=True, CONSUMERS=consumers, TAKE_TURNS=consumers == 3,
                       UNION_WALK=consumers == 3 and kernel.has_mask_mod,
-                      RESIDENT_IN_REGISTERS=consumers == 2 and sm90.resident_in_registers("forward", D))
+                      RESIDENT_IN_REGISTERS=consumers == 2 and hopper_common.resident_in_registers("forward", D))
     constexprs["BLOCK_M"] = 64 * consumers
     signature = {}
-    for name in SM90_FORWARD.names():
+    for name in HOPPER_FORWARD.names():
         if name in constexprs:
             signature[name] = "constexpr"
         elif name in ("Q", "OUT", "K", "V"):
@@ -265,7 +281,7 @@ def compile_offline(variant: str, consumers: int):
             signature[name] = "*i32"
         else:
             signature[name] = "fp32" if name == "SM_SCALE" else "i32"
-    compiled = triton.compile(GluonASTSource(kernel.compiled(None).kernel(SM90_FORWARD), signature, constexprs, {}),
+    compiled = triton.compile(GluonASTSource(kernel.compiled(None).kernel(HOPPER_FORWARD), signature, constexprs, {}),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     assert len(re.findall(r"wgmma\.mma_async", compiled.asm["ptx"])) > 0
     assert compiled.metadata.shared <= 227 * 1024
@@ -273,10 +289,10 @@ def compile_offline(variant: str, consumers: int):
 
 
 def test_a_plan_is_made_once_and_kept(monkeypatch):
-    # The launch path without a GPU: _launch stands in for the kernel (see test_sm90_backward.py).
+    # The launch path without a GPU: _launch stands in for the kernel (see test_hopper_backward.py).
     kernel, instance = family("causal")
     q = bhnd()
-    monkeypatch.setattr(sm90, "problem_reason", lambda *args: None)
+    monkeypatch.setattr(hopper_forward, "problem_reason", lambda *args: None)
     launched = []
 
     def fake_launch(plan, *args):
@@ -285,11 +301,11 @@ def test_a_plan_is_made_once_and_kept(monkeypatch):
 
     monkeypatch.setattr(kernel, "_launch", fake_launch)
     bm = instance.block_mask(1, 2, L, L, "cpu")
-    before = sm90.launches
+    before = hopper_forward.launches
     for _ in range(2):
         assert kernel(q, q, q, bm, 0.125, [], [], need_lse=True) == ("out", "lse")
     assert launched[0] is launched[1] and len(kernel._plans) == 1
-    assert sm90.launches == before + 2 and kernel.last_plan is launched[0]
+    assert hopper_forward.launches == before + 2 and kernel.last_plan is launched[0]
     assert launched[0].steps["forward"].grid == (L // 128, 2, 1)
     # [Note] Resident tiles in registers: Q is read from registers at head dim 64, from shared memory at 128.
     assert launched[0].steps["forward"].constexprs["RESIDENT_IN_REGISTERS"]
@@ -304,21 +320,21 @@ def test_three_consumers_only_on_long_walks_at_head_dim_64(monkeypatch):
     # [Note] Programs across query blocks: with a mask_mod, the union of two query blocks' walks.
     from flexattn.masks import BlockMask, dense_block_mask
 
-    monkeypatch.setattr(sm90, "problem_reason", lambda *args: None)
+    monkeypatch.setattr(hopper_forward, "problem_reason", lambda *args: None)
     launched = []
     noop, _ = family("noop")
     causal_kernel, causal_instance = family("causal")
     for kernel in (noop, causal_kernel):
         monkeypatch.setattr(kernel, "_launch", lambda plan, *args: launched.append(plan) or ("out", "lse"))
-    long = sm90.THREE_CONSUMERS_MIN_KEY_BLOCKS * 128
+    long = hopper_forward.THREE_CONSUMERS_MIN_KEY_BLOCKS * 128
     q, wide = bhnd(N=long), bhnd(N=long, D=128)
     noop(q, q, q, dense_block_mask(long, long, torch.device("cpu")), 0.125, [], [], need_lse=True)
     step = launched[-1].steps["forward"]
     assert step.constexprs["CONSUMERS"] == 3 and step.constexprs["BLOCK_M"] == 192
-    assert step.grid == (-(-long // 192), 2, 1) and step.constexprs["CONSUMER_REGS"] == sm90.THREE_CONSUMER_REGS
+    assert step.grid == (-(-long // 192), 2, 1) and step.constexprs["CONSUMER_REGS"] == hopper_forward.THREE_CONSUMER_REGS
     assert not step.constexprs["RESIDENT_IN_REGISTERS"]  # 160 registers: Q stays in shared memory
     assert step.constexprs["TAKE_TURNS"]  # [Note] Turns on the tensor cores
-    SM90_FORWARD.check_constexprs(step.constexprs)
+    HOPPER_FORWARD.check_constexprs(step.constexprs)
     two = [(noop, wide, dense_block_mask(long, long, torch.device("cpu"))),  # head dim 128
            # too few key blocks
            (noop, bhnd(N=long - 128), dense_block_mask(long - 128, long - 128, torch.device("cpu"))),
@@ -357,7 +373,7 @@ def test_three_consumers_only_on_long_walks_at_head_dim_64(monkeypatch):
     assert plan is launched[-1]
     warm = causal_kernel.warm_launch(plan, q2, q2, q2, kept, 0.125, need_lse=True)
     assert warm.takes_walks
-    tables_now = sm90.launch_tables(kept)
+    tables_now = hopper_forward.launch_tables(kept)
     assert warm(q2, q2, q2, tables_now, [], []) is None
     shorter = program_walks(causal_instance.block_mask(1, 2, 2 * long - 128, 2 * long - 128, "cpu"))
     assert warm(q2, q2, q2, tables_now, [], [], walks=shorter) is None
@@ -425,14 +441,14 @@ def test_program_walks_against_brute_force(q_len, kv_len):
 
 
 def test_the_launcher_packs_what_the_kernel_declares(monkeypatch):
-    # The real launcher on CPU tensors, the Gluon kernel recorded (see test_sm90_backward.py).
-    from test_sm90_backward import _Recorder
+    # The real launcher on CPU tensors, the Gluon kernel recorded (see test_hopper_backward.py).
+    from test_hopper_backward import _Recorder
 
     from flexattn.kernels.family import CompiledKernel
 
     calls = []
     monkeypatch.setattr(CompiledKernel, "kernel", lambda self, params: _Recorder(params, calls))
-    monkeypatch.setattr(sm90, "problem_reason", lambda *args: None)
+    monkeypatch.setattr(hopper_forward, "problem_reason", lambda *args: None)
     kernel, instance = family("alibi")
     B, H, E = 2, 2, 64
     q = torch.randn(B, L, H, E, dtype=torch.bfloat16).transpose(1, 2)  # heads side by side in a row
@@ -441,9 +457,9 @@ def test_the_launcher_packs_what_the_kernel_declares(monkeypatch):
     out, lse = kernel(q, k, v, instance.block_mask(B, H, L, L, "cpu"), 0.125, score_captured, [], need_lse=True)
     assert out.shape == q.shape and lse.shape == (B, H, L)
     [(params, grid, args, constexprs)] = calls
-    assert params is SM90_FORWARD and grid == kernel.last_plan.steps["forward"].grid
-    assert len(args) == SM90_FORWARD.argument_count(len(kernel.compiled(None).spec.score_mod.kernel_params))
-    SM90_FORWARD.check_constexprs(constexprs)
-    by_name = dict(zip((n for g in SM90_FORWARD.runtime if g.kind != "mods" for n in g.expanded()), args))
+    assert params is HOPPER_FORWARD and grid == kernel.last_plan.steps["forward"].grid
+    assert len(args) == HOPPER_FORWARD.argument_count(len(kernel.compiled(None).spec.score_mod.kernel_params))
+    HOPPER_FORWARD.check_constexprs(constexprs)
+    by_name = dict(zip((n for g in HOPPER_FORWARD.runtime if g.kind != "mods" for n in g.expanded()), args))
     assert (by_name["row_qz"], by_name["row_qh"], by_name["col_qh"]) == (L, 0, E)
     assert (by_name["row_kz"], by_name["row_kh"], by_name["col_kh"]) == (H * L, L, 0)

@@ -1,10 +1,10 @@
-"""The Hopper Gluon backward family (kernels/sm90_backward.py) without a GPU: its template renders
+"""The Hopper Gluon backward family (kernels/hopper/backward.py) without a GPU: its template renders
 for the catalogue's mods, its reasons for leaving a call to the portable backward, the options that
 pin either, a kernel that does not compile falling back, ``flexattn kernel --explain``, and (where
-Triton 3.6 and its ptxas are installed) the causal kernels compiled for sm90 offline.
+Triton 3.6 and its ptxas are installed) the causal kernels compiled for sm_90 offline.
 
 Gluon kernels do not run in Triton's interpreter: their numbers are checked in
-tests/test_gpu_sm90_backward.py.
+tests/test_gpu_hopper_backward.py.
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_sm90 import _offline_compile_available, bhnd, causal
+from test_hopper_forward import _offline_compile_available, bhnd, causal
 
 import flexattn.dispatch as dispatch
-import flexattn.kernels.sm90 as sm90
-import flexattn.kernels.sm90_backward as sm90_backward
+import flexattn.kernels.hopper.backward as hopper_backward
+import flexattn.kernels.hopper.common as hopper_common
 from flexattn import create_block_mask
 from flexattn.cli.kernel_source import explain
 from flexattn.cli.main import main
 from flexattn.codegen import render
-from flexattn.codegen.params import BACKWARD_PREPROCESS, SM90_BACKWARD_DKDV, SM90_BACKWARD_DQ
+from flexattn.codegen.params import BACKWARD_PREPROCESS, HOPPER_BACKWARD_DKDV, HOPPER_BACKWARD_DQ
 from flexattn.dispatch import Call
 from flexattn.kernels.tables import backward_tables, dq_turns
 from flexattn.errors import InvalidInputError
@@ -41,7 +41,7 @@ def family(variant: str):
     instance = CATALOGUE[variant].make(1, 2, L, L, "cpu")
     score = trace_mod(instance.score_mod, "score_mod")[0] if instance.score_mod else None
     mask = trace_mod(instance.mask_mod, "mask_mod")[0] if instance.mask_mod else None
-    return sm90_backward.Sm90BackwardKernel(score, mask, tanh_approx=True), instance
+    return hopper_backward.HopperBackwardKernel(score, mask, tanh_approx=True), instance
 
 
 @pytest.mark.parametrize("variant", sorted(CATALOGUE))
@@ -49,7 +49,7 @@ def test_template_renders_for_the_catalogue(variant):
     kernel, _ = family(variant)
     source = render(kernel._spec(lowering_variants(kernel.score, kernel.mask, index_bounds(1, 2, L, L))))
     compile(source, variant, "exec")  # valid Python
-    for params in (BACKWARD_PREPROCESS, SM90_BACKWARD_DKDV, SM90_BACKWARD_DQ):
+    for params in (BACKWARD_PREPROCESS, HOPPER_BACKWARD_DKDV, HOPPER_BACKWARD_DQ):
         assert f"def {params.name}(" in source
     # The lowered lines reach the hooks in Gluon's spelling ([Note] Gluon spelling in codegen/source.py).
     assert "tl.full(" not in source and "tl.zeros_like(" not in source
@@ -58,21 +58,21 @@ def test_template_renders_for_the_catalogue(variant):
 def test_problem_reasons(monkeypatch):
     bm = create_block_mask(causal, None, None, L, L, device="cpu")
     q = bhnd()
-    assert "CUDA device" in sm90_backward.problem_reason(q, q, q, bm)
+    assert "CUDA device" in hopper_backward.problem_reason(q, q, q, bm)
     # Past the device (and the forward's other reasons), the backward's own.
-    monkeypatch.setattr(sm90_backward, "forward_problem_reason", lambda *args, **kwargs: None)
-    assert sm90_backward.problem_reason(q, q, q, bm) is None
+    monkeypatch.setattr(hopper_backward, "common_problem_reason", lambda *args, **kwargs: None)
+    assert hopper_backward.problem_reason(q, q, q, bm) is None
     one, two = bhnd(B=1), bhnd(B=2)
-    assert "broadcast" in sm90_backward.problem_reason(two, one, one, bm)
-    assert "float32" in sm90_backward.problem_reason(q, q, q, bm, float32_kv_grads=True)
-    assert sm90_backward.problem_reason(q, q, q, bm, grad_out=q.clone()) is None
+    assert "broadcast" in hopper_backward.problem_reason(two, one, one, bm)
+    assert "float32" in hopper_backward.problem_reason(q, q, q, bm, float32_kv_grads=True)
+    assert hopper_backward.problem_reason(q, q, q, bm, grad_out=q.clone()) is None
     shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)  # base 2 bytes off
-    assert "gradient" in sm90_backward.problem_reason(q, q, q, bm, grad_out=shifted)
-    assert "gradient" in sm90_backward.problem_reason(q, q, q, bm, grad_out=q.float())
+    assert "gradient" in hopper_backward.problem_reason(q, q, q, bm, grad_out=shifted)
+    assert "gradient" in hopper_backward.problem_reason(q, q, q, bm, grad_out=q.float())
 
 
 def test_learnable_tensors_take_the_portable_backward(monkeypatch):
-    monkeypatch.setattr(sm90_backward, "problem_reason", lambda *args: None)
+    monkeypatch.setattr(hopper_backward, "problem_reason", lambda *args: None)
     q = bhnd()
     learnable, instance = family("t5_bias")
     bm = instance.block_mask(1, 2, L, L, "cpu")
@@ -87,13 +87,13 @@ def test_auto_takes_rows_of_few_key_blocks(monkeypatch):
     def everything(b, h, q_idx, kv_idx):
         return q_idx >= 0
 
-    monkeypatch.setattr(sm90_backward.Sm90BackwardKernel, "unsupported_reason", lambda self, *args: None)
+    monkeypatch.setattr(hopper_backward.HopperBackwardKernel, "unsupported_reason", lambda self, *args: None)
     for D in (64, 128):
         q = bhnd(N=512, D=D)
         few = create_block_mask(everything, None, None, 512, 512, device="cpu")  # 4 blocks a row
         call = Call("TRITON", few, 0.125, None, trace_mod(everything, "mask_mod")[0], [], {}, torch.int32)
         kernel, reason = dispatch.sm90_backward_choice(call, q, q, q)
-        assert isinstance(kernel, sm90_backward.Sm90BackwardKernel) and reason is None
+        assert isinstance(kernel, hopper_backward.HopperBackwardKernel) and reason is None
         pinned = call._replace(options={"BACKEND": "TRITON"})
         assert dispatch.sm90_backward_choice(pinned, q, q, q) == (
             None, "kernel_options BACKEND='TRITON' pins the portable kernels")
@@ -106,11 +106,11 @@ class _FailingKernel:
         return None
 
     def __call__(self, *args, **kwargs):
-        raise sm90_backward.Sm90Unavailable("the Gluon backward of these mods did not compile (CompilationError: x)")
+        raise hopper_common.HopperUnavailable("the Gluon backward of these mods did not compile (CompilationError: x)")
 
 
 def test_choices_and_a_kernel_that_does_not_compile(monkeypatch):
-    monkeypatch.setattr(dispatch, "sm90_backward_kernel", lambda *args, **kwargs: _FailingKernel())
+    monkeypatch.setattr(dispatch, "hopper_backward_kernel", lambda *args, **kwargs: _FailingKernel())
     q = bhnd()
     bm = create_block_mask(causal, None, None, L, L, device="cpu")
     call = Call("TRITON", bm, 0.125, None, None, [], {}, torch.int32)
@@ -134,8 +134,8 @@ def test_the_family_remembers_kernels_that_did_not_compile(monkeypatch):
         raise RuntimeError("error: unsupported operation in Gluon")
 
     monkeypatch.setattr(kernel, "_launch", no_compile)
-    monkeypatch.setattr(sm90_backward, "problem_reason", lambda *args: None)
-    with pytest.raises(sm90_backward.Sm90Unavailable, match="did not compile .*unsupported operation"):
+    monkeypatch.setattr(hopper_backward, "problem_reason", lambda *args: None)
+    with pytest.raises(hopper_common.HopperUnavailable, match="did not compile .*unsupported operation"):
         kernel(q, q, q, q, torch.zeros(1, 2, L), q, None, bm, 0.125, [], [])
     assert "unsupported operation" in kernel.unsupported_reason(q, q, q, bm)
     assert not kernel._plans
@@ -170,8 +170,8 @@ def test_explain_names_the_gluon_backward_form(monkeypatch):
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     assert backward(64).endswith("dQ added in the dK/dV kernel in a fixed order, no dQ kernel")
     assert backward(128).endswith("dQ added in the dK/dV kernel in a fixed order, no dQ kernel")
-    assert backward(128, causal).endswith("dK/dV and dQ kernels")  # rows unlike: sm90_backward.ORDERS_DQ
-    monkeypatch.setattr(sm90_backward, "ORDERS_DQ", "never")
+    assert backward(128, causal).endswith("dK/dV and dQ kernels")  # rows unlike: hopper_backward.ORDERS_DQ
+    monkeypatch.setattr(hopper_backward, "ORDERS_DQ", "never")
     assert backward(64).endswith("dK/dV and dQ kernels")
 
 
@@ -183,13 +183,13 @@ def test_explain_on_the_command_line(capsys):
 
 
 @pytest.mark.skipif(not _offline_compile_available(),
-                    reason="needs a Triton of sm90.GLUON_COMPILES_ON with its ptxas (offline sm90 compile)")
-def test_causal_kernels_compile_for_sm90_offline():
-    """The rendered causal dK/dV and dQ kernels through Triton's whole pipeline for sm90, in a
+                    reason="needs a Triton of hopper_common.GLUON_COMPILES_ON with its ptxas (offline sm_90 compile)")
+def test_causal_kernels_compile_for_sm_90_offline():
+    """The rendered causal dK/dV and dQ kernels through Triton's whole pipeline for sm_90, in a
     process of its own without TRITON_INTERPRET; about 15 s."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    code = "import test_sm90_backward; test_sm90_backward.compile_causal_offline()"
+    code = "import test_hopper_backward; test_hopper_backward.compile_causal_offline()"
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
                           text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -211,22 +211,22 @@ def compile_causal_offline():
     # each consumer's columns at 128) and without, then dQ.
     # The deterministic form of each fused one adds in order ([Note] Ordered dQ additions).
     for params, D, block_m, fused, ordered in (
-            (SM90_BACKWARD_DKDV, 64, 64, True, False), (SM90_BACKWARD_DKDV, 64, 64, False, False),
-            (SM90_BACKWARD_DQ, 64, 128, None, None), (SM90_BACKWARD_DKDV, 128, 64, True, False),
-            (SM90_BACKWARD_DKDV, 64, 64, True, True), (SM90_BACKWARD_DKDV, 128, 64, True, True)):
+            (HOPPER_BACKWARD_DKDV, 64, 64, True, False), (HOPPER_BACKWARD_DKDV, 64, 64, False, False),
+            (HOPPER_BACKWARD_DQ, 64, 128, None, None), (HOPPER_BACKWARD_DKDV, 128, 64, True, False),
+            (HOPPER_BACKWARD_DKDV, 64, 64, True, True), (HOPPER_BACKWARD_DKDV, 128, 64, True, True)):
         rows = torch.empty(2 * L, D, dtype=torch.bfloat16)
         descriptor = {r: TensorDescriptor(rows, [2 * L, D], [D, 1], [r, D],
                                           gl.NVMMASharedLayout.get_default_for([r, D], gl.bfloat16)) for r in (64, 128)}
-        sums = TensorDescriptor(torch.empty(2 * L, D), [2 * L, D], [D, 1], [64, sm90_backward.DQ_BOX_COLUMNS],
-                                sm90_backward._dq_acc_layout())
-        stages = (sm90_backward.DKDV_STAGES if params is SM90_BACKWARD_DKDV else sm90_backward.DQ_STAGES)[D]
+        sums = TensorDescriptor(torch.empty(2 * L, D), [2 * L, D], [D, 1], [64, hopper_backward.DQ_BOX_COLUMNS],
+                                hopper_backward._dq_acc_layout())
+        stages = (hopper_backward.DKDV_STAGES if params is HOPPER_BACKWARD_DKDV else hopper_backward.DQ_STAGES)[D]
         constexprs = dict(SPARSE_Z=1, SPARSE_HQ=1, GQA_GROUP=1, HEAD_DIM=D, SPARSE_Q_BLOCK_SIZE=128,
                           SPARSE_KV_BLOCK_SIZE=128, BLOCK_M=block_m, BLOCK_N=128, STAGES=stages,
                           CONSUMER_REGS=240, HAS_SCORE_MOD=False, SCALE_FIRST=False,
                           HAS_PARTIAL_BLOCKS=True, HAS_FULL_BLOCKS=True)
         if fused is not None:
             constexprs.update(FUSED_DQ=fused, ORDERED_DQ=ordered,
-                              RESIDENT_IN_REGISTERS=sm90.resident_in_registers("dkdv", D))
+                              RESIDENT_IN_REGISTERS=hopper_common.resident_in_registers("dkdv", D))
         signature = {}
         for name in params.names():
             if name in constexprs:
@@ -251,9 +251,9 @@ def compile_causal_offline():
             # each tile ([Note] The float32 dQ tile in shared memory). Both consumers' code adds a
             # 64-column tile, one box at a time.
             boxes = [meta["block_size"] for meta in compiled.metadata.tensordesc_meta if meta["elem_size"] == 4]
-            assert boxes == [[64, sm90_backward.DQ_BOX_COLUMNS]]
+            assert boxes == [[64, hopper_backward.DQ_BOX_COLUMNS]]
             # The ordered form's writer warp adds for both consumers: both halves at 128, one tile at 64.
-            adds = (2 if not ordered or D == 128 else 1) * 64 // sm90_backward.DQ_BOX_COLUMNS
+            adds = (2 if not ordered or D == 128 else 1) * 64 // hopper_backward.DQ_BOX_COLUMNS
             assert compiled.asm["ptx"].count("cp.reduce.async.bulk.tensor") == adds
         # The ordered form waits for its additions to land in memory, not only to be read (.read).
         waits = re.findall(r"cp\.async\.bulk\.wait_group(\.read)?\s", compiled.asm["ptx"])
@@ -267,20 +267,20 @@ def test_which_calls_add_dq_in_the_dkdv_kernel(monkeypatch):
     # fixed order ([Note] Ordered dQ additions) where the mask's rows visit every key block and every
     # program of a pair fits on the GPU at once, the two kernels otherwise.
     def form(D, deterministic, alike=True, S=L):
-        return sm90_backward.dq_form(bhnd(D=D), bhnd(D=D, N=S), deterministic, alike)
+        return hopper_backward.dq_form(bhnd(D=D), bhnd(D=D, N=S), deterministic, alike)
 
     assert form(64, False) == form(128, False) == form(64, False, alike=False) == (True, False)
     assert form(64, True) == form(128, True) == (True, True)
     assert form(64, True, alike=False) == form(128, True, alike=False) == (False, False)
     assert form(96, False) == form(256, True) == (False, False)
-    monkeypatch.setattr(sm90_backward, "sm_count", lambda device: 4)
+    monkeypatch.setattr(hopper_backward, "sm_count", lambda device: 4)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     assert form(64, True, S=4 * 128) == (True, True)
     assert form(64, True, S=5 * 128) == (False, False)  # five programs a pair on four SMs: two kernels
     assert form(64, False, S=5 * 128) == (True, False)
-    monkeypatch.setattr(sm90_backward, "ORDERS_DQ", "always")
+    monkeypatch.setattr(hopper_backward, "ORDERS_DQ", "always")
     assert form(64, True, alike=False, S=4 * 128) == (True, True)
-    monkeypatch.setattr(sm90_backward, "ORDERS_DQ", "never")
+    monkeypatch.setattr(hopper_backward, "ORDERS_DQ", "never")
     assert form(128, True, S=4 * 128) == (False, False)
 
 
@@ -335,7 +335,7 @@ def test_a_plan_is_made_once_and_kept(monkeypatch):
     # and a causal mask) at head dim 64 adds dQ in the dK/dV kernel.
     kernel, instance = family("alibi")
     q = bhnd()
-    monkeypatch.setattr(sm90_backward, "problem_reason", lambda *args: None)
+    monkeypatch.setattr(hopper_backward, "problem_reason", lambda *args: None)
     launched = []
 
     def fake_launch(plan, *args):
@@ -344,21 +344,21 @@ def test_a_plan_is_made_once_and_kept(monkeypatch):
 
     monkeypatch.setattr(kernel, "_launch", fake_launch)
     bm = instance.block_mask(1, 2, L, L, "cpu")
-    before = sm90_backward.launches
+    before = hopper_backward.launches
     for _ in range(2):
         assert kernel(q, q, q, q, torch.zeros(1, 2, L), q, None, bm, 0.125, [], []) == "grads"
     assert launched[0] is launched[1] and len(kernel._plans) == 1
-    assert sm90_backward.launches == before + 2 and kernel.last_plan is launched[0]
+    assert hopper_backward.launches == before + 2 and kernel.last_plan is launched[0]
     steps = launched[0].steps  # head dim 64: dQ is added in the dK/dV kernel, no dQ kernel
     assert steps["dkdv"].grid == (L // 128, 2, 1) and "dq" not in steps and steps["dkdv"].constexprs["FUSED_DQ"]
     assert steps["dkdv"].constexprs["BLOCK_M"] == 64
-    # [Note] Resident tiles in registers (kernels/sm90.py): K and V at head dim 64; the dQ kernel has no such flag.
+    # [Note] Resident tiles in registers (kernels/hopper/common.py): K and V at head dim 64; the dQ kernel has no such flag.
     assert steps["dkdv"].constexprs["RESIDENT_IN_REGISTERS"]
-    monkeypatch.setattr(sm90_backward, "ORDERS_DQ", "always")
+    monkeypatch.setattr(hopper_backward, "ORDERS_DQ", "always")
     kernel(q, q, q, q, torch.zeros(1, 2, L), q, None, bm, 0.125, [], [], deterministic=True)
     steps = kernel.last_plan.steps  # a deterministic call: dQ in order ([Note] Ordered dQ additions)
     assert len(kernel._plans) == 2 and "dq" not in steps and steps["dkdv"].constexprs["ORDERED_DQ"]
-    monkeypatch.setattr(sm90_backward, "ORDERS_DQ", "rows alike")
+    monkeypatch.setattr(hopper_backward, "ORDERS_DQ", "rows alike")
     kernel(q, q, q, q, torch.zeros(1, 2, L), q, None, bm, 0.125, [], [], deterministic=True)
     steps = kernel.last_plan.steps  # a causal mask's rows differ: the two kernels, each row one writer
     assert len(kernel._plans) == 3 and not steps["dkdv"].constexprs["FUSED_DQ"]
@@ -394,7 +394,7 @@ def test_the_launcher_packs_what_the_kernels_declare(monkeypatch):
     real_kernel = CompiledKernel.kernel
     monkeypatch.setattr(CompiledKernel, "kernel", lambda self, params: (
         real_kernel(self, params) if params is BACKWARD_PREPROCESS else _Recorder(params, calls)))
-    monkeypatch.setattr(sm90_backward, "problem_reason", lambda *args: None)
+    monkeypatch.setattr(hopper_backward, "problem_reason", lambda *args: None)
     kernel, instance = family("alibi")
     B, H, E = 2, 2, 64
     q, k, v, out, grad_out = (torch.randn(B, H, L, E, dtype=torch.bfloat16) for _ in range(5))
@@ -405,17 +405,17 @@ def test_the_launcher_packs_what_the_kernels_declare(monkeypatch):
     # Head dim 64 adds dQ in the dK/dV kernel, a deterministic call in a fixed order ([Note] Ordered dQ
     # additions); without that order, a deterministic call runs the dQ kernel instead.
     for deterministic, ordered in ((False, "always"), (True, "always"), (True, "never")):
-        monkeypatch.setattr(sm90_backward, "ORDERS_DQ", ordered)
+        monkeypatch.setattr(hopper_backward, "ORDERS_DQ", ordered)
         dq, dk, dv, captured = kernel(q, k, v, out, lse, grad_out, None, bm, 0.125, score_captured, [],
                                       deterministic=deterministic)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and captured == [None]
         assert dq.dtype == q.dtype
     fused, in_order, two_pass = [plan for plan in kernel._plans.values()]
     assert [(params, grid) for params, grid, _, _ in calls] == [
-        (SM90_BACKWARD_DKDV, fused.steps["dkdv"].grid), (SM90_BACKWARD_DKDV, in_order.steps["dkdv"].grid),
-        (SM90_BACKWARD_DKDV, two_pass.steps["dkdv"].grid), (SM90_BACKWARD_DQ, two_pass.steps["dq"].grid)]
+        (HOPPER_BACKWARD_DKDV, fused.steps["dkdv"].grid), (HOPPER_BACKWARD_DKDV, in_order.steps["dkdv"].grid),
+        (HOPPER_BACKWARD_DKDV, two_pass.steps["dkdv"].grid), (HOPPER_BACKWARD_DQ, two_pass.steps["dq"].grid)]
     # The ordered call's turns (kernels/tables.py DqTurns) and a zeroed count per 64 rows and 64 columns.
-    names = SM90_BACKWARD_DKDV.names()
+    names = HOPPER_BACKWARD_DKDV.names()
     ordered_args = calls[1][2]
     turns = dq_turns(bm)
     assert ordered_args[names.index("Q_TURNS")] is turns.q_turns
@@ -424,7 +424,7 @@ def test_the_launcher_packs_what_the_kernels_declare(monkeypatch):
     assert added.dtype == torch.int32 and added.numel() == 2 * B * H * L // 64 and not added.any()
     assert calls[1][3]["ORDERED_DQ"] and not calls[0][3]["ORDERED_DQ"]
     assert ordered_args[names.index("TAIL_PAIRS")] == 1  # the grid's order
-    sums = calls[0][2][SM90_BACKWARD_DKDV.names().index("DQ_ACC")]
+    sums = calls[0][2][HOPPER_BACKWARD_DKDV.names().index("DQ_ACC")]
     # 64-row boxes of 32 columns under the 128-byte swizzle ([Note] The float32 dQ tile in shared memory).
     assert sums.shape == [B * H * L, E] and sums.block_shape == [64, 32] and sums.base.dtype == torch.float32
     assert sums.layout.swizzle_byte_width == 128

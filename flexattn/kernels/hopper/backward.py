@@ -1,8 +1,8 @@
-"""The Hopper (sm90) backward family: a dK/dV and a dQ kernel in Gluon per pair of traced mods
-(templates/backward_sm90.py.jinja), after the portable backward's preprocess (DELTA), and their
+"""The Hopper backward family: a dK/dV and a dQ kernel in Gluon per pair of traced mods
+(templates/hopper_backward.py.jinja), after the portable backward's preprocess (DELTA), and their
 launches.
 
-Warp-specialised like the sm90 forward (kernels/sm90.py): a loader warp feeds two consumer
+Warp-specialised like the Hopper forward (forward.py): a loader warp feeds two consumer
 warpgroups through an mbarrier ring. dK/dV walks the BlockMask's transposed tables and dQ its
 forward tables, the same tables the portable backward walks (kernels/tables.py), with the same
 lowered mods and the score_mod's lowered gradient. The dK/dV kernel also adds dQ into a float32
@@ -11,7 +11,7 @@ a fixed order ([Note] Ordered dQ additions in the template) where the mask's row
 block; otherwise the dQ kernel runs and each output row is written by one program, no atomics. Either
 way the result does not depend on scheduling (bit-identical from run to run; ``dq_form`` decides).
 
-It covers the common case; :func:`problem_reason` and ``Sm90BackwardKernel.unsupported_reason`` say
+It covers the common case; :func:`problem_reason` and ``HopperBackwardKernel.unsupported_reason`` say
 why a call is outside it (learnable captured tensors, a broadcast key/value batch, context
 parallelism's float32 parts, anything the forward's reasons name), and dispatch.py then runs the
 portable backward, or raises when ``BACKEND='GLUON'`` pinned this one.
@@ -26,23 +26,23 @@ from typing import Optional
 
 import torch
 
-from ..codegen import KernelSpec
-from ..codegen.params import BACKWARD_PREPROCESS, SM90_BACKWARD_DKDV, SM90_BACKWARD_DQ
-from ..lowering import index_bounds, lower_score_grad
-from ..masks.layout import cdiv
-from ..trace import TracedMod
-from .ahead import recording
-from .family import Plan, Step, cached_kernel
-from .backward import preprocess_delta, preprocess_launch
-from .launch import (RepeatedLaunch, descriptor_over, descriptor_template, empty_output, kv_strides, launch,
-                     mod_launch_args, zeroed_output)
-from .launch_order import rows_alike, sm_count, tail_pairs
-from .sm90 import BLOCK, CONSUMER_REGS, GluonFamily, Sm90Unavailable, resident_in_registers, shared_layout, tensor_view
-from .sm90 import problem_reason as forward_problem_reason
-from .tables import backward_tables, dq_turns, launch_tables
+from ...codegen import KernelSpec
+from ...codegen.params import BACKWARD_PREPROCESS, HOPPER_BACKWARD_DKDV, HOPPER_BACKWARD_DQ
+from ...lowering import index_bounds, lower_score_grad
+from ...masks.layout import cdiv
+from ...trace import TracedMod
+from ..ahead import recording
+from ..backward import preprocess_delta, preprocess_launch
+from ..family import Plan, Step, cached_kernel
+from ..launch import (RepeatedLaunch, descriptor_over, descriptor_template, empty_output, kv_strides, launch,
+                      mod_launch_args, zeroed_output)
+from ..launch_order import rows_alike, sm_count, tail_pairs
+from ..tables import backward_tables, dq_turns, launch_tables
+from .common import BLOCK, CONSUMER_REGS, HopperFamily, resident_in_registers, shared_layout, tensor_view
+from .common import problem_reason as common_problem_reason
 
-__all__ = ["Sm90BackwardKernel", "Sm90Unavailable", "WarmSm90Backward", "sm90_backward_kernel", "problem_reason",
-           "dq_form", "launches"]
+__all__ = ["HopperBackwardKernel", "WarmHopperBackward", "hopper_backward_kernel", "problem_reason", "dq_form",
+           "launches"]
 
 launches = 0  # backward calls run by this family (tests check the Gluon path really ran)
 # dK/dV walks each listed 128-row query block as two tiles of 64 rows. Tiles of 128 rows, as
@@ -96,7 +96,7 @@ PREPROCESS_ROWS = 64
 #   at d=128: the doubled traffic costs more than the products saved.
 # - a mask_mod alone at d=64 with one loop (H200, Triton 3.6, 2026-11-28): causal 0.97-1.04x (B1 H12
 #   16k to B4 H12 4k), sliding window 1.01x, prefix LM 1.04x: too uneven to move the rule then;
-#   again once K and V stayed in registers ([Note] Resident tiles in registers in kernels/sm90.py;
+#   again once K and V stayed in registers ([Note] Resident tiles in registers in kernels/hopper/common.py;
 #   H200, later that day): causal 1.03x, sliding window 1.06x, prefix LM 1.03x, documents 1.13x
 #   (B4 H16 16k), causal 1.01x (B1 H12 16k), and the causal 12-layer model at 4k and 16k level
 #   (425k and 254k tokens/s against 427k and 254k). So the rule went.
@@ -108,7 +108,7 @@ PREPROCESS_ROWS = 64
 
 
 # Which deterministic calls add dQ in the dK/dV kernel, in a fixed order ([Note] Ordered dQ additions
-# in templates/backward_sm90.py.jinja), rather than run the two kernels: "rows alike" (every row of
+# in templates/hopper_backward.py.jinja), rather than run the two kernels: "rows alike" (every row of
 # the mask visits every key block, as without a mask_mod), "always" or "never" (the tests pin both
 # forms). Either way every program of a (batch, head) pair must fit on the GPU at once.
 # Deterministic against the default (H200, bf16, 16k tokens, docs/benchmarks.md, 2026-11-29):
@@ -158,9 +158,9 @@ def _dq_acc_layout():
 
 def problem_reason(q, k, v, block_mask, float32_kv_grads: bool = False,
                    grad_out: Optional[torch.Tensor] = None) -> Optional[str]:
-    """Why the sm90 backward cannot run this problem (None: it can), whatever the mods. ``grad_out``
+    """Why the Hopper backward cannot run this problem (None: it can), whatever the mods. ``grad_out``
     (the output's gradient, when known) is read through a tensor descriptor like q."""
-    reason = forward_problem_reason(q, k, v, block_mask, need_max=False)
+    reason = common_problem_reason(q, k, v, block_mask, need_max=False)
     if reason is not None:
         return reason
     if grad_out is not None:
@@ -178,11 +178,11 @@ def problem_reason(q, k, v, block_mask, float32_kv_grads: bool = False,
     return None
 
 
-class Sm90BackwardKernel(GluonFamily):
-    """The sm90 backward of one pair of traced mods: one compiled source per lowering variant, one
+class HopperBackwardKernel(HopperFamily):
+    """The Hopper backward of one pair of traced mods: one compiled source per lowering variant, one
     launch plan per problem (see [Note] Cache keys in kernels/family.py)."""
 
-    kind = "sm90_backward"
+    kind = "hopper_backward"
     what = "backward"
 
     def _spec(self, variants: tuple) -> KernelSpec:
@@ -205,7 +205,7 @@ class Sm90BackwardKernel(GluonFamily):
 
     def __call__(self, q, k, v, out, lse, grad_out, grad_lse, block_mask, scale: float, score_captured,
                  mask_captured, deterministic: bool = False):
-        """``(dq, dk, dv, [None for each captured tensor])``; raises Sm90Unavailable when the kernels of
+        """``(dq, dk, dv, [None for each captured tensor])``; raises HopperUnavailable when the kernels of
         these mods do not compile (the caller checked ``unsupported_reason`` first, for everything else).
         ``deterministic``: sums formed in the same order at every run (``dq_form`` says how: dQ added in
         the dK/dV kernel in a fixed order, or the two kernels, whose every output row has one writer)."""
@@ -245,15 +245,15 @@ class Sm90BackwardKernel(GluonFamily):
         dkdv = dict(common, BLOCK_M=QUERY_TILE, BLOCK_N=BLOCK, STAGES=DKDV_STAGES[E], FUSED_DQ=fused_dq,
                     ORDERED_DQ=ordered_dq, RESIDENT_IN_REGISTERS=resident_in_registers("dkdv", E))
         dq = dict(common, BLOCK_M=BLOCK, BLOCK_N=BLOCK, STAGES=DQ_STAGES[E])
-        SM90_BACKWARD_DKDV.check_constexprs(dkdv)
-        SM90_BACKWARD_DQ.check_constexprs(dq)
+        HOPPER_BACKWARD_DKDV.check_constexprs(dkdv)
+        HOPPER_BACKWARD_DQ.check_constexprs(dq)
         preprocess = dict(V_HEAD_DIM=E, V_HEAD_DIM_P2=E, BLOCK_M=PREPROCESS_ROWS, HAS_DLSE=has_dlse)
         steps = {
             "preprocess": Step(BACKWARD_PREPROCESS, (cdiv(L, PREPROCESS_ROWS), Hq, B), preprocess),
-            "dkdv": Step(SM90_BACKWARD_DKDV, (S // BLOCK, Hkv, B), dkdv),
+            "dkdv": Step(HOPPER_BACKWARD_DKDV, (S // BLOCK, Hkv, B), dkdv),
         }
         if not fused_dq:
-            steps["dq"] = Step(SM90_BACKWARD_DQ, (L // BLOCK, Hq, B), dq)
+            steps["dq"] = Step(HOPPER_BACKWARD_DQ, (L // BLOCK, Hq, B), dq)
         return Plan(compiled, steps, (L, S), q.element_size())
 
     def _problem(self, q, k, v, out, grad_out, grad_lse, tables, scale, fused_dq: bool, ordered_dq: bool) -> tuple:
@@ -271,11 +271,11 @@ class Sm90BackwardKernel(GluonFamily):
             return None
         return self._plans.get(self._problem(q, k, v, out, grad_out, grad_lse, tables, scale, fused_dq, False))
 
-    def warm_launch(self, plan: Plan, q, k, v, out, grad_out, tables, bwd_tables, scale: float) -> "WarmSm90Backward":
+    def warm_launch(self, plan: Plan, q, k, v, out, grad_out, tables, bwd_tables, scale: float) -> "WarmHopperBackward":
         """``plan`` (from kept_plan) for the later calls of this call's problem, which the caller keys.
         Call it as ``(q, k, v, out, lse, grad_out, grad_lse, tables, bwd_tables, score_captured,
         mask_captured) -> (dq, dk, dv)``."""
-        return WarmSm90Backward(self, plan, q, k, v, grad_out, tables, bwd_tables, scale)
+        return WarmHopperBackward(self, plan, q, k, v, grad_out, tables, bwd_tables, scale)
 
     def _launch(self, plan: Plan, q, k, v, out, lse, grad_out, grad_lse, block_mask, tables, scale, score_captured,
                 mask_captured):
@@ -302,23 +302,23 @@ class Sm90BackwardKernel(GluonFamily):
         mods = mod_launch_args(score_captured if self.has_score_mod else (),
                                mask_captured if self.has_mask_mod else ())
         step = plan.steps["dkdv"]
-        launch(module.kernel(SM90_BACKWARD_DKDV), step.grid,
+        launch(module.kernel(HOPPER_BACKWARD_DKDV), step.grid,
                _pack_dkdv(descriptors, lse, delta, bwd, mods, dkdv_fixed, turns), step.constexprs)
         if fused_dq:
             return dq.view(B, Hq, L, E).to(q.dtype), dk, dv, [None] * len(score_captured)
         step = plan.steps["dq"]
-        launch(module.kernel(SM90_BACKWARD_DQ), step.grid, _pack_dq(descriptors, lse, delta, tables, mods, dq_fixed),
+        launch(module.kernel(HOPPER_BACKWARD_DQ), step.grid, _pack_dq(descriptors, lse, delta, tables, mods, dq_fixed),
                step.constexprs)
         return dq, dk, dv, [None] * len(score_captured)
 
 
-class WarmSm90Backward:
-    """Sm90BackwardKernel._launch of one problem's plan, for its later calls ([Note] Ready launches
+class WarmHopperBackward:
+    """HopperBackwardKernel._launch of one problem's plan, for its later calls ([Note] Ready launches
     in kernels/launch.py): the 2-D views, the launches' ints, the descriptors' shapes and the launch
     order worked out once from the first call; each call allocates, copies its seven descriptors
     from templates holding no tensor, and launches."""
 
-    def __init__(self, family: Sm90BackwardKernel, plan: Plan, q, k, v, grad_out, tables, bwd_tables, scale: float):
+    def __init__(self, family: HopperBackwardKernel, plan: Plan, q, k, v, grad_out, tables, bwd_tables, scale: float):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         B, Hq, L, E = q.shape
@@ -328,11 +328,11 @@ class WarmSm90Backward:
         self.fused_dq = "dq" not in plan.steps
         self.preprocess = preprocess_launch(plan)
         step = plan.steps["dkdv"]
-        self.dkdv = RepeatedLaunch(module.kernel(SM90_BACKWARD_DKDV), step.grid, step.constexprs)
+        self.dkdv = RepeatedLaunch(module.kernel(HOPPER_BACKWARD_DKDV), step.grid, step.constexprs)
         self.dq = None
         if not self.fused_dq:
             step = plan.steps["dq"]
-            self.dq = RepeatedLaunch(module.kernel(SM90_BACKWARD_DQ), step.grid, step.constexprs)
+            self.dq = RepeatedLaunch(module.kernel(HOPPER_BACKWARD_DQ), step.grid, step.constexprs)
         self.kv_shape = (B, Hkv, S, E)
         self.dq_shape = (B * Hq * L, E) if self.fused_dq else (B, Hq, L, E)
         # Samples of the outputs' layouts, for the descriptors' templates (nothing of them is kept).
@@ -378,7 +378,7 @@ def _problem_args(plan: Plan, q, k, v, grad_out, dk, dv, dq, tables, bwd_tables,
     """``(recipes, dkdv_fixed, dq_fixed)``: the arguments of the seven descriptors after their tensor
     (Q, K, V, dO, dK, dV, and dQ or its float32 sums: 2-D shape, strides, block, layout) and each
     launch's ints and floats. The same for every call of one problem, so a warm launch works them
-    out once ([Note] 2-D views in templates/forward_sm90.py.jinja)."""
+    out once ([Note] 2-D views in templates/hopper_forward.py.jinja)."""
     B, Hq, L, E = q.shape
     S = k.shape[2]
     k_strides, v_strides = kv_strides(k, v, B)
@@ -428,7 +428,7 @@ def _pack_dkdv(descriptors, lse, delta, bwd_tables, mods: list, fixed: dict, tur
     else:
         added, walk_first = bwd_tables.q_num_blocks, bwd_tables.q_num_blocks
         q_turns, full_q_turns = bwd_tables.q_indices, bwd_tables.full_q_indices
-    return SM90_BACKWARD_DKDV.pack(
+    return HOPPER_BACKWARD_DKDV.pack(
         Q=d_q, K=d_k, V=d_v, DO=d_do, DK=d_dk, DV=d_dv, DQ_ACC=d_dq, LSE=lse, DELTA=delta,
         Q_NUM_BLKS=bwd_tables.q_num_blocks, Q_IDX=bwd_tables.q_indices, FULL_Q_NUM_BLKS=bwd_tables.full_q_num_blocks,
         FULL_Q_IDX=bwd_tables.full_q_indices, WALK_FIRST=walk_first, Q_TURNS=q_turns, FULL_Q_TURNS=full_q_turns,
@@ -440,17 +440,17 @@ def _pack_dq(descriptors, lse, delta, tables, mods: list, fixed: dict) -> tuple:
     """The dQ kernel's arguments: the descriptors, the row statistics, the forward tables, the mods'
     tensors, and ``fixed`` (_problem_args)."""
     d_q, d_k, d_v, d_do, _, _, d_dq = descriptors
-    return SM90_BACKWARD_DQ.pack(
+    return HOPPER_BACKWARD_DQ.pack(
         Q=d_q, K=d_k, V=d_v, DO=d_do, DQ=d_dq, LSE=lse, DELTA=delta, KV_NUM_BLKS=tables.kv_num_blocks,
         KV_IDX=tables.kv_indices, FULL_KV_NUM_BLKS=tables.full_kv_num_blocks, FULL_KV_IDX=tables.full_kv_indices,
         mods=mods, **fixed,
     )
 
 
-_kernels: "OrderedDict[tuple, Sm90BackwardKernel]" = OrderedDict()  # see [Note] Cache keys in kernels/family.py
+_kernels: "OrderedDict[tuple, HopperBackwardKernel]" = OrderedDict()  # see [Note] Cache keys in kernels/family.py
 
 
-def sm90_backward_kernel(score: Optional[TracedMod], mask: Optional[TracedMod], *,
-                         tanh_approx: bool = False) -> Sm90BackwardKernel:
-    """The sm90 backward for these traced mods, built on first use and kept (the latest 256)."""
-    return cached_kernel(_kernels, Sm90BackwardKernel, score, mask, tanh_approx)
+def hopper_backward_kernel(score: Optional[TracedMod], mask: Optional[TracedMod], *,
+                         tanh_approx: bool = False) -> HopperBackwardKernel:
+    """The Hopper backward for these traced mods, built on first use and kept (the latest 256)."""
+    return cached_kernel(_kernels, HopperBackwardKernel, score, mask, tanh_approx)

@@ -1,80 +1,46 @@
-"""The Hopper (sm90) forward family: one Gluon kernel per pair of traced mods
-(templates/forward_sm90.py.jinja), its launch plans and its launches.
+"""The Hopper forward family: one Gluon kernel per pair of traced mods
+(templates/hopper_forward.py.jinja), its launch plans and its launches.
 
 A warp-specialised FlashAttention forward (a loader warp feeding two consumer warpgroups, three on
 a call without a mask at head dim 64, through an mbarrier ring, as FlashAttention-3 does) that
 walks the BlockMask's forward tables as the portable forward does and writes the same output and
 LSE, so the portable Triton backward runs after it unchanged. It covers the common case only;
-:func:`problem_reason` and ``Sm90ForwardKernel.unsupported_reason`` say why a call is outside it,
+:func:`problem_reason` and ``HopperForwardKernel.unsupported_reason`` say why a call is outside it,
 and dispatch.py then runs the portable forward (or raises, when ``BACKEND='GLUON'`` pinned this one).
 """
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
-from ..codegen.params import SM90_FORWARD
-from ..errors import BackendUnavailableError
-from ..cuda_graphs import capturing
-from ..lowering import index_bounds, lowering_variants
-from ..masks import EVERY_BLOCK_FULL
-from ..trace import TracedMod
-from .ahead import recording
-from .family import KernelFamily, Plan, Step, cached_kernel
-from .launch import (
+from ...codegen.params import HOPPER_FORWARD
+from ...cuda_graphs import capturing
+from ...lowering import index_bounds
+from ...masks import EVERY_BLOCK_FULL
+from ...trace import TracedMod
+from ..ahead import recording
+from ..family import Plan, Step, cached_kernel
+from ..launch import (
     RepeatedLaunch, descriptor_over, descriptor_template, empty_attention_output, empty_output,
-    empty_strided_output, interpreter_enabled, kv_strides, launch, mod_launch_args,
+    empty_strided_output, kv_strides, launch, mod_launch_args,
 )
-from .launch_order import rows_alike, tail_pairs
-from .tables import launch_tables, program_walks
+from ..launch_order import rows_alike, tail_pairs
+from ..tables import launch_tables, program_walks
+from .common import (
+    BLOCK, CONSUMER_REGS, HopperFamily, problem_reason, resident_in_registers, shared_layout, tensor_view,
+)
 
-__all__ = ["Sm90ForwardKernel", "WarmSm90Launch", "GluonFamily", "Sm90Unavailable", "sm90_forward_kernel",
-           "problem_reason", "descriptor_ready", "device_reason", "shape_reason", "auto_reason",
-           "GLUON_TRITON_VERSIONS", "GLUON_COMPILES_ON", "RESIDENT_TILES", "resident_in_registers", "launches"]
+__all__ = ["HopperForwardKernel", "WarmHopperForward", "hopper_forward_kernel", "auto_reason", "launches"]
 
-# The Triton releases whose Gluon API (warp_specialize's signature, the Hopper copy and mbarrier
-# ops, calls from @gluon.jit into @triton.jit hooks) the Gluon kernels were run and checked on, on
-# an H200 (tests/test_gpu_sm90*.py, each release's wheel over torch 2.11; docs/benchmarks.md): the
-# runtime guard. A later release may rename Gluon ops again, so it runs the portable kernels until
-# it has been checked the same way.
-GLUON_TRITON_VERSIONS = ("3.6", "3.7", "3.8", "3.9")
-# The Triton releases whose Gluon compiles these templates (forward and backward) for sm90 offline,
-# in the CPU tests; the spellings that differ are chosen at render time ([Note] Gluon API by Triton
-# release in codegen/source.py).
-GLUON_COMPILES_ON = ("3.6", "3.7", "3.8", "3.9")
-BLOCK = 128  # query rows per program and keys per tile: the BlockMask's block on both sides
-HEAD_DIMS = (64, 128)
 # The K/V ring's depth: Q (2 x 64 rows) plus STAGES K and V tiles fit in 228 KB of shared memory.
 # At d=64, forward us on an H200 (bf16, [B, L, 3, H, D] storage, GPU time; 2, 3 and 4 stages): no mask
 # B4 H16 16k 9318, 9922-9949, 9126-9187; causal B4 H16 16k 4533, 4583-4588, 4548-4581; causal B1 H12
 # 16k 860, 864-868, 863-867 (docs/benchmarks.md).
 STAGES = {64: 4, 128: 2}
-CONSUMER_REGS = 240  # registers per thread of a consumer warpgroup (the loader warp keeps 24)
 
-# [Note] Resident tiles in registers. A Hopper wgmma reads its first operand from shared memory or
-# from registers. From shared memory, an m64 n64 k16 product (32 cycles at the tensor cores' rate)
-# reads 4 KB: all of the 128 bytes a cycle an SM's shared memory delivers. The dK/dV kernel's S and
-# dP products are that shape (64 keys x 64 queries a consumer); at head dim 64 a query tile moved
-# about 190 KB through shared memory (products, ring, dS and dQ tiles), about 1500 cycles against
-# 1280 of tensor-core work: the kernel waited on shared memory. Each consumer keeps one tile for its
-# whole walk (forward: its 64 rows of Q; dK/dV: its 64 keys of K and V; dQ: Q and dO), so it can
-# load that tile into registers once and read only the second operand from shared memory. It costs
-# 16 registers a thread per tile at head dim 64, 32 at 128. Measured against shared memory (H200,
-# Triton 3.6, bf16, 16k tokens; docs/benchmarks.md):
-# - dK/dV at head dim 64: 1.02-1.11x the backward on all ten cases (the paper's masks and mods,
-#   deterministic, the model's shapes), the same bits. At 128, K and V (64 registers) beside dK and
-#   dV (128) spilled about 1 KB: shared memory there.
-# - forward at head dim 64: 1.009-1.011x (8 rounds) on noop, causal, prefix LM and the model's 16k,
-#   the same bits. At 128, seven variants: 0.99-1.04x in a first run, 0.99-1.015x in a second of 8
-#   rounds (documents 0.99x in both): no gain worth 32 registers, so 128 keeps shared memory.
-# - dQ at head dim 64 (Q and dO): 0.97x causal and 0.99x prefix LM; at 128 it spilled. The dQ
-#   kernel has no such flag (the form measured was removed).
-# A/B runs: docs/data/resident_tiles_h200_2026-11-28.json.
-RESIDENT_TILES = {("forward", 64), ("dkdv", 64)}
 
 # [Note] Three consumers on an unmasked walk. A call without a BlockMask and without a mask_mod
 # walks every key block, as full, in order, in every row (masks/create.py dense_block_mask, marked
@@ -125,13 +91,6 @@ THREE_CONSUMER_REGS = 160
 # UNION_WALKS: the head dims where it runs.
 UNION_WALKS = {64: True, 128: False}
 
-
-def resident_in_registers(kernel: str, head_dim: int) -> bool:
-    """Whether ``kernel`` ("forward" or "dkdv") keeps its resident tiles in registers ([Note]
-    Resident tiles in registers)."""
-    return (kernel, head_dim) in RESIDENT_TILES
-
-
 launches = 0  # kernels launched by this family (tests check the Gluon path really ran)
 # AUTO's rule: at head dim 64 the portable forward is faster on rows that visit few key blocks (the
 # program's fixed cost, barriers and partitions, is paid over few tiles) and with a score_mod on a
@@ -154,108 +113,6 @@ launches = 0  # kernels launched by this family (tests check the Gluon path real
 AUTO_MIN_BLOCKS_D64 = 24
 
 
-class Sm90Unavailable(BackendUnavailableError):
-    """This call cannot run on the sm90 kernel; the message says why (dispatch.py falls back)."""
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple:
-    return torch.cuda.get_device_capability(index)
-
-
-def _triton_version() -> str:
-    import triton
-
-    return triton.__version__
-
-
-class View(NamedTuple):
-    """A tensor [B, H, N, D] as one 2-D descriptor (see [Note] 2-D views in the template): its
-    shape and row stride, and where (batch, head)'s rows start: rows per batch and per head,
-    columns per head."""
-
-    shape: tuple
-    row_stride: int
-    row_z: int
-    row_h: int
-    col_h: int
-
-
-def tensor_view(t: torch.Tensor, strides: tuple) -> Optional[View]:
-    """``t`` (with ``strides``, a batch stride of 0 where K/V are broadcast) as one 2-D view, or None.
-
-    Two layouts qualify: each head's rows apart from the others' ([B, H, N, D] storage and its
-    slices: every stride a whole number of rows), and heads side by side in a row ([B, N, H, D]
-    storage, a transposed view: the heads' columns inside the row stride)."""
-    B, H, N, D = t.shape
-    sz, sh, sn, sd = strides
-    if sd != 1 or sn < D or min(sz, sh) < 0:
-        return None
-    z_rows = 0 if B == 1 else sz
-    if z_rows % sn:
-        return None
-    if H == 1 or sh % sn == 0:  # rows per head
-        h_rows = 0 if H == 1 else sh // sn
-        rows = (B - 1) * (z_rows // sn) + (H - 1) * h_rows + N
-        return View((rows, D), sn, z_rows // sn, h_rows, 0)
-    if sh >= D and (H - 1) * sh + D <= sn:  # columns per head
-        rows = (B - 1) * (z_rows // sn) + N
-        return View((rows, (H - 1) * sh + D), sn, z_rows // sn, 0, sh)
-    return None
-
-
-def descriptor_ready(t: torch.Tensor, strides: Optional[tuple] = None) -> bool:
-    """Whether ``t`` (with ``strides``, by default its own) can be read through one 2-D tensor
-    descriptor: a ``tensor_view``, with 16-byte aligned base and rows."""
-    view = tensor_view(t, t.stride() if strides is None else strides)
-    return view is not None and t.data_ptr() % 16 == 0 and (view.row_stride * t.element_size()) % 16 == 0
-
-
-def problem_reason(q, k, v, block_mask, need_max: bool) -> Optional[str]:
-    """Why the sm90 kernel cannot run this problem (None: it can), whatever the mods."""
-    if not q.is_cuda:
-        return "Gluon kernels need a CUDA device (Triton's interpreter cannot run them)"
-    return device_reason(q.device) or shape_reason(q, k, v, block_mask, need_max)
-
-
-def device_reason(device: torch.device) -> Optional[str]:
-    """Why the kernel cannot run on this CUDA device with this Triton (None: it can)."""
-    if interpreter_enabled():
-        return "Triton's interpreter (TRITON_INTERPRET=1) cannot run Gluon kernels"
-    version = _triton_version()
-    if not version.startswith(GLUON_TRITON_VERSIONS):
-        return (f"Gluon kernels validated on Triton {GLUON_TRITON_VERSIONS[0]} to {GLUON_TRITON_VERSIONS[-1]} "
-                f"only (this is Triton {version})")
-    capability = tuple(_capability(device.index if device.index is not None else torch.cuda.current_device()))
-    if capability != (9, 0):
-        return f"the Gluon kernel is for compute capability 9.0 (Hopper), this GPU is {capability[0]}.{capability[1]}"
-    return None
-
-
-def shape_reason(q, k, v, block_mask, need_max: bool) -> Optional[str]:
-    """Why the kernel cannot take these inputs and this BlockMask (None: it can)."""
-    if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
-        dtypes = ", ".join(str(t.dtype).replace("torch.", "") for t in (q, k, v))
-        return f"the Gluon kernel takes a query, key and value of one dtype, float16 or bfloat16, got {dtypes}"
-    E, Ev = q.shape[-1], v.shape[-1]
-    if E != Ev or E not in HEAD_DIMS:
-        return f"the Gluon kernel needs equal Q/K and V head dims of 64 or 128, got {E} and {Ev}"
-    L, S = q.shape[2], k.shape[2]
-    if L % BLOCK or S % BLOCK:
-        return f"the Gluon kernel needs query and key lengths that are multiples of {BLOCK}, got {L} and {S}"
-    if tuple(block_mask.BLOCK_SIZE) != (BLOCK, BLOCK):
-        return (f"the Gluon kernel needs a BlockMask BLOCK_SIZE of ({BLOCK}, {BLOCK}), "
-                f"got {tuple(block_mask.BLOCK_SIZE)}")
-    if need_max:
-        return "the Gluon kernel does not write max_scores"
-    k_strides, v_strides = kv_strides(k, v, q.shape[0])
-    for name, t, strides in (("q", q, q.stride()), ("k", k, k_strides), ("v", v, v_strides)):
-        if not descriptor_ready(t, strides):
-            return (f"{name} cannot be read through one 2-D tensor descriptor (it needs a unit last stride, 16-byte "
-                    "aligned rows and base, and [B, H, N, D] or [B, N, H, D] storage)")
-    return None
-
-
 def auto_reason(q, block_mask, has_score_mod: bool = False, has_mask_mod: bool = False) -> Optional[str]:
     """Why AUTO leaves an eligible call to the portable forward, measured faster there (None: it does not)."""
     if q.shape[-1] == 64:
@@ -268,56 +125,18 @@ def auto_reason(q, block_mask, has_score_mod: bool = False, has_mask_mod: bool =
     return None
 
 
-class GluonFamily(KernelFamily):
-    """What the Gluon families share: a lowering variant whose kernels did not compile (a mod Gluon
-    cannot express, or kernels that do not fit) is remembered with its reason, so later calls go to
-    the portable kernels without trying again; the first launch of a plan is where that shows."""
-
-    what = "kernel"  # how the error names the family's kernels
-
-    def __init__(self, score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool):
-        super().__init__(score, mask, tanh_approx=tanh_approx)
-        self._failed: dict = {}  # lowering variants -> why their kernels did not compile
-
-    def _variants(self, q, k) -> tuple:
-        B, Hq, L, _ = q.shape
-        return lowering_variants(self.score, self.mask, index_bounds(B, Hq, L, k.shape[2]))
-
-    def _failed_reason(self, q, k) -> Optional[str]:
-        return self._failed.get(self._variants(q, k)) if self._failed else None
-
-    def _first_launch(self, key: tuple, q, k, make_plan, launch):
-        """``(plan, launch(plan))`` for a problem seen for the first time; the plan is kept once its
-        launch (which compiles) succeeded. Raises Sm90Unavailable, and remembers why, when it fails."""
-        plan = make_plan()
-        if recording():  # [Note] Kernels compiled ahead: the real first launch keeps the plan
-            return plan, launch(plan)
-        try:
-            result = launch(plan)
-        except Exception as err:
-            if isinstance(err, torch.cuda.OutOfMemoryError):
-                raise
-            # See [Note] Gluon spelling in codegen/source.py.
-            reason = (f"the Gluon {self.what} of {self._names()} did not compile ({type(err).__name__}: "
-                      f"{last_line(err)})")
-            self._failed[self._variants(q, k)] = reason
-            raise Sm90Unavailable(reason) from err
-        self._remember_plan(key, plan)
-        return plan, result
-
-
-class Sm90ForwardKernel(GluonFamily):
-    """The sm90 forward of one pair of traced mods: one compiled source per lowering variant, one
+class HopperForwardKernel(HopperFamily):
+    """The Hopper forward of one pair of traced mods: one compiled source per lowering variant, one
     launch plan per problem (see [Note] Cache keys in kernels/family.py)."""
 
-    kind = "sm90_forward"
+    kind = "hopper_forward"
 
     def unsupported_reason(self, q, k, v, block_mask, need_max: bool) -> Optional[str]:
         """Why this call cannot run here (None: it can): the problem's reason, or the mods'."""
         return problem_reason(q, k, v, block_mask, need_max) or self._failed_reason(q, k)
 
     def __call__(self, q, k, v, block_mask, scale: float, score_captured, mask_captured, *, need_lse: bool):
-        """``(out, lse or None)``; raises Sm90Unavailable when the kernel of these mods does not compile
+        """``(out, lse or None)``; raises HopperUnavailable when the kernel of these mods does not compile
         (checked by the caller with ``unsupported_reason`` first, for everything else)."""
         global launches
         tables = launch_tables(block_mask)
@@ -372,13 +191,13 @@ class Sm90ForwardKernel(GluonFamily):
         consumers = self._consumers(q, block_mask)
         return self._plans.get(self._problem(q, k, v, launch_tables(block_mask), scale, need_lse, consumers))
 
-    def warm_launch(self, plan: Plan, q, k, v, block_mask, scale: float, *, need_lse: bool) -> "WarmSm90Launch":
+    def warm_launch(self, plan: Plan, q, k, v, block_mask, scale: float, *, need_lse: bool) -> "WarmHopperForward":
         """``plan`` (from kept_plan) for the later calls of this call's problem, which the caller keys
         (compile.py, [Note] Warm calls of the forward op). Call it as ``(q, k, v, tables,
         score_captured, mask_captured, walks=...)``: a plan of union walks takes the walks of the
         call's tables (of the shape this call's have), any other none."""
         walks = program_walks(block_mask) if plan.steps["forward"].constexprs["UNION_WALK"] else None
-        return WarmSm90Launch(self, plan, q, k, v, launch_tables(block_mask), walks, scale, need_lse)
+        return WarmHopperForward(self, plan, q, k, v, launch_tables(block_mask), walks, scale, need_lse)
 
     def _plan(self, q, k, v, tables, scale, need_lse, consumers: int) -> Plan:
         B, Hq, L, E = q.shape
@@ -397,9 +216,9 @@ class Sm90ForwardKernel(GluonFamily):
             OUTPUT_LSE=need_lse, RESIDENT_IN_REGISTERS=consumers == 2 and resident_in_registers("forward", E),
             num_warps=4,  # the default partition: consumer warpgroup 0
         )
-        SM90_FORWARD.check_constexprs(constexprs)
+        HOPPER_FORWARD.check_constexprs(constexprs)
         grid = (-(-L // (64 * consumers)), Hq, B)
-        return Plan(compiled, {"forward": Step(SM90_FORWARD, grid, constexprs)}, (L, S),
+        return Plan(compiled, {"forward": Step(HOPPER_FORWARD, grid, constexprs)}, (L, S),
                     q.element_size())
 
     def _launch(self, plan: Plan, q, k, v, tables, walks, scale, score_captured, mask_captured, need_lse):
@@ -412,24 +231,24 @@ class Sm90ForwardKernel(GluonFamily):
         recipes, fixed = _problem_args(step, q, k, v, out, tables, walks, scale)
         descriptors = [TensorDescriptor(t, *recipe) for t, recipe in zip((q, k, v, out), recipes)]
         args = _pack(self, descriptors, lse, tables, walks, score_captured, mask_captured, fixed)
-        launch(plan.compiled.kernel(SM90_FORWARD), step.grid, args, step.constexprs)
+        launch(plan.compiled.kernel(HOPPER_FORWARD), step.grid, args, step.constexprs)
         return out, (lse if need_lse else None)
 
 
-class WarmSm90Launch:
-    """Sm90ForwardKernel._launch of one problem's plan, for its later calls ([Note] Ready launches in
+class WarmHopperForward:
+    """HopperForwardKernel._launch of one problem's plan, for its later calls ([Note] Ready launches in
     kernels/launch.py): the output's strides, the 2-D views, the launch's ints and the launch order
     are worked out once from the first call; each call allocates, fills in its tensors and
     launches. ``(out, lse or None, None)``: the Gluon forward keeps no row maxima."""
 
-    def __init__(self, family: Sm90ForwardKernel, plan: Plan, q, k, v, tables, walks, scale: float,
+    def __init__(self, family: HopperForwardKernel, plan: Plan, q, k, v, tables, walks, scale: float,
                  need_lse: bool):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         B, Hq, L, E = q.shape
         step = plan.steps["forward"]
         self.family, self.plan = family, plan
-        self.launch = RepeatedLaunch(plan.compiled.kernel(SM90_FORWARD), step.grid, step.constexprs)
+        self.launch = RepeatedLaunch(plan.compiled.kernel(HOPPER_FORWARD), step.grid, step.constexprs)
         self.need_lse = need_lse
         sample = empty_attention_output(q, E)  # the output's layout, and its descriptor's shape
         self.out_shape, self.out_strides, self.stats_shape = tuple(sample.shape), sample.stride(), (B, Hq, L)
@@ -494,12 +313,12 @@ def _problem_args(step: Step, q, k, v, out, tables, walks, scale: float) -> tupl
     return recipes, fixed
 
 
-def _pack(family: Sm90ForwardKernel, descriptors, lse, tables, walks, score_captured, mask_captured,
+def _pack(family: HopperForwardKernel, descriptors, lse, tables, walks, score_captured, mask_captured,
           fixed: dict) -> tuple:
     """The Gluon forward's arguments: the four descriptors, the LSE buffer, the tables and the program
     walks (None: the tables stand in), the mods' tensors, and ``fixed`` (_problem_args)."""
     d_q, d_k, d_v, d_out = descriptors
-    return SM90_FORWARD.pack(
+    return HOPPER_FORWARD.pack(
         Q=d_q, K=d_k, V=d_v, OUT=d_out, LSE=lse,
         KV_NUM_BLKS=tables.kv_num_blocks, KV_IDX=tables.kv_indices, FULL_KV_NUM_BLKS=tables.full_kv_num_blocks,
         FULL_KV_IDX=tables.full_kv_indices,
@@ -511,26 +330,10 @@ def _pack(family: Sm90ForwardKernel, descriptors, lse, tables, walks, score_capt
     )
 
 
-@functools.lru_cache(maxsize=None)
-def shared_layout(rows: int, cols: int, dtype: torch.dtype):
-    """The swizzled shared-memory layout of a [rows, cols] tile of ``dtype``, as the copy engine
-    writes it and warpgroup_mma reads it (12 us to work out each time, so kept)."""
-    from triton.experimental.gluon import language as gl
-
-    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
-    return gl.NVMMASharedLayout.get_default_for([rows, cols], element)
+_kernels: "OrderedDict[tuple, HopperForwardKernel]" = OrderedDict()  # see [Note] Cache keys in kernels/family.py
 
 
-def last_line(err: Exception) -> str:
-    """The compiler's own message: the last line of its error (the lines above quote the source)."""
-    text = str(err).strip().splitlines()
-    return text[-1][:200] if text else ""
-
-
-_kernels: "OrderedDict[tuple, Sm90ForwardKernel]" = OrderedDict()  # see [Note] Cache keys in kernels/family.py
-
-
-def sm90_forward_kernel(score: Optional[TracedMod], mask: Optional[TracedMod], *,
-                        tanh_approx: bool = False) -> Sm90ForwardKernel:
-    """The sm90 forward for these traced mods, built on first use and kept (the latest 256)."""
-    return cached_kernel(_kernels, Sm90ForwardKernel, score, mask, tanh_approx)
+def hopper_forward_kernel(score: Optional[TracedMod], mask: Optional[TracedMod], *,
+                        tanh_approx: bool = False) -> HopperForwardKernel:
+    """The Hopper forward for these traced mods, built on first use and kept (the latest 256)."""
+    return cached_kernel(_kernels, HopperForwardKernel, score, mask, tanh_approx)

@@ -1,4 +1,4 @@
-"""The Hopper Gluon backward (kernels/sm90_backward.py) on a real H100-class GPU: dQ, dK and dV
+"""The Hopper Gluon backward (kernels/hopper/backward.py) on a real H100-class GPU: dQ, dK and dV
 against the float64 reference under the flash-attention rule (tests/test_gpu_backward.py's
 check_flash_rule), the paper's variants at both head dims and in both 16-bit dtypes, GQA, the LSE's
 gradient, a transposed layout, fully masked rows, two masks of one shape, both head dims with dQ in
@@ -19,7 +19,7 @@ from test_gpu_backward import check_flash_rule, plain, qkv_leaves
 
 import flexattn.kernels.backward as portable_backward
 import flexattn.kernels.launch as launch_module
-import flexattn.kernels.sm90_backward as sm90_backward
+import flexattn.kernels.hopper.backward as hopper_backward
 from flexattn.kernels import ahead
 from flexattn import create_block_mask, flex_attention
 from flexattn.errors import InvalidInputError
@@ -37,7 +37,7 @@ PAPER = [name for name, variant in CATALOGUE.items() if variant.paper]
 def hopper_and_poisoned(monkeypatch):
     probe = torch.empty(1, 1, 128, 64, device=DEVICE, dtype=torch.bfloat16)
     mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 128, 128, device=DEVICE)
-    reason = sm90_backward.problem_reason(probe, probe, probe, mask)
+    reason = hopper_backward.problem_reason(probe, probe, probe, mask)
     if reason is not None:
         pytest.skip(reason)
     monkeypatch.setattr(launch_module, "_POISON_OUTPUTS", True)
@@ -45,9 +45,9 @@ def hopper_and_poisoned(monkeypatch):
 
 def gluon_gradients(leaves, build, mask_mod=None, **kwargs):
     """check_flash_rule through the Gluon backward (its launch counter must grow, the portable one's not)."""
-    before, portable = sm90_backward.launches, portable_backward.launches
+    before, portable = hopper_backward.launches, portable_backward.launches
     errors = check_flash_rule(leaves, build, mask_mod, options=kwargs.pop("options", GLUON), **kwargs)
-    assert sm90_backward.launches > before, "the Gluon backward did not run"
+    assert hopper_backward.launches > before, "the Gluon backward did not run"
     assert portable_backward.launches == portable, "the portable backward ran instead"
     return errors
 
@@ -95,10 +95,10 @@ def test_fully_masked_rows():
     leaves = qkv_leaves(B, H, H, L, L, 128)
     grad_out = torch.randn(B, H, L, 128, device=DEVICE, dtype=torch.bfloat16)
     block_mask = create_block_mask(sparse_rows, None, None, L, L, device=DEVICE)
-    before = sm90_backward.launches
+    before = hopper_backward.launches
     out = flex_attention(leaves["q"], leaves["k"], leaves["v"], block_mask=block_mask, kernel_options=GLUON)
     out.backward(grad_out)
-    assert sm90_backward.launches == before + 1
+    assert hopper_backward.launches == before + 1
     gold = {name: t.detach().double().requires_grad_() for name, t in leaves.items()}
     reference_attention(gold["q"], gold["k"], gold["v"], mask_mod=sparse_rows)[0].backward(grad_out.double())
     for name, t in leaves.items():
@@ -121,14 +121,14 @@ def plans(monkeypatch):
     """The steps of each Gluon backward launch, in order (not the runs whose launches were only
     recorded, to be compiled ahead: kernels/ahead.py)."""
     seen = []
-    real = sm90_backward.Sm90BackwardKernel._launch
+    real = hopper_backward.HopperBackwardKernel._launch
 
     def recording(self, plan, *args):
         if not ahead.recording():
             seen.append(plan.steps)
         return real(self, plan, *args)
 
-    monkeypatch.setattr(sm90_backward.Sm90BackwardKernel, "_launch", recording)
+    monkeypatch.setattr(hopper_backward.HopperBackwardKernel, "_launch", recording)
     return seen
 
 
@@ -140,7 +140,7 @@ def test_reruns_are_bit_identical(variant, gqa, ordered, head_dim, plans, monkey
     # dQ added in the dK/dV kernel in a fixed order ([Note] Ordered dQ additions), and the two-kernel
     # form (every output row has one writer): three runs, the same bits. Enough programs at once
     # (B2 H8 4k: 256 dK/dV programs) that their order of arrival varies from run to run.
-    monkeypatch.setattr(sm90_backward, "ORDERS_DQ", "always" if ordered else "never")
+    monkeypatch.setattr(hopper_backward, "ORDERS_DQ", "always" if ordered else "never")
     B, H, L = 2, 8, 4096
     score_mod, mask_mod = CATALOGUE[variant].build(B, H, L, L, DEVICE)
     leaves = qkv_leaves(B, H, H // gqa, L, L, head_dim)
@@ -170,9 +170,9 @@ def test_both_forms(variant, head_dim, plans):
     leaves = qkv_leaves(B, H, H, L, L, head_dim)
     gluon_gradients(leaves, plain(score_mod), mask_mod)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sm90_backward, "ORDERS_DQ", "always")
+        patch.setattr(hopper_backward, "ORDERS_DQ", "always")
         gluon_gradients(leaves, plain(score_mod), mask_mod, options={**GLUON, "DETERMINISTIC": True})
-        patch.setattr(sm90_backward, "ORDERS_DQ", "never")
+        patch.setattr(hopper_backward, "ORDERS_DQ", "never")
         gluon_gradients(leaves, plain(score_mod), mask_mod, options={**GLUON, "DETERMINISTIC": True})
     assert [("dq" in steps) for steps in plans] == [False, False, True]
     assert [steps["dkdv"].constexprs["ORDERED_DQ"] for steps in plans] == [False, True, False]
@@ -187,12 +187,12 @@ def test_auto_takes_it_and_triton_pins_the_portable_backward():
         out = flex_attention(leaves["q"], leaves["k"], leaves["v"], kernel_options=options)
         return torch.autograd.grad(out, list(leaves.values()), grad_out)
 
-    before, portable = sm90_backward.launches, portable_backward.launches
+    before, portable = hopper_backward.launches, portable_backward.launches
     auto = grads(None)
-    assert (sm90_backward.launches, portable_backward.launches) == (before + 1, portable)
+    assert (hopper_backward.launches, portable_backward.launches) == (before + 1, portable)
     pinned = grads({"BACKEND": "TRITON"})
     tuned = grads({"BLOCK_M1": 32})  # a portable backward tile: the portable kernels
-    assert (sm90_backward.launches, portable_backward.launches) == (before + 1, portable + 2)
+    assert (hopper_backward.launches, portable_backward.launches) == (before + 1, portable + 2)
     for a, b, c in zip(auto, pinned, tuned):
         assert rel_err(a, b) < 1e-2 and rel_err(c, b) < 1e-2
 
@@ -202,10 +202,10 @@ def test_learnable_tensors_and_broadcast_batches_take_the_portable_backward():
     score_mod, mask_mod = CATALOGUE["t5_bias"].build(B, H, L, L, DEVICE)
     leaves = qkv_leaves(B, H, H, L, L, 64)
     block_mask = create_block_mask(mask_mod, None, None, L, L, device=DEVICE) if mask_mod else None
-    before = sm90_backward.launches
+    before = hopper_backward.launches
     out = flex_attention(leaves["q"], leaves["k"], leaves["v"], score_mod=score_mod, block_mask=block_mask)
     out.sum().backward()  # AUTO: the portable backward, no error
-    assert sm90_backward.launches == before
+    assert hopper_backward.launches == before
     out = flex_attention(leaves["q"], leaves["k"], leaves["v"], score_mod=score_mod, block_mask=block_mask,
                          kernel_options=GLUON)
     with pytest.raises(InvalidInputError, match="learnable"):
@@ -214,6 +214,6 @@ def test_learnable_tensors_and_broadcast_batches_take_the_portable_backward():
     k, v = (torch.randn(1, H, L, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     out = flex_attention(q, k, v)
     out.sum().backward()
-    assert sm90_backward.launches == before
+    assert hopper_backward.launches == before
     gold = reference_attention(q.double(), k.double().expand(B, -1, -1, -1), v.double().expand(B, -1, -1, -1))[0]
     assert rel_err(out, gold) < 1e-2
