@@ -195,12 +195,16 @@ def run_variant(name: str, variant: Variant, sizes: CheckSizes, device: str, *, 
         inputs = _grad_inputs(q, k, v, inst)
 
         from flexattn.kernels import backward as triton_backward
+        from flexattn.kernels.hopper import backward as hopper_backward
 
-        launches = triton_backward.launches
+        def backward_launches() -> int:  # the portable Triton backward and the Hopper one (AUTO's choice there)
+            return triton_backward.launches + hopper_backward.launches
+
+        launches = backward_launches()
         out = inst.attend(q, k, v, block_mask=bm)
         grads = torch.autograd.grad(out, inputs, dout, allow_unused=True)
         row["backend"] = "triton" if q.is_cuda else "pytorch"  # AUTO's choice (flexattn.api._pick_backend)
-        row["backend_bwd"] = "triton" if triton_backward.launches > launches else "pytorch"
+        row["backend_bwd"] = "triton" if backward_launches() > launches else "pytorch"
 
         q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
         ref = inst.reference(q64, k64, v64)
