@@ -225,9 +225,8 @@ class KernelFamily:
         if lowering_ops.user_entries:
             return None
         mods = tuple(None if m is None else m.content_text() for m in (self.score, self.mask))
-        # A variant's decisions, not its graph field (a hash, which differs between processes).
-        decided = tuple(None if v is None else (sorted(v.wide), v.gathers, v.torch_overflow) for v in variants)
-        return kernel_index.key((self.kind, mods, repr(decided), self.tanh_approx))
+        # A variant's repr is its decisions, stable across processes (not its graph hash).
+        return kernel_index.key((self.kind, mods, repr(variants), self.tanh_approx))
 
     def _spec(self, variants: tuple) -> KernelSpec:
         """What the family's template takes: both mods lowered for ``variants``, and their names."""

@@ -138,6 +138,10 @@ class LoweringVariant:
                 return check
         return IN_RANGE
 
+    def __repr__(self) -> str:
+        # Stable across processes (the kernel index keys on it): wide sorted, the graph hash left out.
+        return f"LoweringVariant(wide={sorted(self.wide)!r}, gathers={self.gathers!r}, torch_overflow={self.torch_overflow})"
+
 
 @dataclass(frozen=True)
 class IntFact:
