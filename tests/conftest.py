@@ -11,6 +11,18 @@ if ROOT not in sys.path:
 # Kernels' outputs start as NaN in tests, so an element a kernel never writes cannot pass.
 os.environ.setdefault("FLEXATTN_POISON_OUTPUTS", "1")
 
+# The tests' kernels, kernel index and tuned configurations go to a directory of this session: a
+# developer's own cache (or one an earlier run left with a test's stand-in lowering in it) must not
+# decide what a test sees, and the tests must not fill it.
+if "FLEXATTN_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="flexattn-tests-")
+    os.environ["FLEXATTN_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+
 import torch  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()

@@ -128,9 +128,11 @@ def test_tables_edited_out_of_order_or_out_of_range(one_thread):
         flex_attention(q, k, v, block_mask=bm, kernel_options=TRITON)
 
 
-def test_kernels_are_chosen_per_lowering_variant(monkeypatch, one_thread):
+def test_kernels_are_chosen_per_lowering_variant(monkeypatch, tmp_path, one_thread):
     # Contract with the lowering: lowering_variant(traced, IndexBounds) is asked once per plan, and
-    # lower(..., variant=) once per distinct variant; warm calls ask nothing.
+    # lower(..., variant=) once per distinct variant; warm calls ask nothing. An empty kernel index:
+    # an entry from an earlier run of this test would serve its kernels without lowering them.
+    monkeypatch.setenv("FLEXATTN_CACHE_DIR", str(tmp_path))
     import flexattn.kernels.family as family
     import flexattn.lowering as lowering
     import flexattn.lowering.ranges as ranges
