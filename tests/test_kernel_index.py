@@ -54,3 +54,20 @@ def test_a_warm_process_neither_lowers_nor_renders(tmp_path):
     own = "import torch\nfrom flexattn.lowering import register_lowering\n" \
           "register_lowering(torch.ops.aten.log1p, lambda x: f'tl.log(1.0 + {x})')\n"
     assert first_call(tmp_path, own)["hits"] == 0
+
+
+def test_an_edit_anywhere_in_the_package_changes_the_code_digest(tmp_path, monkeypatch):
+    # The families' spec builders (kernels/) decide what is rendered as much as the templates do: an
+    # edit there must not let an older process's entry serve the newer code.
+    import shutil
+
+    from flexattn.codegen import source
+
+    package = tmp_path / "flexattn"
+    shutil.copytree(Path(ROOT) / "flexattn", package, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(source, "__file__", str(package / "codegen" / "source.py"))
+    before = source._code_digest()
+    assert source._code_digest() == before
+    family = package / "kernels" / "family.py"
+    family.write_text(family.read_text() + "\n# an edit\n")
+    assert source._code_digest() != before

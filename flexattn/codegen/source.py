@@ -246,8 +246,9 @@ def load_kernel_module(source: str, readable_name: str) -> ModuleType:
 # without lowering or rendering again. The key is everything the rendered source depends on:
 # the family, the traced mods' content (graph text, captured inputs' specs, frozen constants, the
 # numbers' expressions, the specialized values, names), the lowering variants, the tanh option, the
-# Triton release (the Gluon spellings follow it), and a digest of the code that renders (the
-# templates and the lowering, codegen and trace packages' files, read once per process). What it
+# Triton release (the Gluon spellings follow it), and a digest of the package's code (every .py and
+# .jinja file of flexattn, read once per process: the families' spec builders in kernels/ decide
+# what is rendered as much as the templates and the lowering do, so any edit renders again). What it
 # leaves out, and why that is safe: the shapes and values of a call (a source is the same for every
 # call of its variants; launches choose constexprs, kept in the autotune store), and the lowering
 # table's user entries (register_lowering): a process that registered one does not use the index.
@@ -258,11 +259,10 @@ def load_kernel_module(source: str, readable_name: str) -> ModuleType:
 def _code_digest() -> str:
     root = Path(__file__).parent.parent
     h = hashlib.sha256()
-    for folder in ("templates", "lowering", "codegen", "trace"):
-        for path in sorted((root / folder).rglob("*")):
-            if path.is_file() and path.suffix in (".py", ".jinja"):
-                h.update(path.relative_to(root).as_posix().encode())
-                h.update(path.read_bytes())
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and path.suffix in (".py", ".jinja"):
+            h.update(path.relative_to(root).as_posix().encode())
+            h.update(path.read_bytes())
     try:
         import triton
 
