@@ -139,7 +139,7 @@ def flex_attention(
 
 # ------------------------------------------------------------------------------------ under torch.compile
 # Dynamo traces what follows in place of the eager path; see [Note] flex_attention under torch.compile
-# in compile.py.
+# in compile/__init__.py.
 
 
 def _registered_call(score_mod, mask_mod, kernel_options, device) -> str:
@@ -160,7 +160,7 @@ _registered_call._dynamo_marked_constant = True
 
 def _compiled_call(query, key, value, score_mod, block_mask, scale, return_lse, kernel_options, return_aux):
     """The call as Dynamo traces it: the same checks as the eager call's (request.py), then one
-    custom op (compile.py), whose bodies build the Call."""
+    custom op (compile/ops.py), whose bodies build the Call."""
     scale, outputs = request_of(query, scale, return_lse, return_aux)
     L, S = query.shape[2], key.shape[2]
     if block_mask is None:
@@ -182,7 +182,7 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, return_lse, 
         kernel_options = tuple(kernel_options.items())
     call_key = _registered_call(described(score_mod), described(mask_mod), kernel_options, query.device)
     # What the mods read, as Dynamo sees it: their tensors (graph values) and the numbers their torch
-    # calls take (constants, or symbolic values: [Note] Numbers under torch.compile in compile.py).
+    # calls take (constants, or symbolic values: [Note] Numbers under torch.compile in compile/registry.py).
     score_captured, score_numbers = probe(score_mod, "score_mod", query.device)
     mask_captured, mask_numbers = probe(mask_mod, "mask_mod", query.device)
     mask_captured = [t.detach() for t in mask_captured]

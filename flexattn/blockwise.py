@@ -42,13 +42,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
 from .trace import GathersReadZero
 
-__all__ = ["blockwise_forward", "blockwise_backward", "TILE_ELEMENTS", "Q_TILE_MAX"]
+__all__ = ["BlockwiseMods", "blockwise_forward", "blockwise_backward", "TILE_ELEMENTS", "Q_TILE_MAX"]
+
+
+class BlockwiseMods(NamedTuple):
+    """The mods as this backend runs them: each a callable (an fx GraphModule: the trace's graph)
+    that takes its captured tensors after its arguments, with those tensors."""
+
+    score_mod: Optional[Callable]
+    score_captured: Sequence[torch.Tensor]
+    mask_mod: Optional[Callable]
+    mask_captured: Sequence[torch.Tensor]
 
 TILE_ELEMENTS = 1 << 22  # scores per chunk (16 MiB in float32); a chunk holds a handful of tiles this big
 Q_TILE_MAX = 256  # queries per sub-row: taller BlockMask rows (e.g. one block for everything) are split
@@ -343,10 +353,7 @@ def blockwise_forward(
     v: torch.Tensor,
     block_mask,
     scale: Optional[float],
-    score_mod: Optional[Callable],
-    score_captured: Sequence[torch.Tensor],
-    mask_mod: Optional[Callable],
-    mask_captured: Sequence[torch.Tensor],
+    mods: BlockwiseMods,
     *,
     need_max: bool = False,
     index_dtype: torch.dtype = INDEX_DTYPE,
@@ -363,7 +370,8 @@ def blockwise_forward(
     out = torch.empty(B, Hq, L, lay.Ev, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, L, dtype=lay.dtype, device=q.device)
     max_scores = torch.empty(B, Hq, L, dtype=lay.dtype, device=q.device) if need_max else None
-    score_captured, mask_captured = list(score_captured), list(mask_captured)
+    score_mod, mask_mod = mods.score_mod, mods.mask_mod
+    score_captured, mask_captured = list(mods.score_captured), list(mods.mask_captured)
 
     with torch.no_grad():
         for start, stop, partial_keys, full_keys in _query_tiles(lay):
@@ -427,10 +435,7 @@ def blockwise_backward(
     grad_lse: Optional[torch.Tensor],
     block_mask,
     scale: Optional[float],
-    score_mod: Optional[Callable],
-    score_captured: Sequence[torch.Tensor],
-    mask_mod: Optional[Callable],
-    mask_captured: Sequence[torch.Tensor],
+    mods: BlockwiseMods,
     *,
     index_dtype: torch.dtype = INDEX_DTYPE,
     float32_kv_grads: bool = False,
@@ -446,7 +451,8 @@ def blockwise_backward(
     lay = _make_layout(q, k, v, block_mask, scale, index_dtype)
     B, Hq, Hkv, G = lay.B, lay.Hq, lay.Hkv, lay.G
     dtype = lay.dtype
-    mask_captured = list(mask_captured)
+    score_mod, score_captured, mask_mod = mods.score_mod, mods.score_captured, mods.mask_mod
+    mask_captured = list(mods.mask_captured)
     # Captured tensors that require grad are replaced by detached leaves: the local autograd.grad
     # calls then stop at them and never walk into the graph that produced them.
     trainable = [i for i, c in enumerate(score_captured) if isinstance(c, torch.Tensor) and c.requires_grad]

@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .blockwise import Q_TILE_MAX, TILE_ELEMENTS, blockwise_backward, blockwise_forward
+from .blockwise import Q_TILE_MAX, TILE_ELEMENTS, BlockwiseMods, blockwise_backward, blockwise_forward
 from .codegen import debug_enabled
 from .errors import BackendUnavailableError, InvalidInputError
 from .kernels import ahead
@@ -151,6 +151,12 @@ def _kernel_plan(plan) -> str:
     return f"{'; '.join(steps)}, kernel {plan.compiled.module.__file__}"
 
 
+def _blockwise_mods(call: Call, q, score_captured) -> BlockwiseMods:
+    """The call's mods as the PyTorch backend runs them: their graphs on q's device."""
+    return BlockwiseMods(call.score.graph_module_on(q.device) if call.score else None, score_captured,
+                         call.mask.graph_module_on(q.device) if call.mask else None, call.mask_captured)
+
+
 def _blockwise_plan(call: Call) -> str:
     q_block, _ = call.block_mask.BLOCK_SIZE
     return (f"blockwise: query tiles of up to {min(q_block, Q_TILE_MAX)} rows, chunks of up to "
@@ -211,9 +217,7 @@ def run_forward(call: Call, q, k, v, score_captured, need_lse, need_max):
     # dtypes in request.py), so that both paths round the same way.
     k, v = k.to(q.dtype), v.to(q.dtype)
     out, lse, mx = blockwise_forward(
-        q, k, v, call.block_mask, call.scale,
-        call.score.graph_module_on(q.device) if call.score else None, score_captured,
-        call.mask.graph_module_on(q.device) if call.mask else None, call.mask_captured,
+        q, k, v, call.block_mask, call.scale, _blockwise_mods(call, q, score_captured),
         need_max=need_max, index_dtype=call.index_dtype,
     )
     return in_output_layout(out, q), lse, mx
@@ -223,7 +227,7 @@ def forward_relaunch(call: Call, q, k, v, need_max: bool):
     """After ``run_forward(call, q, k, v, score_captured, True, need_max)`` ran: the kernel launch it
     made, as ``relaunch(q, k, v, launch_tables, score_captured, mask_captured) -> (out, lse, max or
     None)`` for later calls of the same problem (same mods, options, shapes, strides, dtypes, 16-byte
-    alignment and table statistics; compile.py keys them, [Note] Warm calls of the forward op), or
+    alignment and table statistics; compile/warm.py keys them, [Note] Warm calls of the forward op), or
     None where there is no such single launch to repeat: another backend, FP8 or mixed dtypes, a
     plan still settling, the debug report on. A relaunch whose ``takes_walks`` is true also takes
     ``walks=``, the program walks of the tables it is given (kernels/hopper/forward.py)."""
@@ -399,7 +403,7 @@ def compile_ahead(call: Call, q, k, v, score_captured, *, forward: bool, backwar
 def backward_relaunch(call: Call, q, k, v, out, grad_out, grad_lse):
     """After ``run_backward(call, q, k, v, out, lse, grad_out, grad_lse, score_captured)`` ran: its
     launches, as ``relaunch(q, k, v, out, lse, grad_out, grad_lse, launch_tables, backward_tables,
-    score_captured, mask_captured) -> (dq, dk, dv)`` for later calls of the same problem (compile.py
+    score_captured, mask_captured) -> (dq, dk, dv)`` for later calls of the same problem (compile/warm.py
     keys them, [Note] Warm calls of the backward op), or None where there is no such fixed set of
     launches to repeat: another backend, mixed dtypes, a gradient copied first, gradients of captured
     tensors, a plan still settling, the debug report on."""
@@ -448,8 +452,6 @@ def run_backward(call: Call, q, k, v, out, lse, grad_out, grad_lse, score_captur
     if _DEBUG:
         _debug_report("backward", call, q, k, v, _blockwise_plan(call))
     return blockwise_backward(
-        q, k, v, out, lse, grad_out, grad_lse, call.block_mask, call.scale,
-        call.score.graph_module_on(q.device) if call.score else None, score_captured,
-        call.mask.graph_module_on(q.device) if call.mask else None, call.mask_captured,
+        q, k, v, out, lse, grad_out, grad_lse, call.block_mask, call.scale, _blockwise_mods(call, q, score_captured),
         index_dtype=call.index_dtype, float32_kv_grads=float32_kv_grads,
     )

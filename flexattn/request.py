@@ -2,7 +2,7 @@
 builder of the ``Call`` that dispatch.py runs.
 
 Every entry goes through here: the eager ``flex_attention`` and its path under Dynamo (api.py), the
-compiled op's bodies (compile.py: ``build_call``; the checks ran when Dynamo traced the call) and
+compiled op's bodies (compile/ops.py: ``build_call``; the checks ran when Dynamo traced the call) and
 context parallelism (distributed/). So a bad input gives one error, with one message, whichever
 entry it came through; copies of these checks drift apart, and a check goes missing on one path.
 

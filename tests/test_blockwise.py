@@ -17,7 +17,7 @@ from numerics import rel_err
 
 from flexattn import blockwise
 from flexattn.masks import BlockMask, create_block_mask
-from flexattn.blockwise import blockwise_backward, blockwise_forward
+from flexattn.blockwise import BlockwiseMods, blockwise_backward, blockwise_forward
 from flexattn import flex_attention
 from flexattn.reference import reference_attention
 from flexattn.trace import trace_mod
@@ -57,14 +57,14 @@ def _traced(score_mod, mask_mod):
 
 def _forward(q, k, v, score_mod, mask_mod, block_mask, scale=None):
     score, score_captured, mask, mask_captured = _traced(score_mod, mask_mod)
-    return blockwise_forward(q, k, v, block_mask, scale, score, score_captured, mask, mask_captured, need_max=True)
+    return blockwise_forward(q, k, v, block_mask, scale, BlockwiseMods(score, score_captured, mask, mask_captured),
+                             need_max=True)
 
 
 def _backward(q, k, v, out, lse, grad_out, grad_lse, score_mod, mask_mod, block_mask, scale=None):
     score, score_captured, mask, mask_captured = _traced(score_mod, mask_mod)
-    return blockwise_backward(
-        q, k, v, out, lse, grad_out, grad_lse, block_mask, scale, score, score_captured, mask, mask_captured
-    )
+    mods = BlockwiseMods(score, score_captured, mask, mask_captured)
+    return blockwise_backward(q, k, v, out, lse, grad_out, grad_lse, block_mask, scale, mods)
 
 
 def _inputs(B, Hq, Hkv, L, S, E, Ev, dtype, Bkv=None):
@@ -350,7 +350,7 @@ _MEMORY_SCRIPT = textwrap.dedent(
     import resource, sys, time
     import torch
     from flexattn.masks import BlockMask
-    from flexattn.blockwise import blockwise_forward
+    from flexattn.blockwise import BlockwiseMods, blockwise_forward
     from flexattn.trace import trace_mod
 
     N, BLOCK = 32768, 128
@@ -370,9 +370,10 @@ _MEMORY_SCRIPT = textwrap.dedent(
                                           mask_mod=causal, seq_lengths=(N, N), compute_q_blocks=False)
     mask, mask_captured = trace_mod(causal, "mask_mod")
     q, k, v = (torch.randn(1, 1, N, 64) for _ in range(3))
+    mods = BlockwiseMods(None, [], mask.graph_module, mask_captured)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
-    out, lse, _ = blockwise_forward(q, k, v, block_mask, None, None, [], mask.graph_module, mask_captured)
+    out, lse, _ = blockwise_forward(q, k, v, block_mask, None, mods)
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
@@ -417,7 +418,7 @@ def test_index_arithmetic_past_int32_is_exact():
     assert rel_err(out, ref) < TOLERANCE[torch.float64]
     # The same through the module's own entry point, which takes the dtype from its caller.
     score, score_captured, mask, mask_captured = _traced(offset_bias, linearised)
-    out, _, _ = blockwise_forward(q, k, v, block_mask, None, score, score_captured, mask, mask_captured,
+    out, _, _ = blockwise_forward(q, k, v, block_mask, None, BlockwiseMods(score, score_captured, mask, mask_captured),
                                   index_dtype=torch.int64)
     assert rel_err(out, ref) < TOLERANCE[torch.float64]
 

@@ -548,12 +548,12 @@ def test_a_masks_checked_row_statistics_follow_its_tables(monkeypatch):
     # and takes the trusted plan. Triton kernels (the interpreter): the path the statistics steer.
     if not flexattn.kernels.interpreter_enabled():
         pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
-    import flexattn.compile as compiled_module
+    import flexattn.compile.kept as kept_module
 
     checks = []
-    real_check = compiled_module.checked_launch_tables
-    monkeypatch.setattr(compiled_module, "checked_launch_tables", lambda mask: checks.append(1) or real_check(mask))
-    monkeypatch.setattr(compiled_module, "_SHAPES_CHECKED", {})
+    real_check = kept_module.checked_launch_tables
+    monkeypatch.setattr(kept_module, "checked_launch_tables", lambda mask: checks.append(1) or real_check(mask))
+    monkeypatch.setattr(kept_module, "_SHAPES_CHECKED", {})
     q, k, v = qkv(L=256, S=256)
     options = {"BACKEND": "TRITON"}
 
@@ -578,15 +578,15 @@ def test_a_new_mask_of_a_checked_shape_is_assumed_as_dense_as_the_first(monkeypa
     # A mask whose contents the host does not read (a new one of a shape already checked, or the
     # static copy a CUDA-graph capture sees) takes the first checked mask's mean row length for the
     # launch choices, never its consecutive-block flags (on which results depend).
-    import flexattn.compile as compiled_module
+    import flexattn.compile.kept as kept_module
     from flexattn.kernels.tables import launch_tables
 
-    monkeypatch.setattr(compiled_module, "_SHAPES_CHECKED", {})
+    monkeypatch.setattr(kept_module, "_SHAPES_CHECKED", {})
     q, k, _ = qkv(L=512, S=512)
 
     def op_mask(bm):
         tables = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
-        return compiled_module._block_mask(q, k, tables, bm.BLOCK_SIZE, bm.seq_lengths, 1)
+        return kept_module.op_block_mask(q, k, tables, bm.BLOCK_SIZE, bm.seq_lengths, 1)
 
     first = create_block_mask(causal, 1, 1, 512, 512, device="cpu", BLOCK_SIZE=64)
     checked = launch_tables(op_mask(first)).stats
@@ -637,7 +637,7 @@ def test_the_op_calls_its_body_directly_only_without_gradients_modes_or_subclass
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import flexattn.compile as compile_module
+    import flexattn.compile.ops as ops_module
     from flexattn.api import _registered_call
 
     q, k, v = (t.detach() for t in qkv())
@@ -646,8 +646,8 @@ def test_the_op_calls_its_body_directly_only_without_gradients_modes_or_subclass
     tables = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
     args = [q, k, v, *tables, [], [], [], [], key, [64, 64], [L, L], 0.25, True, False]
     direct = []
-    body = compile_module._forward_body
-    monkeypatch.setattr(compile_module, "_forward_body", lambda *a: direct.append(1) or body(*a))
+    body = ops_module._forward_body
+    monkeypatch.setattr(ops_module, "_forward_body", lambda *a: direct.append(1) or body(*a))
     op = torch.ops.flexattn.flex_attention
     expected = flex_attention(q, k, v, block_mask=bm, scale=0.25)
 
@@ -684,16 +684,16 @@ def test_the_op_calls_its_body_directly_only_without_gradients_modes_or_subclass
 def test_the_shapes_checked_are_bounded(monkeypatch):
     # A decoding loop under torch.compile meets a new table shape at every length: the per-shape
     # densities must not pile up. The oldest goes first; a mask of its shape is then checked again.
-    import flexattn.compile as compiled_module
+    import flexattn.compile.kept as kept_module
 
-    monkeypatch.setattr(compiled_module, "_SHAPES_CHECKED", {})
-    monkeypatch.setattr(compiled_module, "_SHAPES_KEPT", 2)
+    monkeypatch.setattr(kept_module, "_SHAPES_CHECKED", {})
+    monkeypatch.setattr(kept_module, "_SHAPES_KEPT", 2)
     q, k, _ = qkv(L=512, S=512)
     for length in (128, 256, 384):
         bm = create_block_mask(causal, 1, 1, length, length, device="cpu", BLOCK_SIZE=64)
         tables = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
-        compiled_module._block_mask(q[:, :, :length], k[:, :, :length], tables, bm.BLOCK_SIZE, bm.seq_lengths, 1)
-    assert [shape[-1] for shape in compiled_module._SHAPES_CHECKED] == [(256, 256), (384, 384)]
+        kept_module.op_block_mask(q[:, :, :length], k[:, :, :length], tables, bm.BLOCK_SIZE, bm.seq_lengths, 1)
+    assert [shape[-1] for shape in kept_module._SHAPES_CHECKED] == [(256, 256), (384, 384)]
 
 
 def test_warm_calls_launch_the_kept_plan_and_follow_what_changed(monkeypatch):
@@ -703,12 +703,13 @@ def test_warm_calls_launch_the_kept_plan_and_follow_what_changed(monkeypatch):
     # against the eager call on the same inputs (the interpreter runs the Triton kernels).
     if not flexattn.kernels.interpreter_enabled():
         pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
-    import flexattn.compile as compiled_module
+    import flexattn.compile.ops as ops_module
+    import flexattn.compile.warm as warm_module
 
-    monkeypatch.setattr(compiled_module, "_WARM", {})
+    monkeypatch.setattr(warm_module, "_WARM", {})
     decided = []
-    real_call = compiled_module._call
-    monkeypatch.setattr(compiled_module, "_call", lambda *a, **kw: decided.append(1) or real_call(*a, **kw))
+    real_call = ops_module._call
+    monkeypatch.setattr(ops_module, "_call", lambda *a, **kw: decided.append(1) or real_call(*a, **kw))
     bias = torch.randn(H)
     options = {"BACKEND": "TRITON"}
 
@@ -745,26 +746,26 @@ def test_warm_calls_launch_the_kept_plan_and_follow_what_changed(monkeypatch):
 
 
 def _portable_causal_with_empty_warm_store(monkeypatch, store: str):
-    """(flexattn.compile, a compiled portable causal call, its 128-token mask), with ``store``
+    """(flexattn.compile.warm, a compiled portable causal call, its 128-token mask), with ``store``
     (``_WARM`` or ``_WARM_BACKWARD``) emptied for the test. Skips without Triton's interpreter."""
     if not flexattn.kernels.interpreter_enabled():
         pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
-    import flexattn.compile as compiled_module
+    import flexattn.compile.warm as warm_module
 
-    monkeypatch.setattr(compiled_module, store, {})
+    monkeypatch.setattr(warm_module, store, {})
     compiled, _ = counted(lambda q, k, v, bm: flex_attention(q, k, v, block_mask=bm,
                                                              kernel_options={"BACKEND": "TRITON"}))
-    return compiled_module, compiled, create_block_mask(causal, 1, 1, 128, 128, device="cpu", BLOCK_SIZE=64)
+    return warm_module, compiled, create_block_mask(causal, 1, 1, 128, 128, device="cpu", BLOCK_SIZE=64)
 
 
 def test_a_warm_entry_keeps_no_tensor_of_the_call_that_made_it(monkeypatch):
     # The warm launch works out strides, lengths and descriptors from the first call of a problem
     # and keeps them; it must not keep that call's tensors (activations held alive; inside a
     # CUDA-graph capture, memory of the graph's pool that the graph does not know of).
-    compiled_module, compiled, bm = _portable_causal_with_empty_warm_store(monkeypatch, "_WARM")
+    warm_module, compiled, bm = _portable_causal_with_empty_warm_store(monkeypatch, "_WARM")
     q, k, v = qkv(L=128, S=128)
     out = compiled(q, k, v, bm)
-    assert len(compiled_module._WARM) == 1
+    assert len(warm_module._WARM) == 1
     assert torch.equal(compiled(q, k, v, bm), out)  # a warm call
     refs = [weakref.ref(t) for t in (q, k, v, out)]
     del q, k, v, out
@@ -780,12 +781,13 @@ def test_warm_backward_calls_launch_the_kept_launches_and_follow_what_changed(mo
     # inputs (the interpreter runs the same Triton kernels).
     if not flexattn.kernels.interpreter_enabled():
         pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
-    import flexattn.compile as compiled_module
+    import flexattn.compile.ops as ops_module
+    import flexattn.compile.warm as warm_module
 
-    monkeypatch.setattr(compiled_module, "_WARM_BACKWARD", {})
+    monkeypatch.setattr(warm_module, "_WARM_BACKWARD", {})
     long_way = []
-    real_run_backward = compiled_module.run_backward
-    monkeypatch.setattr(compiled_module, "run_backward",
+    real_run_backward = ops_module.run_backward
+    monkeypatch.setattr(ops_module, "run_backward",
                         lambda *a, **kw: long_way.append(1) or real_run_backward(*a, **kw))
     bias = torch.randn(H)
     options = {"BACKEND": "TRITON"}
@@ -811,7 +813,7 @@ def test_warm_backward_calls_launch_the_kept_launches_and_follow_what_changed(mo
     bm = create_block_mask(causal, 1, 1, 256, 256, device="cpu", BLOCK_SIZE=64)
     long_way.clear()
     check(bm, long_calls=1)  # counted: the compiled calls' long way (the eager call has its own)
-    assert len(compiled_module._WARM_BACKWARD) == 1
+    assert len(warm_module._WARM_BACKWARD) == 1
     check(bm, long_calls=1)
     check(bm, long_calls=1)
     bias.add_(1.0)  # new contents, same tensor: read at launch
@@ -832,9 +834,9 @@ def test_a_backward_whose_captured_tensor_wants_a_gradient_always_goes_the_long_
     # The warm launches return no gradients of captured tensors: a learnable bias must not get one.
     if not flexattn.kernels.interpreter_enabled():
         pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
-    import flexattn.compile as compiled_module
+    import flexattn.compile.warm as warm_module
 
-    monkeypatch.setattr(compiled_module, "_WARM_BACKWARD", {})
+    monkeypatch.setattr(warm_module, "_WARM_BACKWARD", {})
     # A learnable temperature per head. (Not a bias added per head: softmax ignores a constant added
     # to a row, so that gradient is zero and only rounding noise was compared.)
     bias = (1 + 0.1 * torch.randn(H)).requires_grad_()
@@ -854,21 +856,21 @@ def test_a_backward_whose_captured_tensor_wants_a_gradient_always_goes_the_long_
         expected = torch.autograd.grad(attend(q, k, v, bm), (q, k, v, bias), dout)
         for g, e in zip(got, expected):
             assert rel_err(g, e) < 1e-5
-    assert compiled_module._WARM_BACKWARD == {}
+    assert warm_module._WARM_BACKWARD == {}
 
 
 def test_a_warm_backward_entry_keeps_no_tensor_of_the_call_that_made_it(monkeypatch):
     # Like the forward's: no q, k, v, output, LSE, gradient or result of the first call is kept, and
     # the transposed tables only through the mask's own record (they go when the tables go).
-    compiled_module, compiled, bm = _portable_causal_with_empty_warm_store(monkeypatch, "_WARM_BACKWARD")
+    warm_module, compiled, bm = _portable_causal_with_empty_warm_store(monkeypatch, "_WARM_BACKWARD")
     q, k, v = qkv(L=128, S=128, requires_grad=True)
     out = compiled(q, k, v, bm)
     first = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-    assert len(compiled_module._WARM_BACKWARD) == 1
+    assert len(warm_module._WARM_BACKWARD) == 1
     out = compiled(q, k, v, bm)
     again = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))  # a warm call
     assert all(torch.equal(a, b) for a, b in zip(first, again))
-    (entry,) = compiled_module._WARM_BACKWARD.values()
+    (entry,) = warm_module._WARM_BACKWARD.values()
     refs = [weakref.ref(t) for t in (q, k, v, out, *first, *again)]
     del q, k, v, out, first, again
     gc.collect()
@@ -883,11 +885,11 @@ def test_every_kernel_option_is_guarded_so_other_options_recompile(monkeypatch):
     # One code object (a closure made again over new options, one backend): Dynamo reused a graph for
     # options that differed only by a key it had not seen read (none, then BACKEND; one more tile
     # option), so the call ran with the first options. Each call must run with its own.
-    import flexattn.compile as compiled_module
+    import flexattn.compile.ops as ops_module
 
     seen = []
-    real_call = compiled_module._call
-    monkeypatch.setattr(compiled_module, "_call", lambda mods, *a, **kw: seen.append(mods) or real_call(mods, *a, **kw))
+    real_call = ops_module._call
+    monkeypatch.setattr(ops_module, "_call", lambda mods, *a, **kw: seen.append(mods) or real_call(mods, *a, **kw))
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     q, k, v = qkv(L=128, S=128)
     bm = create_block_mask(causal, 1, 1, 128, 128, device="cpu", BLOCK_SIZE=64)
@@ -905,7 +907,7 @@ def test_a_warm_call_never_takes_the_plan_of_a_freed_table_whose_id_came_back():
     # Tables are matched by identity through weak references, not by id(): a table freed and a new
     # one made at the same address and id() is another table.
 
-    from flexattn.compile import _WarmTables
+    from flexattn.compile.warm import _WarmTables
 
     first = torch.zeros(1, 1, 4, dtype=torch.int32)
     same_id = id(first)
@@ -950,10 +952,10 @@ def test_compiled_calls_on_inference_mode_masks_read_their_tables_once_per_shape
     # tables are, and later calls (a CUDA-graph capture among them) read nothing back.
     if not flexattn.kernels.interpreter_enabled():
         pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
-    import flexattn.compile as compiled_module
+    import flexattn.compile.kept as kept_module
     import flexattn.kernels.tables as tables_module
 
-    monkeypatch.setattr(compiled_module, "_SHAPES_CHECKED", {})
+    monkeypatch.setattr(kept_module, "_SHAPES_CHECKED", {})
     reads = []
     real = tables_module._compute_launch_tables
     monkeypatch.setattr(tables_module, "_compute_launch_tables", lambda mask: reads.append(1) or real(mask))
@@ -974,16 +976,17 @@ def test_program_walks_are_kept_per_table_and_follow_changes_in_place(monkeypatc
     # tables; the Gluon forward's program walks (kernels/hopper/forward.py [Note] Programs across query blocks)
     # derived by one call are handed to the next calls on the same tables, until a table changes,
     # and a warm launch of union walks takes them from the current record only.
-    import flexattn.compile as compiled_module
+    import flexattn.compile.kept as kept_module
+    import flexattn.compile.warm as warm_module
     from flexattn.kernels.tables import PROGRAM_WALKS, program_walks
 
-    monkeypatch.setattr(compiled_module, "_KEPT", compiled_module.WeakTensorKeyDictionary())
+    monkeypatch.setattr(kept_module, "_KEPT", kept_module.WeakTensorKeyDictionary())
     bm = create_block_mask(causal, 2, 1, 1024, 1024, device="cpu")
     tables = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
     q = torch.empty(2, 1, 1024, 64)
 
     def op_mask():
-        return compiled_module._block_mask(q, q, tables, bm.BLOCK_SIZE, bm.seq_lengths, 1)
+        return kept_module.op_block_mask(q, q, tables, bm.BLOCK_SIZE, bm.seq_lengths, 1)
 
     class Arguments:  # the warm entry's tables part, reduced to what run() asks of it
         def arguments(self, tables, score_values, mask_values):
@@ -993,16 +996,16 @@ def test_program_walks_are_kept_per_table_and_follow_changes_in_place(monkeypatc
     assert not first.serves_one_call  # its maker keeps what it derives: the walks pay
     assert first.peek_derived(PROGRAM_WALKS) is None
     walks = program_walks(first)
-    compiled_module._keep_program_walks(first)
+    kept_module.keep_program_walks(first)
     assert op_mask().peek_derived(PROGRAM_WALKS) is walks  # the next layer's call: not derived again
-    warm = compiled_module._WarmForward(Arguments(), lambda *a, walks: walks,
-                                        weakref.ref(compiled_module._kept(first)))
+    warm = warm_module._WarmForward(Arguments(), lambda *a, walks: walks,
+                                    weakref.ref(kept_module.kept_record(first)))
     assert warm.run(q, q, q, tables, [], []) is walks
     bm.kv_indices[0, 0, 3, 0] = 0  # written in place (the same value): the stamp no longer holds
     again = op_mask()
     assert again.peek_derived(PROGRAM_WALKS) is None
     fresh = program_walks(again)
     assert fresh is not walks
-    compiled_module._keep_program_walks(again)
+    kept_module.keep_program_walks(again)
     assert op_mask().peek_derived(PROGRAM_WALKS) is fresh
     assert warm.run(q, q, q, tables, [], []) is None  # another record now: the long way

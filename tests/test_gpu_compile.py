@@ -227,7 +227,7 @@ def cold_block_step():
 
 
 def test_compiled_steps_follow_learnt_slopes_and_a_mask_changed_in_place():
-    # [Note] Warm calls of the forward op (compile.py): after the first call of a problem, the op
+    # [Note] Warm calls of the forward op (compile/warm.py): after the first call of a problem, the op
     # launches the kept plan. Each step's optimizer changes the slopes the score_mod reads (new
     # contents, same tensor); then the mask's tables are changed in place. Against eager each time.
     model, block_mask, B, L, dim = _problem()
@@ -296,9 +296,9 @@ def test_reduce_overhead_from_a_problems_first_call(monkeypatch, options):
     import gc
     import weakref
 
-    import flexattn.compile as compiled_module
+    import flexattn.compile.warm as warm_module
 
-    monkeypatch.setattr(compiled_module, "_WARM", {})
+    monkeypatch.setattr(warm_module, "_WARM", {})
     torch.manual_seed(0)
     B, H, L, D = 2, 8, 8192, 64
     mask = create_block_mask(causal, None, None, L, L, device=DEVICE)
@@ -314,7 +314,7 @@ def test_reduce_overhead_from_a_problems_first_call(monkeypatch, options):
         want = flex_attention(q.double(), k.double(), v.double(), block_mask=mask,
                               kernel_options={"BACKEND": "PYTORCH"}).float()
         assert rel_err(got, want) < 1e-2, step
-    assert compiled_module._WARM, "the op never kept a warm launch"
+    assert warm_module._WARM, "the op never kept a warm launch"
     # Default mode: the op gets the caller's tensors, and keeps none of them.
     compiled = torch.compile(attend, fullgraph=True)
     q, k, v = (torch.randn(B, H, L, D, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
@@ -348,12 +348,12 @@ def test_warm_backward_calls_match_the_long_way(monkeypatch, options, score_mod)
     import gc
     import weakref
 
-    import flexattn.compile as compiled_module
+    import flexattn.compile.warm as warm_module
 
-    monkeypatch.setattr(compiled_module, "_WARM_BACKWARD", {})
+    monkeypatch.setattr(warm_module, "_WARM_BACKWARD", {})
     warm_runs = []
-    real_run = compiled_module._WarmBackward.run
-    monkeypatch.setattr(compiled_module._WarmBackward, "run", lambda self, *a: warm_runs.append(1) or real_run(self, *a))
+    real_run = warm_module._WarmBackward.run
+    monkeypatch.setattr(warm_module._WarmBackward, "run", lambda self, *a: warm_runs.append(1) or real_run(self, *a))
     torch.manual_seed(0)
     B, H, L, D = 2, 8, 4096, 64
     mask = create_block_mask(causal, None, None, L, L, device=DEVICE)
@@ -377,7 +377,7 @@ def test_warm_backward_calls_match_the_long_way(monkeypatch, options, score_mod)
                                kernel_options={"BACKEND": "PYTORCH"}), (q64, k64, v64), dout.double())
             for name, g, w in zip("qkv", got, want):
                 assert rel_err(g.float(), w.float()) < 2e-2, name
-    assert len(compiled_module._WARM_BACKWARD) == 1 and len(warm_runs) == 3
+    assert len(warm_module._WARM_BACKWARD) == 1 and len(warm_runs) == 3
     refs = [weakref.ref(t) for t in (q, k, v, dout, *got)]
     del q, k, v, dout, got, eager, g, e, w  # the loops' names hold the last gradients too
     gc.collect()

@@ -216,7 +216,7 @@ def test_a_capture_walks_the_tables_as_they_are_at_each_replay(monkeypatch):
 
 
 def test_compiled_calls_walk_unions_and_follow_their_tables(monkeypatch):
-    # compile.py keeps the program walks per table ([Note] What a compiled call's mask derives, kept):
+    # compile/kept.py keeps the program walks per table ([Note] What a compiled call's mask derives, kept):
     # a compiled call's first launch derives them, its warm launches take the kept ones. A table
     # written in place, or a new mask of the same shape, is walked as it is: the walks are derived
     # again, never an earlier call's. Checked against float64, forward and backward.

@@ -363,7 +363,7 @@ def test_three_consumers_only_on_long_walks_at_head_dim_64(monkeypatch):
     step = launched[-1].steps["forward"]
     assert step.constexprs["CONSUMERS"] == 3 and step.constexprs["UNION_WALK"] and step.constexprs["TAKE_TURNS"]
     assert step.grid == (-(-2 * long // 192), 2, 1)
-    # A compiled call's mask whose maker keeps what is derived per table (compile.py): the walks pay.
+    # A compiled call's mask whose maker keeps what is derived per table (compile/kept.py): the walks pay.
     kept = BlockMask.from_launch_tables((2 * long, 2 * long), *tables, one_call=True, derived_kept=True)
     assert not kept.serves_one_call
     causal_kernel(q2, q2, q2, kept, 0.125, [], [], need_lse=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import flexattn.compile
+import flexattn.compile.ops
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "titan_block.py"
 
@@ -40,8 +40,8 @@ def test_compiled_checkpointed_blocks_match_eager(titan, monkeypatch, mode, forw
     eager.load_state_dict(model.state_dict())
     titan.apply_compile_and_checkpointing(model, mode)
     calls = []
-    run_forward = flexattn.compile._forward
-    monkeypatch.setattr(flexattn.compile, "_forward", lambda *args: calls.append(1) or run_forward(*args))
+    run_forward = flexattn.compile.ops._forward
+    monkeypatch.setattr(flexattn.compile.ops, "_forward", lambda *args: calls.append(1) or run_forward(*args))
     generator = torch.Generator().manual_seed(1)
     for step in range(2):  # the second step's masks are new objects over new document ids: no recompile
         tokens, document_ids = titan.batch(2, 128, 64, "cpu", generator)

@@ -87,7 +87,8 @@ def _stream_read_kernel():
     return stream_read
 
 
-# (elements per step, steps per program, warps, stages): the fastest at 34 MB, 134 MB and 537 MB on the H100.
+# (elements per step, steps per program, warps, stages): the fastest of a sweep at the cache sizes of
+# docs/benchmarks.md, "Decoding" (34 MB, 134 MB and 537 MB), whose "a read's ceiling" column they give.
 READ_CONFIGS = [(16384, 4, 16, 2), (4096, 64, 8, 4), (4096, 16, 8, 4)]
 
 

@@ -210,9 +210,10 @@ def run_case(impl, mode, mask, batch, seq, cfg, device, backend, scope="blocks")
 
 def sm_clock_mhz(device) -> Optional[int]:
     """The GPU's SM clock now (MHz, through NVML where torch can read it), else None. Steps run back to
-    back hold an H200 at its power cap, below its top clock, and an implementation whose kernels spend
-    more energy gets a lower clock (docs/benchmarks.md): the column tells a reader which state a row
-    was measured in."""
+    back can hold a GPU at its power cap, below its top clock, and an implementation whose kernels
+    spend more energy gets a lower clock (docs/benchmarks_log.md, "Where the compiled steps' time
+    goes, unprofiled: the power cap; warm backward calls"): the column tells a reader which state a
+    row was measured in."""
     if device.type != "cuda":
         return None
     try:

@@ -53,8 +53,9 @@ class CostModel:
 
     @classmethod
     def for_device(cls, device: torch.device) -> "CostModel":
-        """Defaults: an H100 over NVLink 4 for CUDA devices (the forward's measured causal d=128
-        throughput from docs/benchmarks.md, rounded down), a small CPU over loopback gloo otherwise."""
+        """Defaults: for CUDA devices, a Hopper GPU over NVLink 4 (the forward's causal d=128
+        throughput, rounded down: docs/benchmarks.md, "Forward"), a small CPU over loopback gloo
+        otherwise."""
         if torch.device(device).type == "cuda":
             return cls(flops_per_s=450e12, link_bytes_per_s=450e9, step_latency_s=30e-6, memory_bytes_per_s=3.0e12)
         return cls(flops_per_s=20e9, link_bytes_per_s=2e9, step_latency_s=300e-6, memory_bytes_per_s=10e9)

@@ -21,7 +21,7 @@ superset of what Triton keys its cache on, so a call can never reach a kernel co
 specialisation: that would be a wrong number, not a slow one.
 
 [Note] Ready launches. A warm call of the compiled forward op ([Note] Warm calls of the forward op in
-compile.py) repeats a launch whose every fact its key already fixes: the ints and floats (strides,
+compile/warm.py) repeats a launch whose every fact its key already fixes: the ints and floats (strides,
 lengths, the scale) are the same values, the tensors the same dtypes and alignment, the descriptors
 the same dtype and block shape. ``RepeatedLaunch`` goes through ``launch`` the first time, then looks
 up the compiled kernel that launch used (``ready_launch``); the ``ReadyLaunch`` it keeps launches new

@@ -8,7 +8,8 @@ Stage 2 of the pipeline (trace -> lowering -> codegen -> kernels)::
     lowered.result         # 'qk + tl.load(sm_slopes_ptr + off_hq * sm_slopes_stride0) * ...'
     lowered.kernel_params  # ('sm_slopes_ptr', 'sm_slopes_stride0')
 
-ops.py holds the table (one small function per aten op), emit.py the walk over the graph, index.py
+ops.py holds the table (one small function per aten op), emit.py the walk over the graph (values.py
+the values it makes, gathers.py its reads of captured tensors, calls.py one op node), index.py
 the sympy integer arithmetic for indices, gradient.py the score_mod's derivative, ranges.py the
 integer ranges at a call's lengths (int32 or int64, which gathers need guards), sites.py the user's
 source line of a node, and check.py the CHECK_INDICES debug mode. The helpers the generated source

@@ -37,11 +37,12 @@ import torch.fx
 
 from ..errors import UnsupportedOpError
 from ..trace import CapturedInput, TracedMod
-from .emit import Gather, ModInputs, Val, _Emitter, _numel
+from .emit import ModInputs, _Emitter
 from .index import print_index
 from .ops import ALIASES, LOWERINGS, lookup, with_options
 from .ranges import CONSERVATIVE_BOUNDS, LoweringVariant, graph_key, lowering_variant
 from .sites import describe_site
+from .values import Gather, Val, numel
 
 __all__ = ["LoweredScoreGrad", "lower_score_grad", "DEPENDS_NONE", "DEPENDS_Q", "DEPENDS_KV", "DEPENDS_ALL"]
 
@@ -266,7 +267,7 @@ class _JointBuilder:
             computed_on = [u for u in node.users if u not in chain or u.op == "output"] + ([output] if node is out else [])
             if not computed_on:
                 continue
-            if _numel(node.meta["val"].shape) != 1:
+            if numel(node.meta["val"].shape) != 1:
                 if any(_is_float_node(u) for u in computed_on if u.op == "call_function") or node is out:
                     c = self.traced.captured[chain[node]]
                     self.raise_error(

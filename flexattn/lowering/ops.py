@@ -11,12 +11,13 @@ needs them (``prec`` and ``left``). Python numbers arrive as ``Operand`` literal
 other arguments (``rounding_mode``, ``alpha``, ``None``) arrive unchanged. ``fn`` returns the
 expression, or ``(expression, prec)`` where one entry writes different shapes of expression.
 
-The operands' dtypes are the kernel's (emit.py): torch's promotion, int64 where the bounds analysis
+The operands' dtypes are the kernel's (calls.py): torch's promotion, int64 where the bounds analysis
 widens an index computation. Entries whose result can be a bool say what they mean on bools
 (``on_bools``: torch's ``True + True`` is ``True``).
 
 A few entries are *structural* (``kind`` other than "expr"): gathers, casts, constants, views and
-reductions do not become one expression of their operands, and ``emit.py`` builds them. They are
+reductions do not become one expression of their operands, and the walk builds them (calls.py,
+gathers.py). They are
 listed here all the same, so this file is the one place that says what flexattn can lower.
 
 Users add entries with ``register_lowering`` (exported from ``flexattn.lowering``).
@@ -114,7 +115,7 @@ class Lowering:
     on_bools: what the op means when its operands and result are bools, as torch defines it:
         "|" (``True + True`` is True: add, maximum), "&" (mul, minimum), "=" (the operand itself:
         floor, abs), "fn" (``fn`` is right for bools too: bitwise ops). None: not an op on bools.
-    kind: "expr", or a structural kind built by emit.py: "constant", "cast", "identity",
+    kind: "expr", or a structural kind built by the walk (calls.py): "constant", "cast", "identity",
         "gather", "select", "view" (reshapes, transposes and slices), "reduce" (``fn`` names the
         reduction: "sum", "any", ...; over a small vector of loaded values).
     """
@@ -222,7 +223,7 @@ def _pow(base, exp):
     floating = _is_float(base) or _is_float(exp)
     if base.value is None and exp.value is not None:
         e = exp.value
-        x = base.raw if base.prec >= ATOM else f"({base.raw})"  # emit.py names non-trivial bases
+        x = base.raw if base.prec >= ATOM else f"({base.raw})"  # calls.py names non-trivial bases
         if e == 0:
             return ("1.0" if floating else "1"), ATOM
         if e == 1:

@@ -387,7 +387,7 @@ class BlockMask:
         meanwhile, so what is derived from them holds for its whole life without version counters
         (tables made under ``torch.inference_mode`` have none: ``version_of``). ``derived_kept``: the
         maker keeps what calls derive from these tables, per table, for the next calls on them
-        (compile.py, [Note] What a compiled call's mask derives, kept), so deriving pays."""
+        (compile/kept.py, [Note] What a compiled call's mask derives, kept), so deriving pays."""
         mask = cls.__new__(cls)
         if one_call:
             mask.__dict__["_one_call"] = True

@@ -111,7 +111,7 @@ def trace_mod(fn: Callable, kind: str) -> tuple[TracedMod, list]:
 def with_stand_ins(fn: Callable):
     """For the block, the Python numbers ``fn`` reads replaced by stand-ins (TracedNumber) where its
     traces see them, with the same leaf numbers as trace_mod's TracedMod, so code that runs the mod
-    meanwhile (compile.py's probe) can tell which numbers it passes are which graph inputs. What the
+    meanwhile (compile/probe.py's probe) can tell which numbers it passes are which graph inputs. What the
     stand-ins are asked in Python is answered with their values and recorded nowhere. Yields
     ``sizes(func, args)``: for a size query of a tensor the search found (``t.shape``), its sizes as
     stand-ins, as tracing gives them; None for anything else."""
@@ -137,7 +137,7 @@ def with_values(fn: Callable, tensors: dict, leaves: dict):
     """For the block, ``fn`` reading other tensors and numbers where it read its own: ``tensors``
     maps a captured tensor's position among the tensors found (CapturedInput.walk_index) to the
     tensor to read there, ``leaves`` a number's leaf to its value. What a trace of ``fn`` then makes
-    is the trace of a mod of the same code reading those (compile.py: the op of a compiled graph
+    is the trace of a mod of the same code reading those (compile/registry.py: the op of a compiled graph
     reused for another closure of the same code)."""
     reads = find_reads(fn)
     first: dict = {}

@@ -20,7 +20,7 @@ for it there:
   check (a changed value traces again, as a changed constant did before).
 
 So a new window size reuses the traced graph and the compiled kernels, eagerly and under
-torch.compile, where the value arrives as whatever Dynamo made of it (compile.py). A literal in the
+torch.compile, where the value arrives as whatever Dynamo made of it (compile/registry.py). A literal in the
 mod's code stays a constant of the graph, as it should: it cannot change without new code.
 
 What cannot be told apart falls to the safe side: a stand-in whose value equals another number of

@@ -67,7 +67,7 @@ _POSITION_DTYPES = (torch.int32, torch.int64)  # what aten.index takes as positi
 def gather_or_zero(tensor: torch.Tensor, indices: list) -> torch.Tensor:
     """``aten.index(tensor, indices)`` where a position outside ``[-n, n)`` of its dimension reads 0.
 
-    The rule of every backend (the kernels' guarded loads in lowering/emit.py do the same): negative
+    The rule of every backend (the kernels' guarded loads in lowering/gathers.py do the same): negative
     indices down to ``-n`` wrap as in torch, anything further out reads 0 (False for a bool tensor)
     instead of raising. An out-of-range position reads at the nearest end, and that value is replaced
     by 0, so its gradient is 0: an out-of-range read adds nothing to a learnable tensor's gradient. Works on

@@ -130,7 +130,7 @@ class TracedMod:
 
     def content_text(self) -> str:
         """Everything a kernel generated for this mod depends on, as text, the same in any process:
-        for keys kept on disk or shared between processes (the kernel index, compile.py's call
+        for keys kept on disk or shared between processes (the kernel index, compile/registry.py's call
         keys)."""
         text = self.__dict__.get("_content_text")
         if text is None:
