@@ -10,7 +10,7 @@ the part of a call that Dynamo traces in place of the eager path. Its modules:
 * ``warm.py``: the warm calls, which repeat the first call's launch of a problem.
 
 [Note] flex_attention under torch.compile
-The eager path traces a mod by walking the callable (trace.py), which Dynamo cannot follow: it broke a
+The eager path traces a mod by walking the callable (trace/), which Dynamo cannot follow: it broke a
 compiled layer into 19 graphs. Under Dynamo a call takes another route, in three parts:
 
 1. **The mods, traced outside the graph.** ``register_call`` (called by api.py from a function marked
@@ -22,13 +22,14 @@ compiled layer into 19 graphs. Under Dynamo a call takes another route, in three
    torch.export's programs, loaded on their own, do not carry the mods). A mod made inside the
    compiled function by a ``mod_factory`` reaches it as the factory call (``described``), made again
    on zero tensors of the same shapes (``rebuilt``).
-2. **What the mods read, found by Dynamo.** ``collected_tensors`` runs the mod once on empty probe
-   tensors under a TorchFunctionMode that notes every tensor reaching a torch function that the mod
-   did not make itself. Dynamo inlines that run like any user code: it guards everything the mod
-   reads (a float in a closure, a global it calls, the code of a closure) and turns each tensor the
-   mod reads into a graph value, an input or an intermediate, whose gradient flows. So a new closure
-   of the same code over new tensors, or new contents, reuses the graph; a changed constant or
-   another mod recompiles. ``register_call`` runs the same probe eagerly on the real callable and
+2. **What the mods read, found by Dynamo.** ``probe`` runs the mod once on empty probe tensors
+   under a TorchFunctionMode that notes every tensor and Python number reaching a torch function
+   that the mod did not make itself. Dynamo inlines that run like any user code: it guards everything the mod
+   reads (a global it calls, the code of a closure, a number it specializes) and turns each tensor
+   the mod reads into a graph value, an input or an intermediate, whose gradient flows, and each
+   number its torch calls take into a value the op receives at run time (``score_numbers``,
+   ``mask_numbers``). So a new closure of the same code over new tensors, new contents or new
+   numbers reuses the graph; what Dynamo guards on recompiles (docs/compile.md's table). ``register_call`` runs the same probe eagerly on the real callable and
    matches what it notes, by identity, with the TracedMod's captured inputs: Python runs the mod the
    same way in both, so the i-th tensor noted under Dynamo is the i-th noted eagerly. The probes are
    empty, so the probe's ops read nothing at run time (and are dead code the compiler drops).
