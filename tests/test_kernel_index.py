@@ -25,7 +25,7 @@ out = flexattn.flex_attention(q, k, v, score_mod=generate_alibi_bias(4, "cpu"), 
 out.sum().backward()
 ref = flexattn.reference.reference_attention(*(t.double() for t in (q, k, v)),
                                              score_mod=generate_alibi_bias(4, "cpu"), mask_mod=causal_mask)[0]
-print(json.dumps({"renders": counts.renders, "hits": counts.index_hits,
+print(json.dumps({"renders": counts.renders, "hits": counts.index_hits, "sympy": "sympy" in sys.modules,
                   "err": float((out.double() - ref).abs().max())}))
 """
 
@@ -44,6 +44,7 @@ def test_a_warm_process_neither_lowers_nor_renders(tmp_path):
     assert cold["renders"] == 2 and cold["hits"] == 0  # the forward and the backward family
     warm = first_call(tmp_path)
     assert warm == {**warm, "renders": 0, "hits": 2} and warm["err"] < 1e-5
+    assert not warm["sympy"]  # only lowering uses sympy (0.9 s to import): lowering/index.py
     # A damaged source file is not imported: that family renders again, and the result is right.
     kernels = sorted((tmp_path / "kernels").glob("bwd_*.py"))
     assert kernels
@@ -54,6 +55,14 @@ def test_a_warm_process_neither_lowers_nor_renders(tmp_path):
     own = "import torch\nfrom flexattn.lowering import register_lowering\n" \
           "register_lowering(torch.ops.aten.log1p, lambda x: f'tl.log(1.0 + {x})')\n"
     assert first_call(tmp_path, own)["hits"] == 0
+
+
+def test_import_flexattn_leaves_sympy_unimported():
+    # Issue 52: `import flexattn` should cost little beyond `import torch`; sympy alone took 0.9 s.
+    done = subprocess.run([sys.executable, "-c", "import sys, flexattn; print('sympy' in sys.modules)"],
+                          env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "False"
 
 
 def test_an_edit_anywhere_in_the_package_changes_the_code_digest(tmp_path, monkeypatch):

@@ -40,7 +40,6 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
-import sympy
 import torch
 import torch.fx
 
@@ -48,7 +47,7 @@ from ..errors import UnsupportedOpError
 from ..trace import CapturedInput, TracedMod
 from .calls import CallLowering
 from .gathers import GatherLowering
-from .index import ATOM, CMP, print_index, wrap_int
+from .index import ATOM, CMP, print_index, wrap_int, sympy
 from .ops import TL_DTYPES, supported_op_names, with_options
 from .ranges import CONSERVATIVE_BOUNDS, LoweringVariant, graph_key, lowering_variant
 from .sites import describe_site

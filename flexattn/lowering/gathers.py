@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import sympy
 import torch
 import torch.fx
 
-from .index import ADD, ATOM, BAND, CMP, print_index
+from .index import ADD, ATOM, BAND, CMP, print_index, sympy
 from .ops import literal
 from .values import INDEX_FIRST, INDEX_INTS, INTS, VECTOR_LIMIT, Gather, Val, Vec, View, numel, paren
 

@@ -31,14 +31,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-import sympy
 import torch
 import torch.fx
 
 from ..errors import UnsupportedOpError
 from ..trace import CapturedInput, TracedMod
 from .emit import ModInputs, _Emitter
-from .index import print_index
+from .index import print_index, sympy
 from .ops import ALIASES, LOWERINGS, lookup, with_options
 from .ranges import CONSERVATIVE_BOUNDS, LoweringVariant, graph_key, lowering_variant
 from .sites import describe_site

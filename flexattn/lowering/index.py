@@ -23,10 +23,26 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import sympy
 import torch
 
-__all__ = ["FloorDiv", "PyMod", "print_index", "wrap_int", "ATOM", "UNARY", "MUL", "ADD", "SHIFT"]
+__all__ = ["FloorDiv", "PyMod", "print_index", "wrap_int", "sympy", "ATOM", "UNARY", "MUL", "ADD", "SHIFT"]
+
+
+class _Sympy:
+    """sympy, imported at the first use of one of its names."""
+
+    def __getattr__(self, name: str):
+        import sympy as module
+
+        return getattr(module, name)
+
+
+# Importing sympy costs about 0.9 s, half of `import flexattn` on top of torch, and only lowering a mod
+# uses it: a process whose kernels come from the kernel index never does. The lowering's modules take
+# sympy from here, and FloorDiv and PyMod are made at their first use (below). Not importlib's
+# LazyLoader: a lazy module in sys.modules is loaded by anything that scans sys.modules (inspect does,
+# when torch.library registers an op).
+sympy = _Sympy()
 
 # Binding strength of the outermost operator of an expression, as in Python's grammar (higher binds
 # tighter). An operand is put in parentheses when it binds more loosely than its position needs.
@@ -50,36 +66,44 @@ def _divides(divisor: sympy.Integer, expr: sympy.Expr) -> bool:
     return True
 
 
-class FloorDiv(sympy.Function):
-    """``a // b`` rounding toward negative infinity, for integers."""
-
-    is_integer = True
-
-    @classmethod
-    def eval(cls, a, b):
-        if b == 1:
-            return a
-        if a.is_Integer and b.is_Integer and b != 0:
-            return sympy.Integer(int(a) // int(b))
-        if b.is_Integer and b != 0 and _divides(b, a):  # (4*x + 8) // 4 == x + 2, exactly
-            return sympy.expand(a / b)
-        return None
+def _floor_div_eval(cls, a, b):
+    if b == 1:
+        return a
+    if a.is_Integer and b.is_Integer and b != 0:
+        return sympy.Integer(int(a) // int(b))
+    if b.is_Integer and b != 0 and _divides(b, a):  # (4*x + 8) // 4 == x + 2, exactly
+        return sympy.expand(a / b)
+    return None
 
 
-class PyMod(sympy.Function):
-    """``a % b`` with the sign of ``b``, for integers."""
+def _py_mod_eval(cls, a, b):
+    if b == 1 or b == -1:
+        return sympy.Integer(0)
+    if a.is_Integer and b.is_Integer and b != 0:
+        return sympy.Integer(int(a) % int(b))
+    if b.is_Integer and b != 0 and _divides(b, a):
+        return sympy.Integer(0)
+    return None
 
-    is_integer = True
 
-    @classmethod
-    def eval(cls, a, b):
-        if b == 1 or b == -1:
-            return sympy.Integer(0)
-        if a.is_Integer and b.is_Integer and b != 0:
-            return sympy.Integer(int(a) % int(b))
-        if b.is_Integer and b != 0 and _divides(b, a):
-            return sympy.Integer(0)
-        return None
+_FUNCTIONS: dict = {}
+
+
+def _sympy_functions() -> dict:
+    """FloorDiv (``a // b`` rounding toward negative infinity) and PyMod (``a % b`` with the sign of
+    ``b``), integer sympy functions, made once: subclassing sympy.Function imports sympy."""
+    if not _FUNCTIONS:
+        for name, doc, eval_ in (("FloorDiv", "``a // b`` rounding toward negative infinity, for integers.", _floor_div_eval),
+                                 ("PyMod", "``a % b`` with the sign of ``b``, for integers.", _py_mod_eval)):
+            _FUNCTIONS[name] = type(name, (sympy.Function,), {
+                "__doc__": doc, "__module__": __name__, "is_integer": True, "eval": classmethod(eval_)})
+    return _FUNCTIONS
+
+
+def __getattr__(name: str):
+    if name in ("FloorDiv", "PyMod"):
+        return _sympy_functions()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _paren(text_prec: tuple[str, int], need: int) -> str:
@@ -135,8 +159,9 @@ class _Printer:
             return self._add(expr)
         if expr.is_Mul or expr.is_Pow:
             return self._mul(expr, force)
-        if isinstance(expr, (FloorDiv, PyMod)):
-            name = "py_floordiv" if isinstance(expr, FloorDiv) else "py_remainder"
+        functions = _sympy_functions()
+        if isinstance(expr, (functions["FloorDiv"], functions["PyMod"])):
+            name = "py_floordiv" if isinstance(expr, functions["FloorDiv"]) else "py_remainder"
             a, b = (self.print(arg, force=self.wide)[0] for arg in expr.args)
             return f"{name}({a}, {b})", ATOM
         raise NotImplementedError(f"cannot print {sympy.srepr(expr)} as Triton index arithmetic")

@@ -8,11 +8,10 @@ import keyword
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-import sympy
 import torch
 import torch.fx
 
-from .index import ATOM, BAND, BOR, BXOR, CMP, wrap_int
+from .index import ATOM, BAND, BOR, BXOR, CMP, wrap_int, sympy
 from .ops import literal
 
 __all__ = ["Val", "View", "Gather", "Vec", "VECTOR_LIMIT", "INDEX_FIRST", "LOGIC_AND_CMP", "INTS", "INDEX_INTS",
