@@ -33,7 +33,7 @@ from ...masks.layout import cdiv
 from ...trace import TracedMod
 from ..ahead import recording
 from ..backward import preprocess_delta, preprocess_launch
-from ..family import Plan, Step, cached_kernel
+from ..family import CompiledKernel, Plan, Problem, Step, cached_kernel
 from ..launch import (RepeatedLaunch, descriptor_over, descriptor_template, empty_output, kv_strides, launch,
                       mod_launch_args, zeroed_output)
 from ..launch_order import rows_alike, sm_count, tail_pairs
@@ -136,6 +136,12 @@ def dq_form(q: torch.Tensor, k: torch.Tensor, deterministic: bool, rows_alike: b
     return ordered, ordered
 
 
+def _dq_form(problem: Problem) -> tuple[bool, bool]:
+    """dq_form of one call of the family."""
+    q, k = problem.q, problem.k
+    return dq_form(q, k, problem.deterministic, rows_alike(problem.tables, k.shape[2], BLOCK))
+
+
 # [Note] The float32 dQ tile in shared memory. A consumer stores its 64 x 64 float32 tile from the
 # products' register layout, then the copy engine adds it into DQ_ACC. Unswizzled, rows of 256 bytes
 # put the 8 rows of one store instruction in the same 8 banks: 8 passes where 2 would do, 512
@@ -210,29 +216,25 @@ class HopperBackwardKernel(HopperFamily):
         ``deterministic``: sums formed in the same order at every run (``dq_form`` says how: dQ added in
         the dK/dV kernel in a fixed order, or the two kernels, whose every output row has one writer)."""
         global launches
-        tables = launch_tables(block_mask)
-        fused_dq, ordered_dq = dq_form(q, k, deterministic, rows_alike(tables, k.shape[2], BLOCK))
-        key = self._problem(q, k, v, out, grad_out, grad_lse, tables, scale, fused_dq, ordered_dq)
-
-        def launch(plan: Plan):
-            return self._launch(plan, q, k, v, out, lse, grad_out, grad_lse, block_mask, tables, scale,
-                                score_captured, mask_captured)
-
+        problem = Problem(q, k, v, block_mask, launch_tables(block_mask), scale, score_captured, mask_captured, {},
+                          out=out, lse=lse, grad_out=grad_out, grad_lse=grad_lse, deterministic=deterministic)
+        fused_dq, ordered_dq = _dq_form(problem)
+        key = self._problem(q, k, v, out, grad_out, grad_lse, problem.tables, scale, fused_dq, ordered_dq)
         plan = self._plans.get(key)
         if plan is None:
-            plan, result = self._first_launch(
-                key, q, k, lambda: self._plan(q, k, tables, scale, grad_lse is not None, fused_dq, ordered_dq), launch)
+            plan, result = self._first_launch(key, problem)
         else:
-            result = launch(plan)
+            result = self._launch(plan, problem)
         if not recording():
             launches += 1
             self.last_plan = plan
         return result
 
-    def _plan(self, q, k, tables, scale, has_dlse, fused_dq: bool, ordered_dq: bool) -> Plan:
+    def _plan(self, problem: Problem, compiled: CompiledKernel) -> Plan:
+        q, k, tables, scale = problem.q, problem.k, problem.tables, problem.scale
+        fused_dq, ordered_dq = _dq_form(problem)
         B, Hq, L, E = q.shape
         Hkv, S = k.shape[1], k.shape[2]
-        compiled = self.compiled(index_bounds(B, Hq, L, S))
         common = dict(
             SPARSE_Z=tables.kv_num_blocks.shape[0], SPARSE_HQ=tables.kv_num_blocks.shape[1], GQA_GROUP=Hq // Hkv,
             HEAD_DIM=E, SPARSE_Q_BLOCK_SIZE=BLOCK, SPARSE_KV_BLOCK_SIZE=BLOCK, CONSUMER_REGS=CONSUMER_REGS,
@@ -247,7 +249,7 @@ class HopperBackwardKernel(HopperFamily):
         dq = dict(common, BLOCK_M=BLOCK, BLOCK_N=BLOCK, STAGES=DQ_STAGES[E])
         HOPPER_BACKWARD_DKDV.check_constexprs(dkdv)
         HOPPER_BACKWARD_DQ.check_constexprs(dq)
-        preprocess = dict(V_HEAD_DIM=E, V_HEAD_DIM_P2=E, BLOCK_M=PREPROCESS_ROWS, HAS_DLSE=has_dlse)
+        preprocess = dict(V_HEAD_DIM=E, V_HEAD_DIM_P2=E, BLOCK_M=PREPROCESS_ROWS, HAS_DLSE=problem.grad_lse is not None)
         steps = {
             "preprocess": Step(BACKWARD_PREPROCESS, (cdiv(L, PREPROCESS_ROWS), Hq, B), preprocess),
             "dkdv": Step(HOPPER_BACKWARD_DKDV, (S // BLOCK, Hkv, B), dkdv),
@@ -277,16 +279,19 @@ class HopperBackwardKernel(HopperFamily):
         mask_captured) -> (dq, dk, dv)``."""
         return WarmHopperBackward(self, plan, q, k, v, grad_out, tables, bwd_tables, scale)
 
-    def _launch(self, plan: Plan, q, k, v, out, lse, grad_out, grad_lse, block_mask, tables, scale, score_captured,
-                mask_captured):
+    def _launch(self, plan: Plan, problem: Problem):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        q, k, v, out, grad_out = problem.q, problem.k, problem.v, problem.out, problem.grad_out
+        block_mask = problem.block_mask
+        tables, scale, score_captured = problem.tables, problem.scale, problem.score_captured
 
         B, Hq, L, E = q.shape
         Hkv, S = k.shape[1], k.shape[2]
         module = plan.compiled
 
-        delta = preprocess_delta(module, plan.steps["preprocess"], out, grad_out, grad_lse)
-        lse = lse.contiguous()
+        delta = preprocess_delta(module, plan.steps["preprocess"], out, grad_out, problem.grad_lse)
+        lse = problem.lse.contiguous()
         fused_dq = "dq" not in plan.steps
         dk = empty_output((B, Hkv, S, E), k.dtype, q.device)
         dv = empty_output((B, Hkv, S, E), v.dtype, q.device)
@@ -300,7 +305,7 @@ class HopperBackwardKernel(HopperFamily):
         recipes, dkdv_fixed, dq_fixed = _problem_args(plan, q, k, v, grad_out, dk, dv, dq, tables, bwd, scale)
         descriptors = [TensorDescriptor(t, *recipe) for t, recipe in zip((q, k, v, grad_out, dk, dv, dq), recipes)]
         mods = mod_launch_args(score_captured if self.has_score_mod else (),
-                               mask_captured if self.has_mask_mod else ())
+                               problem.mask_captured if self.has_mask_mod else ())
         step = plan.steps["dkdv"]
         launch(module.kernel(HOPPER_BACKWARD_DKDV), step.grid,
                _pack_dkdv(descriptors, lse, delta, bwd, mods, dkdv_fixed, turns), step.constexprs)

@@ -18,7 +18,7 @@ from ...errors import BackendUnavailableError
 from ...lowering import index_bounds, lowering_variants
 from ...trace import TracedMod
 from ..ahead import recording
-from ..family import KernelFamily
+from ..family import KernelFamily, Plan, Problem
 from ..launch import interpreter_enabled, kv_strides
 
 __all__ = ["HopperFamily", "HopperUnavailable", "problem_reason", "device_reason", "shape_reason", "View",
@@ -186,14 +186,16 @@ class HopperFamily(KernelFamily):
     def _failed_reason(self, q, k) -> Optional[str]:
         return self._failed.get(self._variants(q, k)) if self._failed else None
 
-    def _first_launch(self, key: tuple, q, k, make_plan, launch):
-        """``(plan, launch(plan))`` for a problem seen for the first time; the plan is kept once its
-        launch (which compiles) succeeded. Raises HopperUnavailable, and remembers why, when it fails."""
-        plan = make_plan()
+    def _first_launch(self, key: tuple, problem: Problem) -> tuple[Plan, object]:
+        """``(plan, _launch(plan, problem))`` for a problem seen for the first time; the plan is kept
+        once its launch (which compiles) succeeded. Raises HopperUnavailable, and remembers why, when
+        it fails."""
+        plan = self._new_plan(problem)
         if recording():  # [Note] Kernels compiled ahead: the real first launch keeps the plan
-            return plan, launch(plan)
+            return plan, self._launch(plan, problem)
+        q, k = problem.q, problem.k
         try:
-            result = launch(plan)
+            result = self._launch(plan, problem)
         except Exception as err:
             if isinstance(err, torch.cuda.OutOfMemoryError):
                 raise

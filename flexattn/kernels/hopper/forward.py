@@ -18,11 +18,10 @@ import torch
 
 from ...codegen.params import HOPPER_FORWARD
 from ...cuda_graphs import capturing
-from ...lowering import index_bounds
 from ...masks import EVERY_BLOCK_FULL
 from ...trace import TracedMod
 from ..ahead import recording
-from ..family import Plan, Step, cached_kernel
+from ..family import CompiledKernel, Plan, Problem, Step, cached_kernel
 from ..launch import (
     RepeatedLaunch, descriptor_over, descriptor_template, empty_attention_output, empty_output,
     empty_strided_output, kv_strides, launch, mod_launch_args,
@@ -139,20 +138,14 @@ class HopperForwardKernel(HopperFamily):
         """``(out, lse or None)``; raises HopperUnavailable when the kernel of these mods does not compile
         (checked by the caller with ``unsupported_reason`` first, for everything else)."""
         global launches
-        tables = launch_tables(block_mask)
-        consumers = self._consumers(q, block_mask)
-        walks = self._walks(block_mask, consumers)
-        key = self._problem(q, k, v, tables, scale, need_lse, consumers)
-
-        def launch(plan: Plan):
-            return self._launch(plan, q, k, v, tables, walks, scale, score_captured, mask_captured, need_lse)
-
+        problem = Problem(q, k, v, block_mask, launch_tables(block_mask), scale, score_captured, mask_captured, {},
+                          need_lse)
+        key = self._problem(q, k, v, problem.tables, scale, need_lse, self._consumers(q, block_mask))
         plan = self._plans.get(key)
         if plan is None:
-            plan, result = self._first_launch(
-                key, q, k, lambda: self._plan(q, k, v, tables, scale, need_lse, consumers), launch)
+            plan, result = self._first_launch(key, problem)
         else:
-            result = launch(plan)
+            result = self._launch(plan, problem)
         if not recording():
             launches += 1
             self.last_plan = plan
@@ -181,10 +174,6 @@ class HopperForwardKernel(HopperFamily):
             return 2  # a replay would read walks derived before the capture, whatever the tables hold then
         return 3
 
-    def _walks(self, block_mask, consumers: int):
-        """The program walks of a UNION_WALK launch ([Note] Programs across query blocks), else None."""
-        return program_walks(block_mask) if consumers == 3 and self.has_mask_mod else None
-
     def kept_plan(self, q, k, v, block_mask, scale: float, *, need_lse: bool) -> Optional[Plan]:
         """The plan of this problem once its first launch compiled (None before): for a caller that
         launches it again through ``warm_launch`` (compile.py, [Note] Warm calls of the forward op)."""
@@ -199,10 +188,11 @@ class HopperForwardKernel(HopperFamily):
         walks = program_walks(block_mask) if plan.steps["forward"].constexprs["UNION_WALK"] else None
         return WarmHopperForward(self, plan, q, k, v, launch_tables(block_mask), walks, scale, need_lse)
 
-    def _plan(self, q, k, v, tables, scale, need_lse, consumers: int) -> Plan:
+    def _plan(self, problem: Problem, compiled: CompiledKernel) -> Plan:
+        q, k, tables, scale, need_lse = problem.q, problem.k, problem.tables, problem.scale, problem.need_lse
+        consumers = self._consumers(q, problem.block_mask)
         B, Hq, L, E = q.shape
         Hkv, S = k.shape[1], k.shape[2]
-        compiled = self.compiled(index_bounds(B, Hq, L, S))
         constexprs = dict(
             SPARSE_Z=tables.kv_num_blocks.shape[0], SPARSE_HQ=tables.kv_num_blocks.shape[1], GQA_GROUP=Hq // Hkv,
             HEAD_DIM=E, SPARSE_Q_BLOCK_SIZE=BLOCK, SPARSE_KV_BLOCK_SIZE=BLOCK, BLOCK_M=64 * consumers, BLOCK_N=BLOCK,
@@ -221,16 +211,20 @@ class HopperForwardKernel(HopperFamily):
         return Plan(compiled, {"forward": Step(HOPPER_FORWARD, grid, constexprs)}, (L, S),
                     q.element_size())
 
-    def _launch(self, plan: Plan, q, k, v, tables, walks, scale, score_captured, mask_captured, need_lse):
+    def _launch(self, plan: Plan, problem: Problem):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+        q, k, v, tables = problem.q, problem.k, problem.v, problem.tables
+        scale, need_lse = problem.scale, problem.need_lse
         B, Hq, L, E = q.shape
         step = plan.steps["forward"]
+        # The program walks of a UNION_WALK launch ([Note] Programs across query blocks), else None.
+        walks = program_walks(problem.block_mask) if step.constexprs["UNION_WALK"] else None
         out = empty_attention_output(q, E)
         lse = empty_output((B, Hq, L), torch.float32, q.device) if need_lse else out
         recipes, fixed = _problem_args(step, q, k, v, out, tables, walks, scale)
         descriptors = [TensorDescriptor(t, *recipe) for t, recipe in zip((q, k, v, out), recipes)]
-        args = _pack(self, descriptors, lse, tables, walks, score_captured, mask_captured, fixed)
+        args = _pack(self, descriptors, lse, tables, walks, problem.score_captured, problem.mask_captured, fixed)
         launch(plan.compiled.kernel(HOPPER_FORWARD), step.grid, args, step.constexprs)
         return out, (lse if need_lse else None)
 
