@@ -46,10 +46,9 @@ __all__ = ["DecodeKernel", "decode_kernel", "unsupported_reason", "launches", "b
 launches = 0  # decode calls in this process (tests check that the decode kernels, not the forward, ran)
 
 # flex_attention picks the decode kernels by itself for queries up to this length (on the Triton
-# backend, without gradients). Measured on the H100 (2026-11-24, graph-timed, ALiBi + causal at
-# the cache's end, bf16; docs/benchmarks.md): the decode kernels beat the forward at every q_len
-# from 1 to 64 in all four shapes tried, and lose at 128 for B=8 (2% at 16:2 d=128, 12% at MHA
-# d=64). tests/test_gpu_decode.py checks the automatic choice's results at 17 to 64 rows on the GPU.
+# backend, without gradients): graph-timed, they beat the forward at every q_len up to 64 in every
+# shape measured, and lost to it at 128 (docs/benchmarks_log.md, "Decoding: the split-KV decode
+# kernel"). tests/test_gpu_decode.py checks the automatic choice's results at 17 to 64 rows on the GPU.
 MAX_AUTO_QUERY_LEN = 64
 
 
@@ -62,11 +61,12 @@ def unsupported_reason(q: torch.Tensor, block_mask: BlockMask) -> Optional[str]:
     return None
 
 
-# Splits, from a sweep on the H100 (bf16, CUDA-graph timings; docs/benchmarks.md): about two programs
-# per SM was best or within 3% of it in every swept case, with at least MIN_KEYS_PER_SPLIT keys per
-# split so a program's loop still streams, and at most MAX_MERGED_PER_ROW // Ev splits: the merge
-# reads splits x Ev floats per row, and more splits than that cost more in the merge than they gain.
-# Within that, the count whose programs spread evenly over the SMs (see balanced_splits).
+# Splits, from a CUDA-graph-timed sweep (docs/benchmarks_log.md, "Decoding: the split-KV decode
+# kernel"): about two programs per SM was the best or close to it in every swept case, with at least
+# MIN_KEYS_PER_SPLIT keys per split so a program's loop still streams, and at most MAX_MERGED_PER_ROW
+# // Ev splits: the merge reads splits x Ev floats per row, and more splits than that cost more in the
+# merge than they gain. Within that, the count whose programs spread evenly over the SMs (see
+# balanced_splits).
 WAVES = 2
 MAX_MERGED_PER_ROW = 8192
 MIN_KEYS_PER_SPLIT = {64: 512, 128: 1024, 256: 1024}
@@ -92,8 +92,8 @@ def balanced_splits(programs: int, cap: int, sms: int) -> int:
     among those that still give at least MIN_FILL x WAVES programs per SM (else ``cap``).
 
     A step lasts as long as its busiest SM: 272 programs on 132 SMs put three on 8 SMs and two on the
-    rest, and took 7% longer than 256 programs on the H100 (16 head groups, 17 splits against 16;
-    docs/benchmarks.md). Ties go to more splits."""
+    rest, and ran longer than 256 programs (16 head groups, 17 splits against 16; docs/benchmarks_log.md,
+    "Decoding: the split-KV decode kernel"). Ties go to more splits."""
     floor = MIN_FILL * WAVES * sms
     candidates = [s for s in range(1, cap + 1) if programs * s >= floor]
     if not candidates:

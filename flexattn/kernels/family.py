@@ -178,14 +178,13 @@ def with_tiles(plan: Plan, role: str, roles: TileRoles, constexprs: dict) -> Pla
 # 2. Staged gathers: shared memory beyond the owned tile and one walked tile per stage by
 #    STAGED_GATHER_BYTES or more means the software pipeliner buffers the mods' gathered tiles
 #    too: one stage fewer, down to one.
-# H100 census of the 22 catalogue entries at their defaults (bf16, 4k tokens, d=64 and 128; Triton
-# 3.6; benchmarks/tile_census.py, docs/benchmarks.md): in the forward five kernels changed, all
-# faster: Longformer d=64 (132 bytes spilled) 1.27 -> 0.33 ms, Graphormer d=64 (248) 0.55 -> 0.21, T5
-# d=64 (169 KB of shared memory against 104 KB of tiles) 10.8 -> 3.5, T5 d=128 (292 bytes) 7.4 -> 1.9,
-# Graphormer d=128 (177 KB against 112) 0.80 -> 0.17. Twelve d=128 kernels spill 2 to 62 bytes and
-# stay: half the key tile made eight of them 16-35% slower. Every other kernel was within 5 KB of its
-# tiles. In the backward three of 44 changed, all faster (T5 d64 42.1 -> 15.8 ms, T5 d128 19.2 -> 9.3,
-# Graphormer d128 5.95 -> 5.50); the other 41 spill at most 58 bytes.
+# Why these two rules and their limits: a census of the 22 catalogue entries at their default tiles
+# (forward and backward, d=64 and 128; benchmarks/tile_census.py) found that they change a handful of
+# kernels (the Longformer, Graphormer and T5 ones that spill, or whose gathers the pipeliner stages),
+# every one of them faster, while halving the key tile of kernels that spill only a few bytes made
+# them slower. Numbers: docs/benchmarks_log.md, "Forward: default tiles replaced when the compiler
+# made them costly (2026-11-24)" and "Backward: default tiles replaced when the compiler made them
+# costly (2026-11-25)".
 SPILL_LIMIT_BYTES = 100
 STAGED_GATHER_BYTES = 32 * 1024
 

@@ -184,8 +184,8 @@ class ForwardKernel(KernelFamily):
             blocks_per_row=stats.mean_blocks if self.has_mask_mod else float("inf"),
             # Descriptors cost host time per launch (scratch for them, a longer launch); on problems
             # below about a million scores the launch, not the kernel, sets the pace. Host-built
-            # ones cost more again (57 -> 83 us a call, H200), so only kernels of 2^28 scores and
-            # up (over 100 us of GPU time, which hides them) get them.
+            # ones cost more again (docs/benchmarks.md, "Start-up and host overhead"), so only kernels
+            # of 2^28 scores and up (long enough on the GPU to hide them) get them.
             has_score_mod=self.has_score_mod, tma_ok=tma_layout_ok(q, k, v) and q.shape[2] * k.shape[2] >= 1 << 20,
             host_descriptors_ok=host_descriptors_ok(q, k, v) and scores >= 1 << 28,
             even_n=k.shape[2] % sparse_kv == 0, row_stats=need_max or (need_lse and q.shape[2] % 4 != 0),
@@ -329,12 +329,12 @@ def fp8_value_layout(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """V as the FP8 product P V wants it on compute capability 8.9 to 9.x: column-major (keys
     contiguous), copied there when it is not.
 
-    [Note] FP8 values are column-major. Those GPUs' FP8 tensor-core products take both operands
-    with the summed dimension contiguous. For P V that is the key dimension, and a row-major V
-    makes Triton reorder every tile in the loop: on an H200 (16k tokens, causal) the forward ran at
-    259-341 TFLOP/s with V row-major and 551-737 with V column-major, so the copy (one pass over V)
-    pays many times over. torch's flex_attention makes the same copy. A caller who keeps V
-    column-major (``v.transpose(-2, -1).contiguous().transpose(-2, -1)``) skips it."""
+    [Note] FP8 values are column-major. Those GPUs' FP8 tensor-core products take both operands with the
+    summed dimension contiguous. For P V that is the key dimension, and a row-major V makes Triton
+    reorder every tile in the loop, so the copy (one pass over V) pays many times over
+    (docs/benchmarks_log.md, "FP8 forward and FP8-cache decoding"). torch's flex_attention makes the
+    same copy. A caller who keeps V column-major (``v.transpose(-2, -1).contiguous().transpose(-2,
+    -1)``) skips it."""
     if (v.dtype not in FLOAT8_DTYPES or q.dtype != v.dtype or v.stride(-2) == 1 or not v.is_cuda
             or not (8, 9) <= torch.cuda.get_device_capability(v.device) < (10, 0)):
         return v
