@@ -166,7 +166,7 @@ def test_a_deterministic_call_runs_until_its_plan_has_settled(options, launches)
     # The replan rule ([Note] Tiles the compiler made costly) gives a problem's later calls other
     # tiles than its first; their sums run in another order. A deterministic call keeps launching
     # (fresh outputs each time) until the plan stays, so its first result is every later one's.
-    from flexattn.kernels.family import KernelFamily, Plan
+    from flexattn.kernels.family import KernelFamily, Plan, Problem
 
     family = KernelFamily(None, None, tanh_approx=False)
     steps_seen = []
@@ -178,11 +178,14 @@ def test_a_deterministic_call_runs_until_its_plan_has_settled(options, launches)
 
     family._plan_after_compile = after_compile
 
-    def launch(plan):
+    def launch(plan, problem):
         steps_seen.append(plan.steps["tiles"])
         return f"result of tiles {plan.steps['tiles']}", {}
 
     first = Plan(None, {"tiles": 1}, (64, 64), 2, check_compiled=True)
-    result = family._run("key", lambda: first, lambda plan: plan, launch, options)
+    family._new_plan = lambda problem: first
+    family._launch = launch
+    problem = Problem(None, None, None, None, None, 1.0, [], [], options)  # only the options are read
+    result = family._run("key", problem)
     assert len(steps_seen) == launches
     assert result == f"result of tiles {steps_seen[-1]}"

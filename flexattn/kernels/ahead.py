@@ -1,10 +1,10 @@
 """Compiling a problem's kernels ahead of their first launch, in worker processes.
 
 [Note] Kernels compiled ahead. A cold first call compiles each kernel it launches where it launches
-it, one after the other, in the caller's process: on the H200 machine a compiled 12-layer model's
-first step spent 5.4 s in the four kernels of its attention (the Gluon forward 2.1 s, dK/dV 1.5 s
-and dQ 1.6 s, the preprocess 0.2 s) plus their launchers, while torch's compiled flex_attention had
-Inductor's worker processes compile its kernels side by side.
+it, one after the other, in the caller's process: a compiled model's first step spent seconds
+compiling its attention's four kernels (the Gluon forward, dK/dV, dQ and the preprocess) and their
+launchers (docs/benchmarks_log.md, "The first run's compile time, and the op's host cost"), while
+torch's compiled flex_attention had Inductor's worker processes compile its kernels side by side.
 
 So dispatch.py (``compile_ahead``) runs a problem's launches once in *recording* mode, before they
 are needed: the backward's at the forward, and, under torch.compile, the forward's and the

@@ -43,7 +43,7 @@ from .configs import (
     upcast_dots,
 )
 from .ahead import recording
-from .family import KernelFamily, Plan, Step, TileRoles, cached_kernel, with_tiles
+from .family import CompiledKernel, KernelFamily, Plan, Problem, Step, TileRoles, cached_kernel, with_tiles
 from .launch import RepeatedLaunch, empty_output, interpreter_enabled, kv_strides, launch, mod_launch_args
 from .launch_order import rows_alike, tail_pairs
 from .tables import backward_tables, launch_tables
@@ -93,37 +93,14 @@ class BackwardKernel(KernelFamily):
         (context parallelism: rounding each part to bf16 would double the error)."""
         global launches
         deterministic = requested_determinism(options)
-        tables = launch_tables(block_mask)
-        bwd_tables = backward_tables(block_mask)
-        key = self._problem(q, k, v, out, grad_out, grad_lse, block_mask, tables, scale, options, float32_kv_grads,
-                            deterministic)
-
-        def make_plan() -> Plan:
-            return self._plan(q, k, v, grad_out, grad_lse is not None, block_mask, tables, scale, score_captured,
-                              mask_captured, options, deterministic)
-
-        def for_call(plan: Plan) -> Plan:
-            return _for_call(plan, q, k, v, grad_out)
-
-        def run(plan: Plan):
-            return self._launch(plan, q, k, v, out, lse, grad_out, grad_lse, tables, bwd_tables, scale,
-                                score_captured, mask_captured, float32_kv_grads)
-
-        grads = self._run(key, make_plan, for_call, run, options)
+        problem = Problem(q, k, v, block_mask, launch_tables(block_mask), scale, score_captured, mask_captured,
+                          options, out=out, lse=lse, grad_out=grad_out, grad_lse=grad_lse,
+                          bwd_tables=backward_tables(block_mask), float32_kv_grads=float32_kv_grads,
+                          deterministic=deterministic)
+        grads = self._run(_plan_key(problem), problem)
         if not recording():
             launches += 1
         return grads
-
-    @staticmethod
-    def _problem(q, k, v, out, grad_out, grad_lse, block_mask, tables, scale, options, float32_kv_grads: bool,
-                 deterministic: bool) -> tuple:
-        return (
-            q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), grad_out.stride(), out.stride(),
-            q.dtype, q.device, block_mask.BLOCK_SIZE, tables.plan_key, scale > 0, grad_lse is not None,
-            tuple(sorted(options.items())) if options else (),
-            torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None, float32_kv_grads,
-            deterministic,
-        )
 
     def kept_plan(self, q, k, v, out, grad_out, grad_lse, block_mask, scale: float, options: dict) -> Optional[Plan]:
         """The plan a call with these arguments launches now, once its problem's plan has settled, else
@@ -132,14 +109,14 @@ class BackwardKernel(KernelFamily):
         of captured tensors, a broadcast key/value batch."""
         if k.shape[0] != q.shape[0]:
             return None
-        key = self._problem(q, k, v, out, grad_out, grad_lse, block_mask, launch_tables(block_mask), scale, options,
-                            False, requested_determinism(options))
-        plan = self._plans.get(key)
+        problem = Problem(q, k, v, block_mask, launch_tables(block_mask), scale, (), (), options, out=out,
+                          grad_out=grad_out, grad_lse=grad_lse, deterministic=requested_determinism(options))
+        plan = self._plans.get(_plan_key(problem))
         if plan is None or plan.check_compiled:
             return None
         if plan.compiled.trainable:
             return None
-        return _for_call(plan, q, k, v, grad_out)
+        return self._for_call(plan, problem)
 
     def warm_launch(self, plan: Plan, q, k, v, out, grad_out, tables, bwd_tables, scale: float) -> "WarmBackwardLaunch":
         """``plan`` (from kept_plan) for the later calls of this call's problem, which the caller keys.
@@ -147,15 +124,24 @@ class BackwardKernel(KernelFamily):
         mask_captured) -> (dq, dk, dv)``."""
         return WarmBackwardLaunch(self, plan, q, k, v, out, grad_out, tables, bwd_tables, scale)
 
-    def _launch(self, plan: Plan, q, k, v, out, lse, grad_out, grad_lse, tables, bwd_tables, scale, score_captured,
-                mask_captured, float32_kv_grads: bool = False):
+    def _for_call(self, plan: Plan, problem: Problem) -> Plan:
+        """The plan this call runs: ``plan``, or, for an unaligned view of a problem whose plan reads
+        through tensor descriptors (same shapes and strides as its first call), the plan without them."""
+        if plan.constexprs("dkdv")["USE_TMA"] and (problem.q.data_ptr() | problem.k.data_ptr() | problem.v.data_ptr()
+                                                   | problem.grad_out.data_ptr()) % 16:
+            return plan.with_constexprs("dkdv", USE_TMA=False).with_constexprs("dq", USE_TMA=False)
+        return plan
+
+    def _launch(self, plan: Plan, problem: Problem):
+        q, k, v, out, lse, grad_out = problem.q, problem.k, problem.v, problem.out, problem.lse, problem.grad_out
+        tables, bwd_tables, score_captured = problem.tables, problem.bwd_tables, problem.score_captured
         B, Hq, L, E = q.shape
         Bk, Hkv, S, Ev = v.shape
         module = plan.compiled
         if plan.constexprs("dkdv")["USE_TMA"]:
             install_tma_allocator()  # this thread's: autograd runs the backward in a worker thread
 
-        delta = preprocess_delta(module, plan.steps["preprocess"], out, grad_out, grad_lse)
+        delta = preprocess_delta(module, plan.steps["preprocess"], out, grad_out, problem.grad_lse)
 
         # -- captured tensors and their gradient buffers ----
         trainable = plan.compiled.trainable
@@ -171,10 +157,10 @@ class BackwardKernel(KernelFamily):
             grad_buffers = [torch.zeros(score_captured[i].shape, dtype=torch.float32, device=q.device)
                             for i in trainable]
             turns = delta  # not read
-        mods = mod_launch_args(score_captured) + grad_buffers + mod_launch_args(mask_captured)
+        mods = mod_launch_args(score_captured) + grad_buffers + mod_launch_args(problem.mask_captured)
 
         broadcast_kv = Bk == 1 and B > 1
-        kv_grad_dtype = torch.float32 if float32_kv_grads and k.dtype != torch.float64 else k.dtype
+        kv_grad_dtype = torch.float32 if problem.float32_kv_grads and k.dtype != torch.float64 else k.dtype
         if broadcast_kv:
             # Each query batch writes its own slice; the slices are summed below (float32).
             dk = empty_output((B, Hkv, S, E), torch.float32, q.device)
@@ -186,7 +172,7 @@ class BackwardKernel(KernelFamily):
         lse = lse.contiguous()
 
         dkdv_fixed, dq_fixed = _problem_args(plan, q, k, v, grad_out, dk.stride(), dv.stride(), dq.stride(), tables,
-                                             bwd_tables, scale)
+                                             bwd_tables, problem.scale)
         dkdv_fixed.update(GRAD_SLOTS=slots, GRAD_SLOT_STRIDE=stride)
         dkdv_kernel = launch(module.kernel(BACKWARD_DKDV), dkdv.grid,
                              _pack_dkdv((q, k, v, grad_out), lse, delta, dk, dv, turns, bwd_tables, mods, dkdv_fixed),
@@ -206,22 +192,21 @@ class BackwardKernel(KernelFamily):
             captured_grads[i] = buf.to(score_captured[i].dtype)
         return (dq, dk, dv, captured_grads), {"dkdv": dkdv_kernel, "dq": dq_kernel}
 
-    def _plan(self, q, k, v, grad_out, has_dlse, block_mask, tables, scale, score_captured, mask_captured,
-              options, deterministic: bool = False) -> Plan:
+    def _plan(self, problem: Problem, compiled: CompiledKernel) -> Plan:
+        q, k, v, tables, scale, options = problem.q, problem.k, problem.v, problem.tables, problem.scale, problem.options
         B, Hq, L, E = q.shape
         Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
-        sparse_q, sparse_kv = block_mask.BLOCK_SIZE
-        compiled = self.compiled(index_bounds(B, Hq, L, S))
+        sparse_q, sparse_kv = problem.block_mask.BLOCK_SIZE
         cfg = select_backward_config(q.device, q.dtype, E, Ev, sparse_q, sparse_kv, self.mask is not None,
                                      tables.stats.mean_blocks)
         chosen_here = False
         if backward_pinned(options):
             cfg = pinned_backward_config(options, cfg, sparse_q, sparse_kv)
         elif options.get("AUTOTUNE") and not interpreter_enabled() and q.device.type == "cuda":
-            cfg = self._tuned(q, k, v, block_mask, scale, score_captured, mask_captured, compiled, cfg)
+            cfg = self._tuned(problem, compiled, cfg)
         else:
             chosen_here = q.device.type == "cuda" and not interpreter_enabled()
-        use_tma = bool(options.get("USE_TMA", cfg.USE_TMA)) and tma_compatible(q, k, v, grad_out)
+        use_tma = bool(options.get("USE_TMA", cfg.USE_TMA)) and tma_compatible(q, k, v, problem.grad_out)
         dkdv_launch, dq_launch = cfg.dkdv(), cfg.dq()
         common = dict(
             SPARSE_Z=tables.kv_num_blocks.shape[0], SPARSE_HQ=tables.kv_num_blocks.shape[1],
@@ -234,7 +219,7 @@ class BackwardKernel(KernelFamily):
             HAS_PARTIAL_BLOCKS=self.mask is not None, HAS_FULL_BLOCKS=tables.has_full,
             INPUT_PRECISION=input_precision(q.dtype),
             UPCAST_DOTS=upcast_dots(q.dtype),
-            USE_TMA=use_tma, DETERMINISTIC=deterministic,
+            USE_TMA=use_tma, DETERMINISTIC=problem.deterministic,
         )
         # Each kernel checks bounds along its own tile (EVEN_* of its tile) and along the sparse
         # blocks it walks (whole blocks: EVEN_* of the BlockMask's block).
@@ -247,7 +232,7 @@ class BackwardKernel(KernelFamily):
         BACKWARD_DKDV.check_constexprs(dkdv)
         BACKWARD_DQ.check_constexprs(dq)
         pre_block = 64 if not interpreter_enabled() else 128
-        preprocess = dict(V_HEAD_DIM=Ev, V_HEAD_DIM_P2=max(16, next_pow2(Ev)), BLOCK_M=pre_block, HAS_DLSE=has_dlse)
+        preprocess = dict(V_HEAD_DIM=Ev, V_HEAD_DIM_P2=max(16, next_pow2(Ev)), BLOCK_M=pre_block, HAS_DLSE=problem.grad_lse is not None)
         steps = {
             "preprocess": Step(BACKWARD_PREPROCESS, (cdiv(L, pre_block), Hq, B), preprocess),
             "dkdv": Step(BACKWARD_DKDV, (cdiv(S, cfg.BLOCK_N1), Hkv, B), dkdv),
@@ -290,14 +275,14 @@ class BackwardKernel(KernelFamily):
             "bwd_num_stages) or run it with kernel_options={'BACKEND': 'PYTORCH'}"
         )
 
-    def _tuned(self, q, k, v, block_mask, scale, score_captured, mask_captured, compiled,
-               default: BackwardConfig) -> BackwardConfig:
+    def _tuned(self, problem: Problem, compiled: CompiledKernel, default: BackwardConfig) -> BackwardConfig:
         """AUTOTUNE: time a few tile shapes once per shape class; the choice is kept in the same file
         as the forward's (configs.tuned_configs), so later processes reuse it. A stored choice sets
         only the speed: every fact correctness depends on is derived from the call in _plan."""
         import triton
         import triton.testing
 
+        q, k, v, block_mask = problem.q, problem.k, problem.v, problem.block_mask
         E, Ev = q.shape[-1], v.shape[-1]
         sparse_q, sparse_kv = block_mask.BLOCK_SIZE
         key = "|".join(str(x) for x in (
@@ -328,7 +313,8 @@ class BackwardKernel(KernelFamily):
             pinned.update(bwd_num_warps=cfg.num_warps, bwd_num_stages=cfg.num_stages, USE_TMA=cfg.USE_TMA)
 
             def run():
-                self(q, k, v, out, lse, grad_out, None, block_mask, scale, score_captured, mask_captured, pinned)
+                self(q, k, v, out, lse, grad_out, None, block_mask, problem.scale, problem.score_captured,
+                     problem.mask_captured, pinned)
 
             try:
                 timings.append((triton.testing.do_bench(run, warmup=3, rep=20, return_mode="median"), cfg))
@@ -410,12 +396,16 @@ def _contiguous(shape) -> tuple:
     return tuple(reversed(strides))
 
 
-def _for_call(plan: Plan, q, k, v, grad_out) -> Plan:
-    """The plan this call runs: ``plan``, or, for an unaligned view of a problem whose plan reads
-    through tensor descriptors (same shapes and strides as its first call), the plan without them."""
-    if plan.constexprs("dkdv")["USE_TMA"] and (q.data_ptr() | k.data_ptr() | v.data_ptr() | grad_out.data_ptr()) % 16:
-        return plan.with_constexprs("dkdv", USE_TMA=False).with_constexprs("dq", USE_TMA=False)
-    return plan
+def _plan_key(problem: Problem) -> tuple:
+    """What a backward plan depends on (see [Note] Cache keys in kernels/family.py)."""
+    q, k, v, options = problem.q, problem.k, problem.v, problem.options
+    return (
+        q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), problem.grad_out.stride(), problem.out.stride(),
+        q.dtype, q.device, problem.block_mask.BLOCK_SIZE, problem.tables.plan_key, problem.scale > 0,
+        problem.grad_lse is not None, tuple(sorted(options.items())) if options else (),
+        torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None, problem.float32_kv_grads,
+        problem.deterministic,
+    )
 
 
 def _problem_args(plan: Plan, q, k, v, grad_out, dk_strides, dv_strides, dq_strides, tables, bwd_tables,

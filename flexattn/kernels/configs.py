@@ -1,10 +1,10 @@
 """Launch configurations: tiles, warps and pipeline stages per GPU and head dim for each kernel
 family, the checks of the ones a caller pins through kernel_options, and autotuning's store.
 
-The defaults come from sweeps on an H200 and an H100 (benchmarks/sweep.py, sweep_backward.py;
-docs/benchmarks.md); other GPUs start from the same shapes and shrink until shared memory fits.
-A configuration only sets speed: every fact correctness depends on (bounds checks, layouts) is
-derived from the call by the family that plans the launch.
+The defaults come from sweeps on Hopper GPUs (benchmarks/sweep.py, sweep_backward.py; the numbers
+are in docs/benchmarks_log.md, "What each speed change did"); other GPUs start from the same shapes
+and shrink until shared memory fits. A configuration only sets speed: every fact correctness depends
+on (bounds checks, layouts) is derived from the call by the family that plans the launch.
 """
 
 from __future__ import annotations
@@ -99,8 +99,9 @@ def shared_memory_bytes(cfg: LaunchConfig, elem_bytes: int, qk_dim_p2: int, v_di
     return (q_tile + kv_tiles) * elem_bytes
 
 
-# Defaults from benchmarks/sweep.py on an H200 (docs/benchmarks.md); other GPUs start from the same shapes
-# and shrink until shared memory fits. AUTOTUNE searches around them per problem.
+# Defaults from benchmarks/sweep.py on Hopper (docs/benchmarks_log.md, "What each speed change did");
+# other GPUs start from the same shapes and shrink until shared memory fits. AUTOTUNE searches around
+# them per problem.
 _GPU_DEFAULTS = {  # pointer loads, any GPU
     # (head dim up to, elem bytes): config
     (64, 2): LaunchConfig(64, 128, 4, 3),
@@ -112,21 +113,23 @@ _GPU_DEFAULTS = {  # pointer loads, any GPU
 }
 
 
-# Hopper with tensor descriptors, 16-bit inputs (benchmarks/sweep.py at 16k tokens on an H200): two
-# pipeline stages beat three once the copy engine fetches K/V, and 128-row programs win at d=128.
+# Hopper with tensor descriptors, 16-bit inputs (benchmarks/sweep.py at 16k tokens; docs/benchmarks_log.md,
+# "What each speed change did", second session): two pipeline stages beat three once the copy engine
+# fetches K/V, and 128-row programs win at d=128.
 _HOPPER_TMA_DEFAULTS = {
     64: LaunchConfig(64, 128, 4, 2, USE_TMA=True),
     128: LaunchConfig(128, 64, 4, 2, USE_TMA=True),
 }
-# The one warp-specialised configuration flexattn validated (Triton 3.6, H100/H200, d=128, no
-# mods): +6 to 7% over the best plain loop. Triton 3.6 miscompiled every other case we tried:
-# wrong results with captured tensors or masks in the loop, NaN with three stages, a 3x slower
-# kernel with any masked tile outside the loop, and pointer stores of the per-row LSE that lose
-# half the rows (the template stores it through a descriptor instead). So nothing else gets it by
-# default, and calls that need row maxima never get it (see _plan).
+# The one warp-specialised configuration flexattn validated (Triton 3.6, Hopper, d=128, no mods),
+# faster there than the best plain loop (docs/benchmarks_log.md, "What each speed change did").
+# Triton 3.6 miscompiled every other case we tried: wrong results with captured tensors or masks in
+# the loop, NaN with three stages, a 3x slower kernel with any masked tile outside the loop, and
+# pointer stores of the per-row LSE that lose half the rows (the template stores it through a
+# descriptor instead). So nothing else gets it by default, and calls that need row maxima never get
+# it (see _plan).
 _HOPPER_WS_CONFIG = LaunchConfig(128, 128, 4, 2, USE_TMA=True, WARP_SPECIALIZE=True)
-# Rows that visit few blocks (document masks), with descriptors built on the host (16k tokens,
-# H200): d=64 310 vs 287 TFLOP/s with pointers; d=128 345 vs 309.
+# Rows that visit few blocks (document masks) run faster with descriptors built on the host than
+# with pointer loads, at both head dims (docs/benchmarks_log.md, "What each speed change did", third session).
 _HOPPER_SHORT_ROW_DEFAULTS = {
     64: LaunchConfig(64, 128, 4, 2, USE_TMA=True, HOST_DESCRIPTORS=True),
     128: LaunchConfig(64, 32, 4, 2, USE_TMA=True, HOST_DESCRIPTORS=True),
@@ -189,17 +192,17 @@ def select_config(
     base = _GPU_DEFAULTS[(bucket, 2 if elem <= 2 else 4)]
     sparse_rows = has_mask_mod and blocks_per_row < 8
     if has_mask_mod and elem == 2 and bucket in (64, 128):
-        # Measured on an H200 (benchmarks/sweep.py, flexattn/bench/forward.py): masks whose rows visit few blocks
-        # (documents, short windows) want more, smaller programs; dense-row masks (causal, prefix)
-        # want 128 query rows per program.
+        # Masks whose rows visit few blocks (documents, short windows) want more, smaller programs;
+        # dense-row masks (causal, prefix) want 128 query rows per program (benchmarks/sweep.py;
+        # docs/benchmarks_log.md, "What each speed change did").
         if sparse_rows:
             base = LaunchConfig(64, 128, 4, 3) if bucket == 64 else LaunchConfig(64, 64, 4, 3)
         else:
             base = LaunchConfig(128, 128, 4, 3) if bucket == 64 else LaunchConfig(128, 128, 8, 3)
     if elem == 1 and bucket in (64, 128):
-        # FP8 products (H200, 16k causal, V column-major, flexattn/bench/fp8.py): 128x128 tiles
-        # with 4 warps were the fastest of five at both head dims (565 and 775 TFLOP/s, against
-        # 547 and 749 with the 16-bit defaults). Pointer loads: no descriptors for FP8 yet.
+        # FP8 products: 128x128 tiles with 4 warps, the fastest of the five tried at both head dims,
+        # faster than the 16-bit defaults (flexattn/bench/fp8.py; docs/benchmarks_log.md, "FP8
+        # forward and FP8-cache decoding"). Pointer loads: no descriptors for FP8 yet.
         base = LaunchConfig(128, 128, 4, 3)
     if tma_ok and elem == 2 and bucket in _HOPPER_TMA_DEFAULTS:
         # [Note] Descriptor set-up: a descriptor made in the kernel costs each program a write and
@@ -327,12 +330,11 @@ class BackwardConfig:
                             self.num_stages2 or self.num_stages)
 
 
-# (head dim up to, 16-bit inputs, has a mask_mod): defaults from per-kernel sweeps on an H100 at 16k
-# tokens (bf16, B4 H16 d64 and B2 H16 d128; gym's sweep, docs/benchmarks.md). 64x64 tiles, 4 warps
-# and two stages win for both kernels, at both head dims, with and without a mask: d64 dK/dV 18.4 ms
-# against 19.3-23 for 32x128 and 64x128 (no mask), d128 14.2 against 17.7-25; a third stage costs
-# 3% without a mask and 80% on the causal mask's partial blocks at d128 (register spills). The
-# walked tiles go through tensor descriptors where the layout allows (USE_TMA; 1-6% faster).
+# (head dim up to, 16-bit inputs, has a mask_mod): defaults from per-kernel sweeps at 16k tokens
+# (docs/benchmarks_log.md, "Backward: the Triton kernels (2026-11-22, issue 9)"). 64x64 tiles, 4 warps
+# and two stages win for both kernels, at both head dims, with and without a mask; a third stage
+# spills registers on the causal mask's partial blocks at d128. The walked tiles go through tensor
+# descriptors where the layout allows (USE_TMA), which was faster.
 _GPU_BACKWARD_DEFAULTS = {
     (64, True, False): BackwardConfig(64, 64, 64, 64, 4, 2, USE_TMA=True),
     (64, True, True): BackwardConfig(64, 64, 64, 64, 4, 2, USE_TMA=True),
@@ -367,10 +369,10 @@ def fit_backward(cfg: BackwardConfig, sparse_q: int, sparse_kv: int) -> Backward
     return replace(cfg, BLOCK_M1=dkdv.BLOCK_M, BLOCK_N1=dkdv.BLOCK_N, BLOCK_M2=dq.BLOCK_M, BLOCK_N2=dq.BLOCK_N)
 
 
-# Masks whose rows visit few blocks (documents: about 5 of 128 at 16k tokens), where each program's
-# set-up is a larger share (document mask, per-kernel sweep on the H100): d64 prefers 32-row steps
-# under 64-key programs and 32-key steps (dK/dV 0.93 vs 1.10 ms, dQ 0.67 vs 0.72); d128 prefers
-# pointer loads, whose programs skip the descriptors' set-up (0.74 vs 0.77 ms, 0.57 vs 0.61).
+# Masks whose rows visit few blocks (documents), where each program's set-up is a larger share:
+# d64 prefers 32-row steps under 64-key programs and 32-key steps; d128 prefers pointer loads, whose
+# programs skip the descriptors' set-up (per-kernel sweeps of the document mask; docs/benchmarks_log.md,
+# "Backward: the Triton kernels (2026-11-22, issue 9)").
 _GPU_BACKWARD_SHORT_ROWS = {
     64: BackwardConfig(32, 64, 64, 32, 4, 2, USE_TMA=True),
     128: BackwardConfig(64, 64, 64, 64, 4, 2),
@@ -442,13 +444,11 @@ class DecodeConfig(NamedTuple):
     num_stages: int
 
 
-# (head dim up to, 16-bit inputs): a memory-bound loop wants deep pipelines of K/V tiles. d64: 90-93%
-# of the copy bandwidth on the H100 at B=8 (docs/benchmarks.md). d128: CUDA-graph-timed sweeps on the
-# H100 (bf16; GQA 12:2 at 32k and 16:2 at 16k with B=8, 16:2 at 128k with B=1; 14 tile/warp/stage
-# choices) put 128-key tiles with 4 warps and 2 stages within 1% of the best at B=8 and 12% ahead of
-# 64-key tiles at B=1; stages 2 to 4 alike; 32- or 16-key tiles 5-50% slower. K/V tiles through
-# tensor descriptors were 1-3% slower than pointer loads in every case (not kept). Other GPUs and
-# fp32 are not swept.
+# (head dim up to, 16-bit inputs): a memory-bound loop wants deep pipelines of K/V tiles. d128:
+# 128-key tiles with 4 warps and 2 stages were the best or close to it in CUDA-graph-timed sweeps at
+# small and large batches; the stage count hardly mattered, smaller key tiles were slower, and K/V
+# tiles through tensor descriptors were slower than pointer loads in every case (not kept). Other
+# GPUs and fp32 are not swept. Numbers: docs/benchmarks_log.md, "Decoding: the split-KV decode kernel".
 _GPU_DECODE_DEFAULTS = {
     (64, True): DecodeConfig(128, 4, 3),
     (128, True): DecodeConfig(128, 4, 2),

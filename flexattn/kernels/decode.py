@@ -30,12 +30,11 @@ import torch
 
 from ..codegen.params import DECODE_MERGE, DECODE_PARTIAL
 from ..errors import InvalidInputError, ResourceError
-from ..lowering import index_bounds
 from ..masks import BlockMask
 from ..masks.layout import cdiv
 from ..trace import TracedMod
 from .configs import input_precision, kv_as_float16, next_pow2, select_decode_config, upcast_dots
-from .family import KernelFamily, Plan, Step, cached_kernel
+from .family import CompiledKernel, KernelFamily, Plan, Problem, Step, cached_kernel
 from .launch import (
     empty_attention_output, empty_output, finished_output, interpreter_enabled, kv_strides, launch, mod_launch_args,
 )
@@ -47,10 +46,9 @@ __all__ = ["DecodeKernel", "decode_kernel", "unsupported_reason", "launches", "b
 launches = 0  # decode calls in this process (tests check that the decode kernels, not the forward, ran)
 
 # flex_attention picks the decode kernels by itself for queries up to this length (on the Triton
-# backend, without gradients). Measured on the H100 (2026-11-24, graph-timed, ALiBi + causal at
-# the cache's end, bf16; docs/benchmarks.md): the decode kernels beat the forward at every q_len
-# from 1 to 64 in all four shapes tried, and lose at 128 for B=8 (2% at 16:2 d=128, 12% at MHA
-# d=64). tests/test_gpu_decode.py checks the automatic choice's results at 17 to 64 rows on the GPU.
+# backend, without gradients): graph-timed, they beat the forward at every q_len up to 64 in every
+# shape measured, and lost to it at 128 (docs/benchmarks_log.md, "Decoding: the split-KV decode
+# kernel"). tests/test_gpu_decode.py checks the automatic choice's results at 17 to 64 rows on the GPU.
 MAX_AUTO_QUERY_LEN = 64
 
 
@@ -63,11 +61,12 @@ def unsupported_reason(q: torch.Tensor, block_mask: BlockMask) -> Optional[str]:
     return None
 
 
-# Splits, from a sweep on the H100 (bf16, CUDA-graph timings; docs/benchmarks.md): about two programs
-# per SM was best or within 3% of it in every swept case, with at least MIN_KEYS_PER_SPLIT keys per
-# split so a program's loop still streams, and at most MAX_MERGED_PER_ROW // Ev splits: the merge
-# reads splits x Ev floats per row, and more splits than that cost more in the merge than they gain.
-# Within that, the count whose programs spread evenly over the SMs (see balanced_splits).
+# Splits, from a CUDA-graph-timed sweep (docs/benchmarks_log.md, "Decoding: the split-KV decode
+# kernel"): about two programs per SM was the best or close to it in every swept case, with at least
+# MIN_KEYS_PER_SPLIT keys per split so a program's loop still streams, and at most MAX_MERGED_PER_ROW
+# // Ev splits: the merge reads splits x Ev floats per row, and more splits than that cost more in the
+# merge than they gain. Within that, the count whose programs spread evenly over the SMs (see
+# balanced_splits).
 WAVES = 2
 MAX_MERGED_PER_ROW = 8192
 MIN_KEYS_PER_SPLIT = {64: 512, 128: 1024, 256: 1024}
@@ -93,8 +92,8 @@ def balanced_splits(programs: int, cap: int, sms: int) -> int:
     among those that still give at least MIN_FILL x WAVES programs per SM (else ``cap``).
 
     A step lasts as long as its busiest SM: 272 programs on 132 SMs put three on 8 SMs and two on the
-    rest, and took 7% longer than 256 programs on the H100 (16 head groups, 17 splits against 16;
-    docs/benchmarks.md). Ties go to more splits."""
+    rest, and ran longer than 256 programs (16 head groups, 17 splits against 16; docs/benchmarks_log.md,
+    "Decoding: the split-KV decode kernel"). Ties go to more splits."""
     floor = MIN_FILL * WAVES * sms
     candidates = [s for s in range(1, cap + 1) if programs * s >= floor]
     if not candidates:
@@ -127,27 +126,21 @@ class DecodeKernel(KernelFamily):
         if reason is not None:
             raise InvalidInputError(f"kernel_options BACKEND='TRITON_DECODE': {reason}; use 'TRITON' or 'AUTO'")
         tables = launch_tables(block_mask)
-        group = q.shape[1] // k.shape[1]
-        shared = groups_share_tables(block_mask, group)
+        problem = Problem(q, k, v, block_mask, tables, scale, score_captured, mask_captured, options, need_lse)
         key = (
             q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
             block_mask.BLOCK_SIZE, tuple(tables.kv_num_blocks.shape), tables.kv_indices.shape[3],
-            tables.full_kv_indices.shape[3], tables.has_full, shared,  # content, never id(block_mask)
+            tables.full_kv_indices.shape[3], tables.has_full, _groups_share(problem),  # content, never id(block_mask)
             need_lse, scale > 0, tuple(sorted(options.items())) if options else (),
             torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None,
         )
-
-        def make_plan() -> Plan:
-            return self._plan(q, k, v, block_mask, tables, shared, scale, need_lse, options)
-
-        def run(plan: Plan):
-            return self._launch(plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse)
-
-        result = self._run(key, make_plan, lambda plan: plan, run, options)
+        result = self._run(key, problem)
         launches += 1
         return result
 
-    def _launch(self, plan: Plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse):
+    def _launch(self, plan: Plan, problem: Problem):
+        q, k, v, tables = problem.q, problem.k, problem.v, problem.tables
+        scale, need_lse = problem.scale, problem.need_lse
         B, Hq, L, _ = q.shape
         Ev = v.shape[3]
         partial = plan.steps["partial"]
@@ -168,8 +161,8 @@ class DecodeKernel(KernelFamily):
             KV_NUM_BLKS=nb, KV_IDX=idx, FULL_KV_NUM_BLKS=fnb, FULL_KV_IDX=fidx,
             stride_q=q.stride(), stride_k=k_strides, stride_v=v_strides, stride_o=out.stride(),
             SPARSE_ROWS=nb.shape[2], IDX_COLS=idx.shape[3], FULL_IDX_COLS=fidx.shape[3], KV_LEN=k.shape[2],
-            SM_SCALE=scale, mods=mod_launch_args(score_captured if self.has_score_mod else (),
-                                                 mask_captured if self.has_mask_mod else ()),
+            SM_SCALE=scale, mods=mod_launch_args(problem.score_captured if self.has_score_mod else (),
+                                                 problem.mask_captured if self.has_mask_mod else ()),
         ), partial.constexprs)
         if merge is not None:
             launch(plan.compiled.kernel(DECODE_MERGE), merge.grid, DECODE_MERGE.pack(
@@ -177,12 +170,13 @@ class DecodeKernel(KernelFamily):
             ), merge.constexprs)
         return (finished_output(out, q), (lse if need_lse else None)), {}
 
-    def _plan(self, q, k, v, block_mask, tables, shared, scale, need_lse, options) -> Plan:
+    def _plan(self, problem: Problem, compiled: CompiledKernel) -> Plan:
+        q, k, v, tables, scale, options = problem.q, problem.k, problem.v, problem.tables, problem.scale, problem.options
+        need_lse, shared = problem.need_lse, _groups_share(problem)
         B, Hq, L, E = q.shape
         Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
         group = Hq // Hkv
-        sparse_kv = block_mask.BLOCK_SIZE[1]
-        compiled = self.compiled(index_bounds(B, Hq, L, S))
+        sparse_kv = problem.block_mask.BLOCK_SIZE[1]
         cfg = select_decode_config(q, v, sparse_kv, options)
         # See [Note] Decode tiles: a whole GQA group per program when its heads share their tables.
         heads = group if shared else 1
@@ -247,6 +241,11 @@ class DecodeKernel(KernelFamily):
             f"the Triton decode kernel for {self._names()} does not fit this GPU even with 16-key tiles and one "
             f"pipeline stage ({err}); simplify the mod or use kernel_options={{'BACKEND': 'TRITON'}}"
         )
+
+
+def _groups_share(problem: Problem) -> bool:
+    """Whether the query heads of one GQA group share their tables ([Note] Decode tiles)."""
+    return groups_share_tables(problem.block_mask, problem.q.shape[1] // problem.k.shape[1])
 
 
 _kernels: "OrderedDict[tuple, DecodeKernel]" = OrderedDict()  # see [Note] Cache keys in kernels/family.py

@@ -45,7 +45,7 @@ from typing import Callable, NamedTuple, Optional
 from ..codegen import KernelSpec, kernel_index, load_kernel_module, render
 from ..codegen.params import KernelParams
 from ..errors import BackendUnavailableError, ResourceError
-from ..lowering import LoweredMod, lower, lowering_variants
+from ..lowering import LoweredMod, index_bounds, lower, lowering_variants
 from ..lowering import ops as lowering_ops
 from ..masks.layout import cdiv
 from ..options import deterministic as requested_determinism
@@ -54,7 +54,7 @@ from .ahead import recording
 from .launch import interpreter_enabled, is_out_of_resources, shared_bytes, spilled_bytes
 
 __all__ = [
-    "CompiledKernel", "Step", "Plan", "TileRoles", "KernelFamily", "cached_kernel", "SPILL_LIMIT_BYTES",
+    "Problem", "CompiledKernel", "Step", "Plan", "TileRoles", "KernelFamily", "cached_kernel", "SPILL_LIMIT_BYTES",
     "STAGED_GATHER_BYTES",
 ]
 
@@ -85,6 +85,37 @@ class CompiledKernel:
     def kernel(self, params: KernelParams):
         """The Triton kernel of this module that ``params`` declares."""
         return getattr(self.module, params.name)
+
+
+class Problem(NamedTuple):
+    """One call of a kernel family, as its plan key, plan, config and launch read it: built once by
+    the family's ``__call__`` and handed on whole, rather than a dozen loose arguments through each.
+    The forward and decode leave the backward's fields at their defaults."""
+
+    q: "torch.Tensor"
+    k: "torch.Tensor"
+    v: "torch.Tensor"
+    block_mask: "BlockMask"
+    tables: "LaunchTables"  # the BlockMask's checked forward tables (kernels/tables.py)
+    scale: float
+    score_captured: list  # the score_mod's captured values (tensors, then numbers)
+    mask_captured: list
+    options: dict  # kernel_options, normalised
+    need_lse: bool = False
+    need_max: bool = False
+    # The backward's: the forward's output and LSE, their gradients, the transposed tables.
+    out: "Optional[torch.Tensor]" = None
+    lse: "Optional[torch.Tensor]" = None
+    grad_out: "Optional[torch.Tensor]" = None
+    grad_lse: "Optional[torch.Tensor]" = None
+    bwd_tables: "Optional[BackwardTables]" = None
+    float32_kv_grads: bool = False  # dk and dv in float32, unrounded (context parallelism sums several)
+    deterministic: bool = False  # options.deterministic, read once
+
+    def bounds(self):
+        """The lengths the lowering's decisions depend on (lowering.IndexBounds)."""
+        B, Hq, L, _ = self.q.shape
+        return index_bounds(B, Hq, L, self.k.shape[2])
 
 
 class Step(NamedTuple):
@@ -147,14 +178,13 @@ def with_tiles(plan: Plan, role: str, roles: TileRoles, constexprs: dict) -> Pla
 # 2. Staged gathers: shared memory beyond the owned tile and one walked tile per stage by
 #    STAGED_GATHER_BYTES or more means the software pipeliner buffers the mods' gathered tiles
 #    too: one stage fewer, down to one.
-# H100 census of the 22 catalogue entries at their defaults (bf16, 4k tokens, d=64 and 128; Triton
-# 3.6; benchmarks/tile_census.py, docs/benchmarks.md): in the forward five kernels changed, all
-# faster: Longformer d=64 (132 bytes spilled) 1.27 -> 0.33 ms, Graphormer d=64 (248) 0.55 -> 0.21, T5
-# d=64 (169 KB of shared memory against 104 KB of tiles) 10.8 -> 3.5, T5 d=128 (292 bytes) 7.4 -> 1.9,
-# Graphormer d=128 (177 KB against 112) 0.80 -> 0.17. Twelve d=128 kernels spill 2 to 62 bytes and
-# stay: half the key tile made eight of them 16-35% slower. Every other kernel was within 5 KB of its
-# tiles. In the backward three of 44 changed, all faster (T5 d64 42.1 -> 15.8 ms, T5 d128 19.2 -> 9.3,
-# Graphormer d128 5.95 -> 5.50); the other 41 spill at most 58 bytes.
+# Why these two rules and their limits: a census of the 22 catalogue entries at their default tiles
+# (forward and backward, d=64 and 128; benchmarks/tile_census.py) found that they change a handful of
+# kernels (the Longformer, Graphormer and T5 ones that spill, or whose gathers the pipeliner stages),
+# every one of them faster, while halving the key tile of kernels that spill only a few bytes made
+# them slower. Numbers: docs/benchmarks_log.md, "Forward: default tiles replaced when the compiler
+# made them costly (2026-11-24)" and "Backward: default tiles replaced when the compiler made them
+# costly (2026-11-25)".
 SPILL_LIMIT_BYTES = 100
 STAGED_GATHER_BYTES = 32 * 1024
 
@@ -239,12 +269,12 @@ class KernelFamily:
         )
 
     # ---------------------------------------------------------------- plans and launches
-    def _run(self, key: tuple, make_plan: Callable[[], Plan], for_call: Callable[[Plan], Plan],
-             launch: Callable, options: dict):
-        """Launch the plan of problem ``key`` (made by ``make_plan`` on first use) and return the
-        result of ``launch(used) -> (result, kernels)``. ``for_call(plan)`` is the plan this call
-        runs: ``plan`` itself, or a copy changed for this call's tensors (an unaligned view cannot
-        take tensor descriptors). ``kernels`` maps each role in TILE_ROLES to its compiled kernel.
+    def _run(self, key: tuple, problem: Problem):
+        """Launch the plan of problem ``key`` (made by ``_plan`` on first use, for the kernels
+        ``compiled`` for its lengths) and return the result of ``_launch(used, problem) -> (result,
+        kernels)``. ``_for_call(plan, problem)`` is the plan this call runs: ``plan`` itself, or a
+        copy changed for this call's tensors (an unaligned view cannot take tensor descriptors).
+        ``kernels`` maps each role in TILE_ROLES to its compiled kernel.
 
         [Note] Resource fallback: a mod with many per-pair gathers (a Graphormer edge bias summed
         over a path) can need more shared memory than the default tiles allow. The compiler says
@@ -255,14 +285,15 @@ class KernelFamily:
         its plan has settled, so that its first result has the same bits as every later one's."""
         plan = self._plans.get(key)
         if recording():  # [Note] Kernels compiled ahead: no plan kept, nothing learnt from compiling
-            return launch(for_call(plan or make_plan()))[0]
+            return self._launch(self._for_call(plan or self._new_plan(problem), problem), problem)[0]
         if plan is None:
-            plan = self._remember_plan(key, make_plan())
+            plan = self._remember_plan(key, self._new_plan(problem))
+        options = problem.options
         settle = requested_determinism(options)
         while True:
-            used = for_call(plan)
+            used = self._for_call(plan, problem)
             try:
-                result, kernels = launch(used)
+                result, kernels = self._launch(used, problem)
             except Exception as err:
                 if not is_out_of_resources(err):
                     raise
@@ -278,6 +309,21 @@ class KernelFamily:
                     plan = after
                     continue
             return result
+
+    def _new_plan(self, problem: Problem) -> Plan:
+        """The family's plan for ``problem``, with the kernels compiled for its lengths (the
+        lowering's decisions, such as int64 index arithmetic, made here once per plan, so warm
+        calls pay nothing for them)."""
+        return self._plan(problem, self.compiled(problem.bounds()))
+
+    def _plan(self, problem: Problem, compiled: CompiledKernel) -> Plan:
+        raise NotImplementedError
+
+    def _for_call(self, plan: Plan, problem: Problem) -> Plan:
+        return plan
+
+    def _launch(self, plan: Plan, problem: Problem):
+        raise NotImplementedError
 
     def _remember_plan(self, key: tuple, plan: Plan) -> Plan:
         self._plans[key] = plan

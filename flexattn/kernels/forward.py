@@ -15,14 +15,13 @@ import torch
 
 from ..codegen.params import FORWARD
 from ..errors import ResourceError
-from ..lowering import index_bounds
 from ..masks.layout import cdiv
 from ..trace import TracedMod
 from .configs import (
     OPTION_KEYS, candidate_configs, input_precision, kv_as_float16, max_shared_memory, next_pow2, pinned_config,
     select_config, shared_memory_bytes, tuned_configs, upcast_dots,
 )
-from .family import KernelFamily, Plan, Step, TileRoles, cached_kernel, with_tiles
+from .family import CompiledKernel, KernelFamily, Plan, Problem, Step, TileRoles, cached_kernel, with_tiles
 from .launch import (
     FLOAT8_DTYPES, RepeatedLaunch, descriptor_over, descriptor_template, empty_attention_output, empty_output,
     empty_strided_output, finished_output, interpreter_enabled, kv_strides, launch, mod_launch_args,
@@ -49,27 +48,9 @@ class ForwardKernel(KernelFamily):
         need_lse: bool, need_max: bool, options: dict,
     ):
         """``(out, lse or None, max_scores or None)``."""
-        v = fp8_value_layout(q, v)
-        tables = launch_tables(block_mask)
-        key = self._problem(q, k, v, block_mask, tables, scale, need_lse, need_max, options)
-
-        def make_plan() -> Plan:
-            return self._plan(q, k, v, block_mask, tables, scale, score_captured, mask_captured, need_lse, need_max,
-                              options)
-
-        def run(plan: Plan):
-            return self._launch(plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse, need_max)
-
-        return self._run(key, make_plan, lambda plan: _for_call(plan, q, k, v), run, options)
-
-    @staticmethod
-    def _problem(q, k, v, block_mask, tables, scale, need_lse, need_max, options) -> tuple:
-        return (
-            q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-            block_mask.BLOCK_SIZE, tables.plan_key,  # content, never id(block_mask): see [Note] Cache keys
-            need_lse, need_max, scale > 0, tuple(sorted(options.items())) if options else (),
-            torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None,
-        )
+        problem = Problem(q, k, fp8_value_layout(q, v), block_mask, launch_tables(block_mask), scale, score_captured,
+                          mask_captured, options, need_lse, need_max)
+        return self._run(_plan_key(problem), problem)
 
     def kept_plan(self, q, k, v, block_mask, scale: float, *, need_lse: bool, need_max: bool,
                   options: dict) -> Optional[Plan]:
@@ -79,9 +60,9 @@ class ForwardKernel(KernelFamily):
         Not for FP8 values, which a call may copy first (fp8_value_layout)."""
         if v.dtype in FLOAT8_DTYPES:
             return None
-        tables = launch_tables(block_mask)
-        plan = self._plans.get(self._problem(q, k, v, block_mask, tables, scale, need_lse, need_max, options))
-        return None if plan is None or plan.check_compiled else _for_call(plan, q, k, v)
+        problem = Problem(q, k, v, block_mask, launch_tables(block_mask), scale, (), (), options, need_lse, need_max)
+        plan = self._plans.get(_plan_key(problem))
+        return None if plan is None or plan.check_compiled else self._for_call(plan, problem)
 
     def warm_launch(self, plan: Plan, q, k, v, tables, scale: float, *, need_lse: bool,
                     need_max: bool) -> "WarmForwardLaunch":
@@ -90,7 +71,17 @@ class ForwardKernel(KernelFamily):
         calls of the forward op). Call it as ``(q, k, v, tables, score_captured, mask_captured)``."""
         return WarmForwardLaunch(self, plan, q, k, v, tables, scale, need_lse, need_max)
 
-    def _launch(self, plan: Plan, q, k, v, tables, scale, score_captured, mask_captured, need_lse, need_max):
+    def _for_call(self, plan: Plan, problem: Problem) -> Plan:
+        """The plan this call runs: ``plan``, or, for an unaligned view of a problem whose plan reads
+        through tensor descriptors (same shapes and strides as its first call), the plan without them."""
+        if plan.constexprs("forward")["USE_TMA"] and (
+                problem.q.data_ptr() | problem.k.data_ptr() | problem.v.data_ptr()) % 16:
+            return plan.with_constexprs("forward", USE_TMA=False, HOST_DESCRIPTORS=False, WARP_SPECIALIZE=False)
+        return plan
+
+    def _launch(self, plan: Plan, problem: Problem):
+        q, k, v, tables = problem.q, problem.k, problem.v, problem.tables
+        need_lse, need_max = problem.need_lse, problem.need_max
         B, Hq, L, _ = q.shape
         step = plan.steps["forward"]
         constexprs = step.constexprs
@@ -102,23 +93,20 @@ class ForwardKernel(KernelFamily):
         q_arg, k_arg, v_arg, out_arg = q, k, v, out
         if constexprs["HOST_DESCRIPTORS"]:
             q_arg, k_arg, v_arg, out_arg = host_descriptors(q, k, v, out, constexprs)
-        args = _pack(self, (q_arg, k_arg, v_arg, out_arg), lse, mx, tables, score_captured, mask_captured,
-                     _problem_args(step, q, k, v, out.stride(), tables, scale))
+        args = _pack(self, (q_arg, k_arg, v_arg, out_arg), lse, mx, tables, problem.score_captured,
+                     problem.mask_captured, _problem_args(step, q, k, v, out.stride(), tables, problem.scale))
         kernel = launch(plan.compiled.kernel(FORWARD), step.grid, args, constexprs)
         return (finished_output(out, q), (lse if need_lse else None), (mx if need_max else None)), {"forward": kernel}
 
-    def _plan(self, q, k, v, block_mask, tables, scale, score_captured, mask_captured, need_lse, need_max,
-              options) -> Plan:
+    def _plan(self, problem: Problem, compiled: CompiledKernel) -> Plan:
         """Grid, constexprs and kernel for one problem: computed once, reused by every later call."""
+        q, k, v, tables, scale, options = problem.q, problem.k, problem.v, problem.tables, problem.scale, problem.options
+        need_lse, need_max = problem.need_lse, problem.need_max
         B, Hq, L, E = q.shape
         Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
-        sparse_q, sparse_kv = block_mask.BLOCK_SIZE
+        sparse_q, sparse_kv = problem.block_mask.BLOCK_SIZE
         stats = tables.stats
-        # The lowering's decisions for these lengths (int64 index arithmetic where it is needed):
-        # made here, once per plan, so warm calls pay nothing for them.
-        compiled = self.compiled(index_bounds(B, Hq, L, S))
-        cfg = self._config(q, k, v, block_mask, stats, compiled, scale, score_captured, mask_captured, options,
-                           sparse_q, sparse_kv, need_lse, need_max)
+        cfg = self._config(problem, compiled)
         use_tma = bool(options.get("USE_TMA", cfg.USE_TMA)) and tma_layout_ok(q, k, v)
         # Never with mods or row maxima, even when asked for: Triton 3.6 gets those wrong (see
         # _HOPPER_WS_CONFIG in configs.py), and a fast wrong answer is not an option. The LSE is
@@ -182,8 +170,11 @@ class ForwardKernel(KernelFamily):
         )
 
     # ---------------------------------------------------------------- configs
-    def _config(self, q, k, v, block_mask, stats, compiled, scale, score_captured, mask_captured, options,
-                sparse_q, sparse_kv, need_lse, need_max):
+    def _config(self, problem: Problem, compiled: CompiledKernel):
+        q, k, v, options = problem.q, problem.k, problem.v, problem.options
+        need_lse, need_max = problem.need_lse, problem.need_max
+        block_mask, stats = problem.block_mask, problem.tables.stats
+        sparse_q, sparse_kv = block_mask.BLOCK_SIZE
         E, Ev = q.shape[-1], v.shape[-1]
         # Scores the kernel computes: what sets its GPU time.
         scores = q.shape[0] * q.shape[1] * block_mask.kv_num_blocks.shape[2] * stats.mean_blocks * sparse_q * sparse_kv
@@ -193,8 +184,8 @@ class ForwardKernel(KernelFamily):
             blocks_per_row=stats.mean_blocks if self.has_mask_mod else float("inf"),
             # Descriptors cost host time per launch (scratch for them, a longer launch); on problems
             # below about a million scores the launch, not the kernel, sets the pace. Host-built
-            # ones cost more again (57 -> 83 us a call, H200), so only kernels of 2^28 scores and
-            # up (over 100 us of GPU time, which hides them) get them.
+            # ones cost more again (docs/benchmarks.md, "Start-up and host overhead"), so only kernels
+            # of 2^28 scores and up (long enough on the GPU to hide them) get them.
             has_score_mod=self.has_score_mod, tma_ok=tma_layout_ok(q, k, v) and q.shape[2] * k.shape[2] >= 1 << 20,
             host_descriptors_ok=host_descriptors_ok(q, k, v) and scores >= 1 << 28,
             even_n=k.shape[2] % sparse_kv == 0, row_stats=need_max or (need_lse and q.shape[2] % 4 != 0),
@@ -218,14 +209,15 @@ class ForwardKernel(KernelFamily):
         if cached is not None:
             return cached
         tuned_configs.searches += 1
-        best = self._autotune(q, k, v, block_mask, scale, score_captured, mask_captured, default, sparse_q, sparse_kv,
-                              need_lse, need_max)
+        best = self._autotune(problem, default)
         tuned_configs.put(key, best)
         return best
 
-    def _autotune(self, q, k, v, block_mask, scale, score_captured, mask_captured, default, sparse_q, sparse_kv,
-                  need_lse, need_max):
+    def _autotune(self, problem: Problem, default):
         import triton.testing
+
+        q, k, v, block_mask = problem.q, problem.k, problem.v, problem.block_mask
+        sparse_q, sparse_kv = block_mask.BLOCK_SIZE
 
         limit = max_shared_memory(q.device)
         qk_p2, v_p2 = next_pow2(q.shape[-1]), next_pow2(v.shape[-1])
@@ -238,8 +230,8 @@ class ForwardKernel(KernelFamily):
                       "HOST_DESCRIPTORS": cfg.HOST_DESCRIPTORS}
 
             def run():
-                self(q, k, v, block_mask, scale, score_captured, mask_captured,
-                     need_lse=need_lse, need_max=need_max, options=pinned)
+                self(q, k, v, block_mask, problem.scale, problem.score_captured, problem.mask_captured,
+                     need_lse=problem.need_lse, need_max=problem.need_max, options=pinned)
 
             try:
                 ms = triton.testing.do_bench(run, warmup=5, rep=20, return_mode="median")
@@ -322,24 +314,27 @@ def _pack(family: ForwardKernel, qkvo: tuple, lse, mx, tables, score_captured, m
     )
 
 
-def _for_call(plan: Plan, q, k, v) -> Plan:
-    """The plan this call runs: ``plan``, or, for an unaligned view of a problem whose plan reads
-    through tensor descriptors (same shapes and strides as its first call), the plan without them."""
-    if plan.constexprs("forward")["USE_TMA"] and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
-        return plan.with_constexprs("forward", USE_TMA=False, HOST_DESCRIPTORS=False, WARP_SPECIALIZE=False)
-    return plan
+def _plan_key(problem: Problem) -> tuple:
+    """What a forward plan depends on (see [Note] Cache keys in kernels/family.py)."""
+    q, k, v, options = problem.q, problem.k, problem.v, problem.options
+    return (
+        q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+        problem.block_mask.BLOCK_SIZE, problem.tables.plan_key,  # content, never id(block_mask)
+        problem.need_lse, problem.need_max, problem.scale > 0, tuple(sorted(options.items())) if options else (),
+        torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None,
+    )
 
 
 def fp8_value_layout(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """V as the FP8 product P V wants it on compute capability 8.9 to 9.x: column-major (keys
     contiguous), copied there when it is not.
 
-    [Note] FP8 values are column-major. Those GPUs' FP8 tensor-core products take both operands
-    with the summed dimension contiguous. For P V that is the key dimension, and a row-major V
-    makes Triton reorder every tile in the loop: on an H200 (16k tokens, causal) the forward ran at
-    259-341 TFLOP/s with V row-major and 551-737 with V column-major, so the copy (one pass over V)
-    pays many times over. torch's flex_attention makes the same copy. A caller who keeps V
-    column-major (``v.transpose(-2, -1).contiguous().transpose(-2, -1)``) skips it."""
+    [Note] FP8 values are column-major. Those GPUs' FP8 tensor-core products take both operands with the
+    summed dimension contiguous. For P V that is the key dimension, and a row-major V makes Triton
+    reorder every tile in the loop, so the copy (one pass over V) pays many times over
+    (docs/benchmarks_log.md, "FP8 forward and FP8-cache decoding"). torch's flex_attention makes the
+    same copy. A caller who keeps V column-major (``v.transpose(-2, -1).contiguous().transpose(-2,
+    -1)``) skips it."""
     if (v.dtype not in FLOAT8_DTYPES or q.dtype != v.dtype or v.stride(-2) == 1 or not v.is_cuda
             or not (8, 9) <= torch.cuda.get_device_capability(v.device) < (10, 0)):
         return v

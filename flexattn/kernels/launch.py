@@ -6,8 +6,9 @@ launch that later plans read (spills, out-of-resources errors).
 ``jit_fn[grid](*args, **constexprs)`` re-does on every call what only the first call of a problem
 needs: binding the arguments to the signature, computing each argument's specialisation, building
 the kernel-cache key (which stringifies the compile options), checking the module's globals and
-asking the driver for the device. On the H100 machine's host that costs about 120 us of the 160 us
-of a warm forward call (flexattn's own Python: about 40 us).
+asking the driver for the device. That was most of a warm forward call's host time, several
+times flexattn's own Python (docs/benchmarks_log.md, "Host time of a warm call: launching without
+Triton's per-call binding (2026-11-24)").
 
 ``launch`` keeps, per kernel, the compiled kernel that Triton's own launch chose, under the facts
 Triton specialises on (each tensor's dtype and 16-byte alignment; each int's divisibility by 16,
@@ -30,9 +31,9 @@ cannot fix (its fresh buffers' alignment). Everything ``launch`` sends Triton's 
 hook, the debug knob, kernels compiling ahead, another current device) it still does. The warm
 calls also copy their descriptors from templates (``descriptor_template``, ``descriptor_over``)
 rather than building and checking them again. With the shapes, strides and launch-order ints the
-families' warm launches work out once (kernels/forward.py, kernels/hopper/forward.py), a warm op body took
-69 us instead of 114 (4k tokens, portable forward) and 62 instead of 122 (16k, Gluon forward) on
-the H200 machine's host.
+families' warm launches work out once (kernels/forward.py, kernels/hopper/forward.py), a warm op
+body's host time dropped by about half, for the portable and the Gluon forward (docs/benchmarks_log.md,
+"Ready launches for warm forward calls, and where the compiled 4k step has slack").
 
 [Note] Compile options. Every launch on Triton's own path names ``COMPILE_OPTIONS``: FP fusion
 (a * b + c as one FMA) on, which is what the kernels were tuned and checked under. It is Triton's

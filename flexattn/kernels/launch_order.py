@@ -19,13 +19,12 @@ GPU with the rest of the launch behind them. The pairs before it keep the grid's
 programs still run side by side, reading one pair's keys and values (or queries) at about the same
 time from L2.
 
-Measured on an H200 (bf16, GPU time with L2 flushed before each call, against the grid's order;
-``python -m benchmarks.launch_order``, docs/benchmarks.md): causal masks at 2k to 8k tokens
-1.02-1.07x in the forward and 1.03-1.08x in the backward; documents and a sliding window at 4k
-1.03x and 1.03-1.08x; 16k tokens within that measurement's noise. Tails of one, two and four
-programs an SM, and interleaving every pair in groups of the rule's size, were measured too: four
-an SM was the best, or level with the best, in every case under 16k tokens. A mask whose rows all visit every block
-(no mask_mod) keeps the grid's order: no block is heavier than another.
+Measured against the grid's order (``python -m benchmarks.launch_order``; docs/benchmarks_log.md,
+"Launch order: the last pairs of a launch interleave"): faster for causal masks, documents and a sliding
+window, forward and backward, up to 8k tokens, and within noise at 16k. Tails of one, two and four
+programs an SM, and interleaving every pair in groups of the rule's size, were measured too: four an SM
+was the best, or level with the best, in every case under 16k tokens. A mask whose rows all visit every
+block (no mask_mod) keeps the grid's order: no block is heavier than another.
 
 ``tail_pairs`` works TAIL_PAIRS out on the host from the grid, the device and whether the mask's
 rows are alike; the kernels' shared ``launch_order`` helper (templates/common.py.jinja) maps a

@@ -150,7 +150,7 @@ LAUNCH_TABLES = DerivedKey("launch tables")
 # The checks of range and order ran once, before the capture, on the tables as they were then: a
 # replay cannot read them back. The all-full mask of a call without one is marked so by construction
 # and keeps its flags. A kernel the capture launches first (its flags off) compiles there: checked on
-# an H200 with empty caches, portable and Gluon, forward and backward.
+# a Hopper GPU with empty caches, portable and Gluon, forward and backward.
 
 
 def launch_tables(block_mask: BlockMask) -> LaunchTables:

@@ -33,7 +33,7 @@ from ...masks.layout import cdiv
 from ...trace import TracedMod
 from ..ahead import recording
 from ..backward import preprocess_delta, preprocess_launch
-from ..family import Plan, Step, cached_kernel
+from ..family import CompiledKernel, Plan, Problem, Step, cached_kernel
 from ..launch import (RepeatedLaunch, descriptor_over, descriptor_template, empty_output, kv_strides, launch,
                       mod_launch_args, zeroed_output)
 from ..launch_order import rows_alike, sm_count, tail_pairs
@@ -46,17 +46,15 @@ __all__ = ["HopperBackwardKernel", "WarmHopperBackward", "hopper_backward_kernel
 
 launches = 0  # backward calls run by this family (tests check the Gluon path really ran)
 # dK/dV walks each listed 128-row query block as two tiles of 64 rows. Tiles of 128 rows, as
-# FlashAttention-3 has at head dim 64, measured 0.71-0.95x on the seven paper cases at d=64 (H200,
-# 2026-11-28, docs/benchmarks.md): a thread then holds 32 LSE and 32 DELTA values beside S^T and dP^T
-# (64 registers each), and the fused form spilled.
+# FlashAttention-3 has at head dim 64, were slower on all seven paper cases at d=64
+# (docs/benchmarks_log.md, "The d=64 backward: dQ in the dK/dV kernel for every call ..."): a thread
+# then holds 32 LSE and 32 DELTA values beside S^T and dP^T (64 registers each), and the fused form
+# spilled.
 QUERY_TILE = 64
 # Ring depths: dK/dV holds K and V (128 rows) and STAGES slots of Q and dO (64 rows); dQ holds Q and
 # dO (128 rows) and STAGES slots of K and V (128 rows). Both fit in 228 KB with these depths.
-# dK/dV at d=64, backward us on an H200 (bf16, d=64, [B, L, 3, H, D] storage, GPU time; 2, 3, 4 and 5
-# stages): causal B1 H12 16k 2582, 2677, 2568, 2685; causal B4 H12 4k 964, 986, 961, 987; documents
-# B4 H16 16k 6728, 6749, 6567, 6717; a 1024 sliding window B4 H16 16k 3633, 3668, 3636, 3678; ALiBi
-# (dQ in the dK/dV kernel) B1 H12 16k 3068, 3054, 3021, 3025. An even depth was faster than an odd one
-# on every causal-like mask (docs/benchmarks.md), and 4 was the best or level with it.
+# At d=64 an even depth of the dK/dV ring was faster than an odd one on every causal-like mask, and
+# 4 was the best or level with it (docs/benchmarks_log.md, "Even ring depths in the Hopper kernels ...").
 DKDV_STAGES = {64: 4, 128: 2}
 DQ_STAGES = {64: 4, 128: 2}
 PREPROCESS_ROWS = 64
@@ -70,36 +68,31 @@ PREPROCESS_ROWS = 64
 #   the float32 traffic into L2;
 # - head dim 128: each consumer multiplies all of it by its 64 of K's columns, on the tensor cores
 #   beside dK's product, and adds a 64 x 64 tile. A whole 64 x 128 dQ tile in one consumer, on top of
-#   dK and dV's 128 registers a thread, spilled (the turns' form there: 1.04x without a mask, 0.78x
-#   causal, and 226 KB of shared memory against this form's 194 KB). dQ's product is issued before
-#   dK's, so that its tile goes to shared memory and the copy engine while dK's runs: 1.00-1.03x on
-#   the seven paper cases at 16k and 1.07x causal at 4k (H200, 2026-11-28); the same order in the
-#   turns at d=64 measured 0.97-1.02x and was not kept.
-# Measured against the two kernels (bf16, 16k tokens, docs/benchmarks.md):
-# - turns, d=64 (H100): 1.05-1.06x without mods, 1.12-1.15x with ALiBi and soft-cap (the dQ kernel
-#   ran the score_mod and its gradient again); with a mask_mod alone 1.00-1.05x causal and 1.01x
-#   sliding window and prefix LM, and a causal 12-layer model trained 2% slower (kernel bench B4 H16,
-#   model B1 H12: the dK/dV programs' uneven work under a causal mask grows with the dQ products);
-#   again on an H200 after [Note] Launch order evened out the dK/dV programs: causal 0.95-0.99x at 4k
-#   to 16k, documents 1.08x at 4k and 1.01x at 16k, a 1024 sliding window 1.01x at 4k;
-# - columns, d=128 (H200, 2026-11-28): 1.10x without mods, 1.15x with soft-cap, 1.04-1.07x with a
-#   mask_mod (causal, ALiBi, sliding window, prefix LM), 0.99x on documents;
+#   dK and dV's 128 registers a thread, spilled (the turns' form there was slower under a causal mask,
+#   and took more shared memory than this form). dQ's product is issued before dK's, so that its
+#   tile goes to shared memory and the copy engine while dK's runs: level or faster on the paper
+#   cases; the same order in the turns at d=64 gained nothing and was not kept.
+# Measured against the two kernels (docs/benchmarks_log.md, "Hopper backward: dQ in the dK/dV kernel
+# (issue 22, 2026-11-26, third session)", "Hopper backward: dQ in the dK/dV kernel at head dim 128,
+# and one loop of tiles ...", "The d=64 backward: dQ in the dK/dV kernel for every call ..." and "The
+# one-loop backward under Triton 3.7 to 3.9 ..."):
+# - turns, d=64: faster without mods, and more so with a score_mod (the dQ kernel ran the score_mod
+#   and its gradient again); with a mask_mod alone about level, and a causal 12-layer model trained
+#   slower (the dK/dV programs' uneven work under a causal mask grows with the dQ products); level
+#   or faster once [Note] Launch order evened out the dK/dV programs;
+# - columns, d=128: faster without mods and with a score_mod, level or faster with a mask_mod;
 # - the consumers walk a program's tiles in one loop here, the mask_mod behind a flag, where the
 #   two-kernel form keeps a loop for partial blocks and one for full ones. With the two loops this
-#   kernel ran 0.88-0.97x with a mask_mod at d=128: ptxas (Triton 3.6) spilled 12 values every tile
-#   of the full loop. With one loop it spills none in the tiles; at d=64 one loop measured 1.05x
-#   without mods and 0.99x with ALiBi, against the two. The two-kernel form keeps its two loops (one
-#   loop measured 0.96-1.01x there). A first one-loop form, calling the tile once for each kind of
-#   block, gave wrong gradients under Triton 3.6 with a mask_mod (not investigated; the GPU tests'
-#   comparisons with float64 catch such a form);
-# - one reduce per consumer of its 64 keys' part: 0.92-0.97x at d=64 without a score_mod, 0.72-0.91x
-#   at d=128: the doubled traffic costs more than the products saved.
-# - a mask_mod alone at d=64 with one loop (H200, Triton 3.6, 2026-11-28): causal 0.97-1.04x (B1 H12
-#   16k to B4 H12 4k), sliding window 1.01x, prefix LM 1.04x: too uneven to move the rule then;
-#   again once K and V stayed in registers ([Note] Resident tiles in registers in kernels/hopper/common.py;
-#   H200, later that day): causal 1.03x, sliding window 1.06x, prefix LM 1.03x, documents 1.13x
-#   (B4 H16 16k), causal 1.01x (B1 H12 16k), and the causal 12-layer model at 4k and 16k level
-#   (425k and 254k tokens/s against 427k and 254k). So the rule went.
+#   kernel was slower with a mask_mod at d=128: ptxas (Triton 3.6) spilled 12 values every tile
+#   of the full loop. With one loop it spills none in the tiles, and at d=64 it was level or
+#   faster. The two-kernel form keeps its two loops (one loop gained nothing there). A first
+#   one-loop form, calling the tile once for each kind of block, gave wrong gradients under Triton
+#   3.6 with a mask_mod (not investigated; the GPU tests' comparisons with float64 catch such a form);
+# - one reduce per consumer of its 64 keys' part: slower at both head dims: the doubled traffic
+#   costs more than the products saved.
+# - a mask_mod alone at d=64 with one loop: too uneven to move the rule at first; once K and V
+#   stayed in registers ([Note] Resident tiles in registers in kernels/hopper/common.py), level or
+#   faster on every mask, the causal 12-layer model level. So the rule went.
 # The one loop and the d=128 form passed the GPU tests under Triton 3.6 to 3.9 at the same speed.
 # So dQ joins the dK/dV kernel at head dims 64 and 128, whatever the mods. The order of the
 # additions depends on scheduling, so those sums are not bit-identical from run to run: a
@@ -111,13 +104,9 @@ PREPROCESS_ROWS = 64
 # in templates/hopper_backward.py.jinja), rather than run the two kernels: "rows alike" (every row of
 # the mask visits every key block, as without a mask_mod), "always" or "never" (the tests pin both
 # forms). Either way every program of a (batch, head) pair must fit on the GPU at once.
-# Deterministic against the default (H200, bf16, 16k tokens, docs/benchmarks.md, 2026-11-29):
-#                     ordered   two kernels
-#   noop, d=128        1.11x      1.28x
-#   soft-cap, d=128    1.06x      1.22x
-#   noop, d=64         1.09x      1.14x
-#   soft-cap, d=64     1.08x      1.30x
-#   causal, ALiBi, documents, prefix LM: ordered 1.64-1.97x, two kernels 1.08-1.22x
+# Against the default, the ordered form costs less than the two kernels where every row visits every
+# key block, and far more under causal-like masks (docs/benchmarks_log.md, "A deterministic backward
+# with dQ in the dK/dV kernel, in a fixed order ...").
 # Under a causal-like mask the programs of a pair start apart (the short walks end first and the
 # next pair's programs take their place), so a fixed order makes the early ones wait for late ones.
 ORDERS_DQ = "rows alike"
@@ -136,15 +125,20 @@ def dq_form(q: torch.Tensor, k: torch.Tensor, deterministic: bool, rows_alike: b
     return ordered, ordered
 
 
+def _dq_form(problem: Problem) -> tuple[bool, bool]:
+    """dq_form of one call of the family."""
+    q, k = problem.q, problem.k
+    return dq_form(q, k, problem.deterministic, rows_alike(problem.tables, k.shape[2], BLOCK))
+
+
 # [Note] The float32 dQ tile in shared memory. A consumer stores its 64 x 64 float32 tile from the
 # products' register layout, then the copy engine adds it into DQ_ACC. Unswizzled, rows of 256 bytes
 # put the 8 rows of one store instruction in the same 8 banks: 8 passes where 2 would do, 512
 # shared-memory cycles a tile against 128. Under the 128-byte swizzle the stores use every bank,
 # but the copy engine's box is then 128 bytes wide: each tile leaves as two boxes of 32 columns
 # (Triton 3.6's lowering of the reduce does not split a wider box itself, as it does for loads: it
-# would add only the first 32 columns). Measured against the unswizzled tile (H200, bf16, 16k tokens,
-# backward TFLOP/s, docs/benchmarks.md): d=128 noop 493 -> 546 (1.11x), causal 1.06x, ALiBi 1.03x,
-# soft-cap 1.05x, sliding window 1.05x; d=64 noop 1.04x, causal 1.07x, ALiBi 1.07x, soft-cap 1.05x.
+# would add only the first 32 columns). Faster than the unswizzled tile on every case measured, at
+# both head dims (docs/benchmarks_log.md, "The float32 dQ tile's bank conflicts in the Gluon backward ...").
 DQ_BOX_COLUMNS = 32
 
 
@@ -210,29 +204,25 @@ class HopperBackwardKernel(HopperFamily):
         ``deterministic``: sums formed in the same order at every run (``dq_form`` says how: dQ added in
         the dK/dV kernel in a fixed order, or the two kernels, whose every output row has one writer)."""
         global launches
-        tables = launch_tables(block_mask)
-        fused_dq, ordered_dq = dq_form(q, k, deterministic, rows_alike(tables, k.shape[2], BLOCK))
-        key = self._problem(q, k, v, out, grad_out, grad_lse, tables, scale, fused_dq, ordered_dq)
-
-        def launch(plan: Plan):
-            return self._launch(plan, q, k, v, out, lse, grad_out, grad_lse, block_mask, tables, scale,
-                                score_captured, mask_captured)
-
+        problem = Problem(q, k, v, block_mask, launch_tables(block_mask), scale, score_captured, mask_captured, {},
+                          out=out, lse=lse, grad_out=grad_out, grad_lse=grad_lse, deterministic=deterministic)
+        fused_dq, ordered_dq = _dq_form(problem)
+        key = self._problem(q, k, v, out, grad_out, grad_lse, problem.tables, scale, fused_dq, ordered_dq)
         plan = self._plans.get(key)
         if plan is None:
-            plan, result = self._first_launch(
-                key, q, k, lambda: self._plan(q, k, tables, scale, grad_lse is not None, fused_dq, ordered_dq), launch)
+            plan, result = self._first_launch(key, problem)
         else:
-            result = launch(plan)
+            result = self._launch(plan, problem)
         if not recording():
             launches += 1
             self.last_plan = plan
         return result
 
-    def _plan(self, q, k, tables, scale, has_dlse, fused_dq: bool, ordered_dq: bool) -> Plan:
+    def _plan(self, problem: Problem, compiled: CompiledKernel) -> Plan:
+        q, k, tables, scale = problem.q, problem.k, problem.tables, problem.scale
+        fused_dq, ordered_dq = _dq_form(problem)
         B, Hq, L, E = q.shape
         Hkv, S = k.shape[1], k.shape[2]
-        compiled = self.compiled(index_bounds(B, Hq, L, S))
         common = dict(
             SPARSE_Z=tables.kv_num_blocks.shape[0], SPARSE_HQ=tables.kv_num_blocks.shape[1], GQA_GROUP=Hq // Hkv,
             HEAD_DIM=E, SPARSE_Q_BLOCK_SIZE=BLOCK, SPARSE_KV_BLOCK_SIZE=BLOCK, CONSUMER_REGS=CONSUMER_REGS,
@@ -247,7 +237,7 @@ class HopperBackwardKernel(HopperFamily):
         dq = dict(common, BLOCK_M=BLOCK, BLOCK_N=BLOCK, STAGES=DQ_STAGES[E])
         HOPPER_BACKWARD_DKDV.check_constexprs(dkdv)
         HOPPER_BACKWARD_DQ.check_constexprs(dq)
-        preprocess = dict(V_HEAD_DIM=E, V_HEAD_DIM_P2=E, BLOCK_M=PREPROCESS_ROWS, HAS_DLSE=has_dlse)
+        preprocess = dict(V_HEAD_DIM=E, V_HEAD_DIM_P2=E, BLOCK_M=PREPROCESS_ROWS, HAS_DLSE=problem.grad_lse is not None)
         steps = {
             "preprocess": Step(BACKWARD_PREPROCESS, (cdiv(L, PREPROCESS_ROWS), Hq, B), preprocess),
             "dkdv": Step(HOPPER_BACKWARD_DKDV, (S // BLOCK, Hkv, B), dkdv),
@@ -277,16 +267,19 @@ class HopperBackwardKernel(HopperFamily):
         mask_captured) -> (dq, dk, dv)``."""
         return WarmHopperBackward(self, plan, q, k, v, grad_out, tables, bwd_tables, scale)
 
-    def _launch(self, plan: Plan, q, k, v, out, lse, grad_out, grad_lse, block_mask, tables, scale, score_captured,
-                mask_captured):
+    def _launch(self, plan: Plan, problem: Problem):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        q, k, v, out, grad_out = problem.q, problem.k, problem.v, problem.out, problem.grad_out
+        block_mask = problem.block_mask
+        tables, scale, score_captured = problem.tables, problem.scale, problem.score_captured
 
         B, Hq, L, E = q.shape
         Hkv, S = k.shape[1], k.shape[2]
         module = plan.compiled
 
-        delta = preprocess_delta(module, plan.steps["preprocess"], out, grad_out, grad_lse)
-        lse = lse.contiguous()
+        delta = preprocess_delta(module, plan.steps["preprocess"], out, grad_out, problem.grad_lse)
+        lse = problem.lse.contiguous()
         fused_dq = "dq" not in plan.steps
         dk = empty_output((B, Hkv, S, E), k.dtype, q.device)
         dv = empty_output((B, Hkv, S, E), v.dtype, q.device)
@@ -300,7 +293,7 @@ class HopperBackwardKernel(HopperFamily):
         recipes, dkdv_fixed, dq_fixed = _problem_args(plan, q, k, v, grad_out, dk, dv, dq, tables, bwd, scale)
         descriptors = [TensorDescriptor(t, *recipe) for t, recipe in zip((q, k, v, grad_out, dk, dv, dq), recipes)]
         mods = mod_launch_args(score_captured if self.has_score_mod else (),
-                               mask_captured if self.has_mask_mod else ())
+                               problem.mask_captured if self.has_mask_mod else ())
         step = plan.steps["dkdv"]
         launch(module.kernel(HOPPER_BACKWARD_DKDV), step.grid,
                _pack_dkdv(descriptors, lse, delta, bwd, mods, dkdv_fixed, turns), step.constexprs)

@@ -18,7 +18,7 @@ from ...errors import BackendUnavailableError
 from ...lowering import index_bounds, lowering_variants
 from ...trace import TracedMod
 from ..ahead import recording
-from ..family import KernelFamily
+from ..family import KernelFamily, Plan, Problem
 from ..launch import interpreter_enabled, kv_strides
 
 __all__ = ["HopperFamily", "HopperUnavailable", "problem_reason", "device_reason", "shape_reason", "View",
@@ -27,7 +27,8 @@ __all__ = ["HopperFamily", "HopperUnavailable", "problem_reason", "device_reason
 
 # The Triton releases whose Gluon API (warp_specialize's signature, the Hopper copy and mbarrier
 # ops, calls from @gluon.jit into @triton.jit hooks) the Gluon kernels were run and checked on, on
-# an H200 (tests/test_gpu_hopper_*.py, each release's wheel over torch 2.11; docs/benchmarks.md): the
+# a Hopper GPU (tests/test_gpu_hopper_*.py, each release's wheel over torch 2.11; docs/benchmarks_log.md,
+# "The Gluon kernels under Triton 3.7, 3.8 and 3.9"): the
 # runtime guard. A later release may rename Gluon ops again, so it runs the portable kernels until
 # it has been checked the same way.
 GLUON_TRITON_VERSIONS = ("3.6", "3.7", "3.8", "3.9")
@@ -48,16 +49,16 @@ CONSUMER_REGS = 240  # registers per thread of a consumer warpgroup (the loader 
 # 1280 of tensor-core work: the kernel waited on shared memory. Each consumer keeps one tile for its
 # whole walk (forward: its 64 rows of Q; dK/dV: its 64 keys of K and V; dQ: Q and dO), so it can
 # load that tile into registers once and read only the second operand from shared memory. It costs
-# 16 registers a thread per tile at head dim 64, 32 at 128. Measured against shared memory (H200,
-# Triton 3.6, bf16, 16k tokens; docs/benchmarks.md):
-# - dK/dV at head dim 64: 1.02-1.11x the backward on all ten cases (the paper's masks and mods,
-#   deterministic, the model's shapes), the same bits. At 128, K and V (64 registers) beside dK and
-#   dV (128) spilled about 1 KB: shared memory there.
-# - forward at head dim 64: 1.009-1.011x (8 rounds) on noop, causal, prefix LM and the model's 16k,
-#   the same bits. At 128, seven variants: 0.99-1.04x in a first run, 0.99-1.015x in a second of 8
-#   rounds (documents 0.99x in both): no gain worth 32 registers, so 128 keeps shared memory.
-# - dQ at head dim 64 (Q and dO): 0.97x causal and 0.99x prefix LM; at 128 it spilled. The dQ
-#   kernel has no such flag (the form measured was removed).
+# 16 registers a thread per tile at head dim 64, 32 at 128. What RESIDENT_TILES keeps, from
+# measurements against shared memory (docs/benchmarks_log.md, "Resident tiles in registers; the d=64
+# backward and the compiled model ..."):
+# - dK/dV at head dim 64: faster on every case (the paper's masks and mods, deterministic, the
+#   model's shapes), the same bits. At 128, K and V (64 registers) beside dK and dV (128) spilled:
+#   shared memory there.
+# - forward at head dim 64: slightly faster, the same bits. At 128 no gain worth 32 registers, so
+#   128 keeps shared memory.
+# - dQ at head dim 64 (Q and dO): slower; at 128 it spilled. The dQ kernel has no such flag (the
+#   form measured was removed).
 # A/B runs: docs/data/resident_tiles_h200_2026-11-28.json.
 RESIDENT_TILES = {("forward", 64), ("dkdv", 64)}
 
@@ -186,14 +187,16 @@ class HopperFamily(KernelFamily):
     def _failed_reason(self, q, k) -> Optional[str]:
         return self._failed.get(self._variants(q, k)) if self._failed else None
 
-    def _first_launch(self, key: tuple, q, k, make_plan, launch):
-        """``(plan, launch(plan))`` for a problem seen for the first time; the plan is kept once its
-        launch (which compiles) succeeded. Raises HopperUnavailable, and remembers why, when it fails."""
-        plan = make_plan()
+    def _first_launch(self, key: tuple, problem: Problem) -> tuple[Plan, object]:
+        """``(plan, _launch(plan, problem))`` for a problem seen for the first time; the plan is kept
+        once its launch (which compiles) succeeded. Raises HopperUnavailable, and remembers why, when
+        it fails."""
+        plan = self._new_plan(problem)
         if recording():  # [Note] Kernels compiled ahead: the real first launch keeps the plan
-            return plan, launch(plan)
+            return plan, self._launch(plan, problem)
+        q, k = problem.q, problem.k
         try:
-            result = launch(plan)
+            result = self._launch(plan, problem)
         except Exception as err:
             if isinstance(err, torch.cuda.OutOfMemoryError):
                 raise

@@ -18,11 +18,10 @@ import torch
 
 from ...codegen.params import HOPPER_FORWARD
 from ...cuda_graphs import capturing
-from ...lowering import index_bounds
 from ...masks import EVERY_BLOCK_FULL
 from ...trace import TracedMod
 from ..ahead import recording
-from ..family import Plan, Step, cached_kernel
+from ..family import CompiledKernel, Plan, Problem, Step, cached_kernel
 from ..launch import (
     RepeatedLaunch, descriptor_over, descriptor_template, empty_attention_output, empty_output,
     empty_strided_output, kv_strides, launch, mod_launch_args,
@@ -36,9 +35,8 @@ from .common import (
 __all__ = ["HopperForwardKernel", "WarmHopperForward", "hopper_forward_kernel", "auto_reason", "launches"]
 
 # The K/V ring's depth: Q (2 x 64 rows) plus STAGES K and V tiles fit in 228 KB of shared memory.
-# At d=64, forward us on an H200 (bf16, [B, L, 3, H, D] storage, GPU time; 2, 3 and 4 stages): no mask
-# B4 H16 16k 9318, 9922-9949, 9126-9187; causal B4 H16 16k 4533, 4583-4588, 4548-4581; causal B1 H12
-# 16k 860, 864-868, 863-867 (docs/benchmarks.md).
+# At d=64 four stages were the best or level with it (docs/benchmarks_log.md, "Even ring depths in
+# the Hopper kernels ...").
 STAGES = {64: 4, 128: 2}
 
 
@@ -49,22 +47,21 @@ STAGES = {64: 4, 128: 2}
 # brings, as FlashAttention-3 and -4 do at head dim 64. Three consumers and the loader leave 160
 # registers a consumer thread: Q stays in shared memory there. The last program of a (batch, head)
 # may reach past the queries: its consumers there repeat the last 64 rows (consumer_row in the
-# template), writing the same values. Kernel time on an H200 (Triton 3.6, bf16, head dim 64), two
-# consumers vs three: B1 H12 4k 0.117 vs 0.113 ms, B4 H16 4k 0.611 vs 0.589, B2 H16 8k 1.167 vs 1.119,
-# B1 H12 16k 1.720 vs 1.589, B4 H16 16k 9.55 vs 8.75 (1.04-1.09x); with few key blocks a row fewer,
-# longer programs lose: B8 H12 1k (8 blocks) 0.076 vs 0.082, B1 H16 2k (16) 0.044 vs 0.060.
+# template), writing the same values. Three consumers were faster than two wherever rows visit many
+# key blocks, and slower on short walks, where a row has fewer, longer programs (hence
+# THREE_CONSUMERS_MIN_KEY_BLOCKS).
 # At head dim 128 a consumer's output tile alone takes 64 of its 160 registers: two consumers there.
-# docs/benchmarks.md; docs/data/three_consumers_h200_2026-11-28.json.
+# Numbers: docs/benchmarks_log.md, "The d=64 forward without a mask: three consumer warpgroups taking
+# turns, 192-row programs ..."; docs/data/three_consumers_h200_2026-11-28.json.
 THREE_CONSUMERS = {64: True, 128: False}
 THREE_CONSUMERS_MIN_KEY_BLOCKS = 24
 THREE_CONSUMER_REGS = 160
 # [Note] Turns on the tensor cores. Three consumers issue their products in a fixed round (0, 1, 2,
 # 0, ...): before issuing a step's S_j and P_{j-1} V_{j-1} a consumer waits for its turn, and hands
 # the turn on after issuing (FlashAttention-3's and -4's scheduler barrier, here one mbarrier per
-# consumer). Each consumer's softmax then runs while the next ones' products do. Kernel time, H200,
-# d=64, no mask, three consumers without and with turns: B4 H16 16k 8.84 vs 8.34 ms, B1 H12 16k 1.64
-# vs 1.53, B2 H16 8k 1.13 vs 1.03, B4 H16 4k 0.584 vs 0.537 (1.06-1.09x), soft-capping 1.00x; the
-# same bits. Two consumers measured no gain from it (0.96-1.01x, twice): they take no turns.
+# consumer). Each consumer's softmax then runs while the next ones' products do. With three
+# consumers the turns were faster (level with soft-capping), the same bits; two consumers gained
+# nothing from them, twice: they take no turns. Numbers: the same section;
 # docs/data/three_consumers_turns_h200_2026-11-28.json.
 #
 # [Note] Programs across query blocks. With a mask_mod, rows of different query blocks walk
@@ -82,12 +79,12 @@ THREE_CONSUMER_REGS = 160
 # derived before it, whatever the tables hold by then, where the tables themselves are read as they
 # are at each replay.
 # Nor on short walks (fewer than THREE_CONSUMERS_MIN_KEY_BLOCKS key blocks a row on average), where
-# the union's extra tiles weigh more. Kernel time on an H200 (bf16, head dim 64), two consumers vs
-# three: causal B4 H16 16k 4.69 vs 4.34 ms (1.08x), prefix LM 1.07x, causal B2 H16 8k 1.07x, B1 H12
-# 16k 1.09x, B4 H16 4k (16.5 blocks a row) 0.99x; sliding window (8.7) 0.89x, documents (4.8)
-# 0.73x. docs/benchmarks.md; docs/data/union_walks_h200_2026-11-28.json. Compiled calls (walks kept
-# per table, taken by the warm launches), kernel time against two consumers: causal B4 H16 16k,
-# B1 H12 16k, B2 H16 8k and prefix LM 1.04-1.05x (docs/data/compiled_union_walks_h200_2026-11-28.json).
+# the union's extra tiles weigh more: three consumers were faster on long walks (causal, prefix LM),
+# level at about 16 key blocks a row and slower on short walks (sliding window, documents); compiled
+# calls, which take the walks kept per table, gained as the eager ones did. Numbers:
+# docs/benchmarks_log.md, "The d=64 forward with a mask: 192-row programs walk the union of two query
+# blocks' walks ..." and "Compiled calls walk unions too ..."; docs/data/union_walks_h200_2026-11-28.json,
+# docs/data/compiled_union_walks_h200_2026-11-28.json.
 # UNION_WALKS: the head dims where it runs.
 UNION_WALKS = {64: True, 128: False}
 
@@ -95,21 +92,13 @@ launches = 0  # kernels launched by this family (tests check the Gluon path real
 # AUTO's rule: at head dim 64 the portable forward is faster on rows that visit few key blocks (the
 # program's fixed cost, barriers and partitions, is paid over few tiles) and with a score_mod on a
 # masked walk (its arithmetic sits between the two matrix products, where a consumer warpgroup of 64
-# rows has no slack). First measured on an H100, Triton 3.6, bf16, B4 H16 16k tokens, TFLOP/s Gluon
-# vs portable: sliding window (8.7 blocks a row) 337 vs 397, documents (4.8) 235 vs 303, ALiBi 322
-# vs 379, soft-cap 328 vs 356; noop 472 vs 472, causal 470 vs 459, prefix LM 474 vs 454. At head
-# dim 128 Gluon won all seven paper variants: noop 681 vs 585, causal 630 vs 532, ALiBi 512 vs 454,
-# soft-cap 506 vs 482, sliding window 500 vs 402, prefix LM 627 vs 517, documents 379 vs 344
-# (docs/benchmarks.md).
-# The threshold between 8.7 and 64 blocks: causal at the 12-layer model's shapes (H200, B x L = 16k
-# tokens, H12, [B, L, 3, H, D] storage), forward us Gluon vs portable: 1k (4.5 blocks a row) 159 vs
-# 116, 2k (8.5) 167 vs 173, 4k (16.5) 309 vs 259, 8k (32.5) 497 vs 498, 16k (64.5) 904 vs 1004.
-# A score_mod without a mask_mod takes the Gluon forward since its calls got three consumers ([Note]
-# Three consumers on an unmasked walk). H200, Triton 3.6, B8 H16 16k, TFLOP/s Gluon vs portable:
-# soft-cap 358 vs 333 and 360 vs 330 (two runs), a per-head temperature 446 vs 396, a table of
-# relative positions 241 vs 166; ALiBi without its causal mask 350 vs 384. With a mask_mod the
-# portable forward stays: ALiBi 306 vs 375 (B8 H16) and 308 vs 375 (B1 H12), where also a mask_mod
-# alone on few blocks does: sliding window 329 vs 365, documents 230 vs 302 (docs/benchmarks.md).
+# rows has no slack); at head dim 128 the Gluon forward won on all seven paper variants. The
+# threshold, AUTO_MIN_BLOCKS_D64, lies where the two crossed on causal masks at the 12-layer model's
+# shapes. A score_mod without a mask_mod takes the Gluon forward since its calls got three consumers
+# ([Note] Three consumers on an unmasked walk); with a mask_mod the portable forward stays, as it does
+# for a mask_mod alone on few blocks (sliding window, documents). Numbers: docs/benchmarks_log.md,
+# "Hopper forward in Gluon against FlashAttention-4 and cuDNN ...", "The output in the query's layout,
+# and AUTO's forward rule at 4k ..." and "The d=64 forward without a mask: three consumer warpgroups ...".
 AUTO_MIN_BLOCKS_D64 = 24
 
 
@@ -139,20 +128,14 @@ class HopperForwardKernel(HopperFamily):
         """``(out, lse or None)``; raises HopperUnavailable when the kernel of these mods does not compile
         (checked by the caller with ``unsupported_reason`` first, for everything else)."""
         global launches
-        tables = launch_tables(block_mask)
-        consumers = self._consumers(q, block_mask)
-        walks = self._walks(block_mask, consumers)
-        key = self._problem(q, k, v, tables, scale, need_lse, consumers)
-
-        def launch(plan: Plan):
-            return self._launch(plan, q, k, v, tables, walks, scale, score_captured, mask_captured, need_lse)
-
+        problem = Problem(q, k, v, block_mask, launch_tables(block_mask), scale, score_captured, mask_captured, {},
+                          need_lse)
+        key = self._problem(q, k, v, problem.tables, scale, need_lse, self._consumers(q, block_mask))
         plan = self._plans.get(key)
         if plan is None:
-            plan, result = self._first_launch(
-                key, q, k, lambda: self._plan(q, k, v, tables, scale, need_lse, consumers), launch)
+            plan, result = self._first_launch(key, problem)
         else:
-            result = launch(plan)
+            result = self._launch(plan, problem)
         if not recording():
             launches += 1
             self.last_plan = plan
@@ -181,10 +164,6 @@ class HopperForwardKernel(HopperFamily):
             return 2  # a replay would read walks derived before the capture, whatever the tables hold then
         return 3
 
-    def _walks(self, block_mask, consumers: int):
-        """The program walks of a UNION_WALK launch ([Note] Programs across query blocks), else None."""
-        return program_walks(block_mask) if consumers == 3 and self.has_mask_mod else None
-
     def kept_plan(self, q, k, v, block_mask, scale: float, *, need_lse: bool) -> Optional[Plan]:
         """The plan of this problem once its first launch compiled (None before): for a caller that
         launches it again through ``warm_launch`` (compile.py, [Note] Warm calls of the forward op)."""
@@ -199,10 +178,11 @@ class HopperForwardKernel(HopperFamily):
         walks = program_walks(block_mask) if plan.steps["forward"].constexprs["UNION_WALK"] else None
         return WarmHopperForward(self, plan, q, k, v, launch_tables(block_mask), walks, scale, need_lse)
 
-    def _plan(self, q, k, v, tables, scale, need_lse, consumers: int) -> Plan:
+    def _plan(self, problem: Problem, compiled: CompiledKernel) -> Plan:
+        q, k, tables, scale, need_lse = problem.q, problem.k, problem.tables, problem.scale, problem.need_lse
+        consumers = self._consumers(q, problem.block_mask)
         B, Hq, L, E = q.shape
         Hkv, S = k.shape[1], k.shape[2]
-        compiled = self.compiled(index_bounds(B, Hq, L, S))
         constexprs = dict(
             SPARSE_Z=tables.kv_num_blocks.shape[0], SPARSE_HQ=tables.kv_num_blocks.shape[1], GQA_GROUP=Hq // Hkv,
             HEAD_DIM=E, SPARSE_Q_BLOCK_SIZE=BLOCK, SPARSE_KV_BLOCK_SIZE=BLOCK, BLOCK_M=64 * consumers, BLOCK_N=BLOCK,
@@ -221,16 +201,20 @@ class HopperForwardKernel(HopperFamily):
         return Plan(compiled, {"forward": Step(HOPPER_FORWARD, grid, constexprs)}, (L, S),
                     q.element_size())
 
-    def _launch(self, plan: Plan, q, k, v, tables, walks, scale, score_captured, mask_captured, need_lse):
+    def _launch(self, plan: Plan, problem: Problem):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+        q, k, v, tables = problem.q, problem.k, problem.v, problem.tables
+        scale, need_lse = problem.scale, problem.need_lse
         B, Hq, L, E = q.shape
         step = plan.steps["forward"]
+        # The program walks of a UNION_WALK launch ([Note] Programs across query blocks), else None.
+        walks = program_walks(problem.block_mask) if step.constexprs["UNION_WALK"] else None
         out = empty_attention_output(q, E)
         lse = empty_output((B, Hq, L), torch.float32, q.device) if need_lse else out
         recipes, fixed = _problem_args(step, q, k, v, out, tables, walks, scale)
         descriptors = [TensorDescriptor(t, *recipe) for t, recipe in zip((q, k, v, out), recipes)]
-        args = _pack(self, descriptors, lse, tables, walks, score_captured, mask_captured, fixed)
+        args = _pack(self, descriptors, lse, tables, walks, problem.score_captured, problem.mask_captured, fixed)
         launch(plan.compiled.kernel(HOPPER_FORWARD), step.grid, args, step.constexprs)
         return out, (lse if need_lse else None)
 
