@@ -331,7 +331,8 @@ def sm90_backward_choice(call: Call, q, k, v, float32_kv_grads: bool = False, gr
     """``(kernel, reason)`` for the backward, as sm90_forward_choice is for the forward."""
     def reason(kernel):
         # AUTO takes every call the kernels can run: they were measured faster than the portable
-        # backward on every case, rows of three key blocks included (docs/benchmarks.md, 2026-11-28).
+        # backward on every case, rows of three key blocks included (docs/benchmarks_log.md, "The d=64
+        # backward: dQ in the dK/dV kernel for every call, and the rule of few key blocks gone").
         return (kernel.unsupported_reason(q, k, v, call.block_mask, float32_kv_grads, grad_out), lambda: None)
 
     return _gluon_choice(call, q, "backward", _PORTABLE_BACKWARD_TUNING, hopper_backward_kernel, reason)

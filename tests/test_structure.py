@@ -215,14 +215,6 @@ def _wide_signatures(root: Path) -> dict:
     return found
 
 
-# The kernels' own launch helpers still take their problem as loose arguments; the problem record
-# through flexattn/kernels/ (issue 51's other half, branch h51-record) bundles them. These exact
-# functions may stay wide until that lands; the test below fails once one is no longer wide, so the
-# merge empties this list rather than leaving a stale exception behind. Nothing else is exempt.
-_WIDE_UNTIL_THE_PROBLEM_RECORD = {
-    "flexattn/kernels/backward.py:BackwardKernel._launch",
-    "flexattn/kernels/forward.py:ForwardKernel._config",
-}
 
 
 def test_no_module_over_the_line_limit():
@@ -241,9 +233,6 @@ def test_the_line_check_finds_a_long_module(tmp_path):
 
 def test_no_signature_over_the_parameter_limit():
     wide = _wide_signatures(PACKAGE)
-    stale = sorted(_WIDE_UNTIL_THE_PROBLEM_RECORD - set(wide))
-    assert not stale, "no longer wide, remove from _WIDE_UNTIL_THE_PROBLEM_RECORD: " + ", ".join(stale)
-    wide = {name: n for name, n in wide.items() if name not in _WIDE_UNTIL_THE_PROBLEM_RECORD}
     assert not wide, f"signatures over {MAX_PARAMETERS} parameters (bundle them): " + ", ".join(
         f"{name} ({n})" for name, n in sorted(wide.items()))
 

@@ -104,7 +104,7 @@ class BackwardKernel(KernelFamily):
 
     def kept_plan(self, q, k, v, out, grad_out, grad_lse, block_mask, scale: float, options: dict) -> Optional[Plan]:
         """The plan a call with these arguments launches now, once its problem's plan has settled, else
-        None: for a caller that launches it again through ``warm_launch`` (compile.py, [Note] Warm
+        None: for a caller that launches it again through ``warm_launch`` (compile/warm.py, [Note] Warm
         calls of the backward op). None too where a call does more than the three launches: gradients
         of captured tensors, a broadcast key/value batch."""
         if k.shape[0] != q.shape[0]:

@@ -29,7 +29,7 @@ digest), the autotune store (source digest, device, shape class, Triton version;
 ``masks.create._dense_masks`` (lengths, device), ``lowering.ranges._VARIANTS`` and ``_WIDE``
 (TracedMods, bounds), the direct launches of kernels/launch.py (on each Triton kernel: device,
 specialisation facts, constexprs), and what was compiled ahead (dispatch._AHEAD_DONE,
-compile._TRACED_AHEAD, kernels/ahead.py's sent specialisations: problems and specialisations only,
+compile/ops.py's _TRACED_AHEAD, kernels/ahead.py's sent specialisations: problems and specialisations only,
 never read by a launch).
 """
 

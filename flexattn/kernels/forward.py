@@ -56,7 +56,7 @@ class ForwardKernel(KernelFamily):
                   options: dict) -> Optional[Plan]:
         """The plan a call with these arguments launches now, once its problem's plan has settled (its
         kernels compiled and checked, [Note] Tiles the compiler made costly), else None: for a caller
-        that launches it again through ``warm_launch`` (compile.py, [Note] Warm calls of the forward op).
+        that launches it again through ``warm_launch`` (compile/warm.py, [Note] Warm calls of the forward op).
         Not for FP8 values, which a call may copy first (fp8_value_layout)."""
         if v.dtype in FLOAT8_DTYPES:
             return None
@@ -67,7 +67,7 @@ class ForwardKernel(KernelFamily):
     def warm_launch(self, plan: Plan, q, k, v, tables, scale: float, *, need_lse: bool,
                     need_max: bool) -> "WarmForwardLaunch":
         """``plan`` (from kept_plan) for the later calls of this call's problem: same shapes, strides,
-        dtypes, 16-byte alignment and table statistics, which the caller keys (compile.py, [Note] Warm
+        dtypes, 16-byte alignment and table statistics, which the caller keys (compile/warm.py, [Note] Warm
         calls of the forward op). Call it as ``(q, k, v, tables, score_captured, mask_captured)``."""
         return WarmForwardLaunch(self, plan, q, k, v, tables, scale, need_lse, need_max)
 

@@ -293,7 +293,7 @@ def output_layout(q: torch.Tensor, value_dim: int) -> tuple:
     is; [B, H, L, Ev] otherwise. The model's next step, ``out.transpose(1, 2).reshape(B, L, H * Ev)``,
     is then a view rather than a copy, and its gradient reaches the backward in that layout too,
     which the kernels read as it is. torch's flex_attention keeps the query's layout as well. The op's
-    fake implementation (compile.py) asks this function, so compiled graphs see the same strides."""
+    fake implementation (compile/ops.py) asks this function, so compiled graphs see the same strides."""
     B, H, L = q.shape[:3]
     if q.stride(1) < q.stride(2):
         return (B, L, H, value_dim), (0, 2, 1, 3)

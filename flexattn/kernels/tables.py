@@ -192,14 +192,14 @@ def _tables_for_launch(block_mask: BlockMask) -> LaunchTables:
 
 def checked_launch_tables(block_mask: BlockMask) -> LaunchTables:
     """launch_tables' checks and row statistics (one host sync), whatever the mask says of itself and
-    without keeping them on it: for a caller that keeps the statistics itself (compile.py)."""
+    without keeping them on it: for a caller that keeps the statistics itself (compile/kept.py)."""
     return _compute_launch_tables(block_mask)
 
 
 def preset_row_stats(block_mask: BlockMask, stats: RowStats) -> None:
     """Launch tables of ``block_mask`` as they are, with the row statistics checked earlier on these
     very tables (the caller stamps them by identity and version): no sync, and the launch plan of
-    checked tables (compile.py, for the masks of compiled calls)."""
+    checked tables (compile/kept.py, for the masks of compiled calls)."""
     nb, idx = block_mask.kv_num_blocks, block_mask.kv_indices
     fnb, fidx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
     has_full = fnb is not None

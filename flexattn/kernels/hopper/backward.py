@@ -252,7 +252,7 @@ class HopperBackwardKernel(HopperFamily):
 
     def kept_plan(self, q, k, v, out, grad_out, grad_lse, block_mask, scale: float, deterministic: bool) -> Optional[Plan]:
         """The plan of this problem once its first launch compiled (None before): for a caller that
-        launches it again through ``warm_launch`` (compile.py, [Note] Warm calls of the backward op).
+        launches it again through ``warm_launch`` (compile/warm.py, [Note] Warm calls of the backward op).
         None for a deterministic call that adds dQ in order: its turns come from the mask, which a warm
         launch does not see."""
         tables = launch_tables(block_mask)

@@ -74,7 +74,7 @@ THREE_CONSUMER_REGS = 160
 # exact). Under a causal mask that is one tile in about a row's walk, at the diagonal. The walk is
 # in ascending key order, where two consumers walk partial blocks first: sums in another order, not
 # the same bits. Not for masks made for one call whose walks nobody keeps (they would be derived
-# at every call; a compiled call's mask has them kept per table by compile.py, [Note] What a
+# at every call; a compiled call's mask has them kept per table by compile/kept.py, [Note] What a
 # compiled call's mask derives, kept), nor inside a CUDA-graph capture: its replays would read walks
 # derived before it, whatever the tables hold by then, where the tables themselves are read as they
 # are at each replay.
@@ -166,13 +166,13 @@ class HopperForwardKernel(HopperFamily):
 
     def kept_plan(self, q, k, v, block_mask, scale: float, *, need_lse: bool) -> Optional[Plan]:
         """The plan of this problem once its first launch compiled (None before): for a caller that
-        launches it again through ``warm_launch`` (compile.py, [Note] Warm calls of the forward op)."""
+        launches it again through ``warm_launch`` (compile/warm.py, [Note] Warm calls of the forward op)."""
         consumers = self._consumers(q, block_mask)
         return self._plans.get(self._problem(q, k, v, launch_tables(block_mask), scale, need_lse, consumers))
 
     def warm_launch(self, plan: Plan, q, k, v, block_mask, scale: float, *, need_lse: bool) -> "WarmHopperForward":
         """``plan`` (from kept_plan) for the later calls of this call's problem, which the caller keys
-        (compile.py, [Note] Warm calls of the forward op). Call it as ``(q, k, v, tables,
+        (compile/warm.py, [Note] Warm calls of the forward op). Call it as ``(q, k, v, tables,
         score_captured, mask_captured, walks=...)``: a plan of union walks takes the walks of the
         call's tables (of the shape this call's have), any other none."""
         walks = program_walks(block_mask) if plan.steps["forward"].constexprs["UNION_WALK"] else None
