@@ -80,3 +80,35 @@ def test_an_edit_anywhere_in_the_package_changes_the_code_digest(tmp_path, monke
     family = package / "kernels" / "family.py"
     family.write_text(family.read_text() + "\n# an edit\n")
     assert source._code_digest() != before
+
+
+EVERY_VARIANT = r"""
+import json, sys
+sys.path.insert(0, "tests")
+import torch
+torch.set_num_threads(1)
+import test_differential
+from flexattn.codegen import counts
+test_differential.test_every_variant_in_one_process_against_the_reference(None)  # raises on a wrong result
+print(json.dumps({"renders": counts.renders, "hits": counts.index_hits}))
+"""
+
+
+@pytest.mark.slow  # two processes of the catalogue's differential sweep: about 100 s on 2 CPU cores
+def test_a_warm_process_computes_every_variant_right_from_the_index(tmp_path):
+    # The index is a cache between processes: whatever its key leaves out, a warm process would get
+    # another mod's kernel. Every catalogue variant (with its parameters, shapes and block sizes, and
+    # both backends) runs against the float64 reference in a cold process, then again in a process
+    # whose kernels all come from the index.
+    env = {**os.environ, "PYTHONPATH": ROOT, "FLEXATTN_CACHE_DIR": str(tmp_path), "TRITON_INTERPRET": "1"}
+
+    def sweep() -> dict:
+        done = subprocess.run([sys.executable, "-c", EVERY_VARIANT], env=env, cwd=ROOT, capture_output=True,
+                              text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    cold = sweep()
+    assert cold["renders"] > 20
+    warm = sweep()
+    assert warm["renders"] == 0 and warm["hits"] == cold["renders"] + cold["hits"]
