@@ -282,3 +282,25 @@ def test_backward_with_a_mods_tensor_changed_and_then_learnt(one_thread):
     ref, _, _ = reference_attention(q.double(), k.double(), v.double(), score_mod=ref_bias)
     ref.sum().backward()
     assert rel_err(table.grad, ref_table.grad) < 1e-4
+
+
+def test_a_prepared_launch_the_compiler_refuses_steps_down_the_long_way(one_thread, monkeypatch):
+    # [Note] Resource fallback: a prepared launch that runs out of resources is dropped, and the long
+    # way plans smaller tiles, as at a first launch.
+    from triton.runtime.errors import OutOfResources
+
+    q, k, v = qkv()
+    warm(q, k, v, scale=0.3, kernel_options=TRITON)
+    kernel = rt._kernels[next(reversed(rt._kernels))]
+    refused = kernel.last_plan.constexprs("forward")
+    real = rt.launch
+
+    def tight(jit_fn, grid, args, constexprs):
+        if constexprs is refused:
+            raise OutOfResources(400_000, 232_448, "shared memory")
+        return real(jit_fn, grid, args, constexprs)
+
+    monkeypatch.setattr(rt, "launch", tight)
+    out = flex_attention(q, k, v, scale=0.3, kernel_options=TRITON)
+    assert kernel.last_plan.constexprs("forward") is not refused
+    check(out, q, k, v, scale=0.3)

@@ -44,7 +44,9 @@ from .configs import (
 )
 from .ahead import recording
 from .family import CompiledKernel, KernelFamily, Plan, Problem, Step, TileRoles, cached_kernel, with_tiles
-from .launch import RepeatedLaunch, empty_output, interpreter_enabled, kv_strides, launch, mod_launch_args
+from .launch import (
+    RepeatedLaunch, empty_output, interpreter_enabled, is_out_of_resources, kv_strides, launch, mod_launch_args,
+)
 from .launch_order import rows_alike, tail_pairs
 from .tables import backward_tables, launch_tables
 from .tma import install_tma_allocator, tma_compatible
@@ -104,9 +106,14 @@ class BackwardKernel(KernelFamily):
         key = _plan_key(problem)
         prepared = self._prepared.get(key)
         if prepared is not None and prepared.serves(self._plans.get(key), problem):
-            dq, dk, dv = prepared(q, k, v, out, lse, grad_out, grad_lse, problem.tables, problem.bwd_tables,
-                                  score_captured, mask_captured)
-            return dq, dk, dv, [None] * len(score_captured)
+            try:
+                dq, dk, dv = prepared(q, k, v, out, lse, grad_out, grad_lse, problem.tables, problem.bwd_tables,
+                                      score_captured, mask_captured)
+                return dq, dk, dv, [None] * len(score_captured)
+            except Exception as err:
+                if not is_out_of_resources(err):
+                    raise
+                del self._prepared[key]  # the long way steps down ([Note] Resource fallback)
         grads = self._run(key, problem)
         if not recording():
             launches += 1

@@ -25,7 +25,8 @@ from .configs import (
 from .family import CompiledKernel, KernelFamily, Plan, Problem, Step, TileRoles, cached_kernel, with_tiles
 from .launch import (
     FLOAT8_DTYPES, RepeatedLaunch, descriptor_over, descriptor_template, empty_attention_output, empty_output,
-    empty_strided_output, finished_output, interpreter_enabled, kv_strides, launch, mod_launch_args,
+    empty_strided_output, finished_output, interpreter_enabled, is_out_of_resources, kv_strides, launch,
+    mod_launch_args,
 )
 from .launch_order import rows_alike, tail_pairs
 from .ahead import recording
@@ -59,7 +60,12 @@ class ForwardKernel(KernelFamily):
         key = _plan_key(problem)
         prepared = self._prepared.get(key)
         if prepared is not None and prepared.serves(self._plans.get(key), problem):
-            return prepared(q, k, v, problem.tables, score_captured, mask_captured)
+            try:
+                return prepared(q, k, v, problem.tables, score_captured, mask_captured)
+            except Exception as err:
+                if not is_out_of_resources(err):
+                    raise
+                del self._prepared[key]  # the long way steps down ([Note] Resource fallback)
         result = self._run(key, problem)
         self._prepare(key, problem)
         return result
@@ -324,7 +330,9 @@ class WarmForwardLaunch:
 # call's own, read again each call (the tables' content through launch_tables' stamps). Every
 # launch still goes through ``launch``, which takes Triton's specialisation facts (alignment,
 # dtypes of the mods' tensors) from each call's arguments. FP8 and mixed dtypes (a copied value,
-# a float32 output converted after) and plans still settling take the long way.
+# a float32 output converted after) and plans still settling take the long way. A prepared launch
+# the compiler refuses (out of resources) is dropped, and the call takes the long way, which steps
+# down ([Note] Resource fallback in kernels/family.py). The backward does the same (PreparedBackward).
 _PREPARED_KEPT = 256
 
 
