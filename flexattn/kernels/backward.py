@@ -113,7 +113,7 @@ class BackwardKernel(KernelFamily):
             except Exception as err:
                 if not is_out_of_resources(err):
                     raise
-                del self._prepared[key]  # the long way steps down ([Note] Resource fallback)
+                self._prepared.pop(key, None)  # the long way steps down; pop: another thread may have dropped it
         grads = self._run(key, problem)
         if not recording():
             launches += 1

@@ -65,7 +65,7 @@ class ForwardKernel(KernelFamily):
             except Exception as err:
                 if not is_out_of_resources(err):
                     raise
-                del self._prepared[key]  # the long way steps down ([Note] Resource fallback)
+                self._prepared.pop(key, None)  # the long way steps down; pop: another thread may have dropped it
         result = self._run(key, problem)
         self._prepare(key, problem)
         return result
