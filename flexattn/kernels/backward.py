@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import replace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -44,7 +44,9 @@ from .configs import (
 )
 from .ahead import recording
 from .family import CompiledKernel, KernelFamily, Plan, Problem, Step, TileRoles, cached_kernel, with_tiles
-from .launch import RepeatedLaunch, empty_output, interpreter_enabled, kv_strides, launch, mod_launch_args
+from .launch import (
+    RepeatedLaunch, empty_output, interpreter_enabled, is_out_of_resources, kv_strides, launch, mod_launch_args,
+)
 from .launch_order import rows_alike, tail_pairs
 from .tables import backward_tables, launch_tables
 from .tma import install_tma_allocator, tma_compatible
@@ -79,6 +81,10 @@ class BackwardKernel(KernelFamily):
                                                    variant=variants[0])
         return replace(super()._spec(variants), score_grad=score_grad)
 
+    def __init__(self, score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool):
+        super().__init__(score, mask, tanh_approx=tanh_approx)
+        self._prepared: dict = {}  # plan key -> PreparedBackward ([Note] Prepared eager launches)
+
     def prepare(self, q, k, block_mask) -> None:
         """Lower and compile for this call's lengths now (at the forward), so a mod whose gradient
         cannot be lowered fails before any kernel runs."""
@@ -97,10 +103,36 @@ class BackwardKernel(KernelFamily):
                           options, out=out, lse=lse, grad_out=grad_out, grad_lse=grad_lse,
                           bwd_tables=backward_tables(block_mask), float32_kv_grads=float32_kv_grads,
                           deterministic=deterministic)
-        grads = self._run(_plan_key(problem), problem)
+        key = _plan_key(problem)
+        prepared = self._prepared.get(key)
+        if prepared is not None and prepared.serves(self._plans.get(key), problem):
+            try:
+                dq, dk, dv = prepared(q, k, v, out, lse, grad_out, grad_lse, problem.tables, problem.bwd_tables,
+                                      score_captured, mask_captured)
+                return dq, dk, dv, [None] * len(score_captured)
+            except Exception as err:
+                if not is_out_of_resources(err):
+                    raise
+                self._prepared.pop(key, None)  # the long way steps down; pop: another thread may have dropped it
+        grads = self._run(key, problem)
         if not recording():
             launches += 1
+            self._prepare(key, problem)
         return grads
+
+    def _prepare(self, key: tuple, problem: Problem) -> None:
+        """After a call of ``key`` ran its plan the long way: its launches, worked out for the next
+        calls of the key ([Note] Prepared eager launches in kernels/forward.py). Not for what
+        WarmBackwardLaunch leaves out (gradients of captured tensors, a broadcast key/value batch)
+        nor for float32 dK/dV."""
+        q, k = problem.q, problem.k
+        plan = self._plans.get(key)
+        if (plan is None or plan.check_compiled or plan.compiled.trainable or k.shape[0] != q.shape[0]
+                or problem.float32_kv_grads or self._for_call(plan, problem) is not plan):
+            return
+        if len(self._prepared) >= _PREPARED_KEPT:
+            self._prepared.clear()
+        self._prepared[key] = PreparedBackward(self, plan, problem)
 
     def kept_plan(self, q, k, v, out, grad_out, grad_lse, block_mask, scale: float, options: dict) -> Optional[Plan]:
         """The plan a call with these arguments launches now, once its problem's plan has settled, else
@@ -386,6 +418,54 @@ class WarmBackwardLaunch:
         launches += 1
         self.family.last_plan = plan
         return dq, dk, dv
+
+
+_PREPARED_KEPT = 256
+
+
+class _EveryCallLaunch(NamedTuple):
+    """``launch`` of one kernel, grid and constexprs, the specialisation facts read from each call's
+    arguments (a RepeatedLaunch keeps the first call's; an eager call's key does not fix them)."""
+
+    jit_fn: object
+    grid: tuple
+    constexprs: dict
+
+    def __call__(self, args: tuple, fresh_aligned: bool):
+        return launch(self.jit_fn, self.grid, args, self.constexprs)
+
+
+class PreparedBackward(WarmBackwardLaunch):
+    """WarmBackwardLaunch for the eager calls of one plan key ([Note] Prepared eager launches in
+    kernels/forward.py): ``serves`` checks what the key leaves out, and every launch takes Triton's
+    specialisation facts from its own arguments."""
+
+    def __init__(self, family: BackwardKernel, plan: Plan, problem: Problem):
+        super().__init__(family, plan, problem.q, problem.k, problem.v, problem.out, problem.grad_out,
+                         problem.tables, problem.bwd_tables, problem.scale)
+        module = plan.compiled
+        self.preprocess, self.dkdv, self.dq = (
+            _EveryCallLaunch(module.kernel(params), plan.steps[role].grid, plan.steps[role].constexprs)
+            for params, role in ((BACKWARD_PREPROCESS, "preprocess"), (BACKWARD_DKDV, "dkdv"), (BACKWARD_DQ, "dq")))
+        self.scale = problem.scale
+        self.widths = _table_widths(problem.tables, problem.bwd_tables)
+
+    def serves(self, plan: Optional[Plan], problem: Problem) -> bool:
+        """Whether this call launches exactly what the long way would."""
+        scale = problem.scale
+        if (plan is not self.plan or recording() or scale != self.scale
+                or _table_widths(problem.tables, problem.bwd_tables) != self.widths):
+            return False
+        if not scale and math.copysign(1.0, scale) != math.copysign(1.0, self.scale):
+            return False  # 0.0 and -0.0 are equal, and are different SM_SCALE arguments
+        return not (self.use_tma and (problem.q.data_ptr() | problem.k.data_ptr() | problem.v.data_ptr()
+                                      | problem.grad_out.data_ptr()) % 16)
+
+
+def _table_widths(tables, bwd_tables) -> tuple:
+    """The tables' sizes the launches pass that a plan key does not hold (it holds the row table's shape)."""
+    return (tables.kv_indices.shape[3], tables.full_kv_indices.shape[3], bwd_tables.q_num_blocks.shape[2],
+            bwd_tables.q_indices.shape[3], bwd_tables.full_q_indices.shape[3])
 
 
 def _contiguous(shape) -> tuple:

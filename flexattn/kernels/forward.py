@@ -8,8 +8,9 @@ without), writing the output and, when asked, the LSE and the row maxima.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -24,9 +25,11 @@ from .configs import (
 from .family import CompiledKernel, KernelFamily, Plan, Problem, Step, TileRoles, cached_kernel, with_tiles
 from .launch import (
     FLOAT8_DTYPES, RepeatedLaunch, descriptor_over, descriptor_template, empty_attention_output, empty_output,
-    empty_strided_output, finished_output, interpreter_enabled, kv_strides, launch, mod_launch_args,
+    empty_strided_output, finished_output, interpreter_enabled, is_out_of_resources, kv_strides, launch,
+    mod_launch_args,
 )
 from .launch_order import rows_alike, tail_pairs
+from .ahead import recording
 from .tables import launch_tables
 from .tma import host_descriptors, host_descriptors_ok, install_tma_allocator, tma_layout_ok
 
@@ -43,6 +46,10 @@ class ForwardKernel(KernelFamily):
                                        owned_width=("QK_HEAD_DIM_P2",),
                                        walked_width=("QK_HEAD_DIM_P2", "V_HEAD_DIM_P2"))}
 
+    def __init__(self, score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool):
+        super().__init__(score, mask, tanh_approx=tanh_approx)
+        self._prepared: dict = {}  # plan key -> PreparedForward ([Note] Prepared eager launches)
+
     def __call__(
         self, q, k, v, block_mask, scale: float, score_captured, mask_captured, *,
         need_lse: bool, need_max: bool, options: dict,
@@ -50,7 +57,30 @@ class ForwardKernel(KernelFamily):
         """``(out, lse or None, max_scores or None)``."""
         problem = Problem(q, k, fp8_value_layout(q, v), block_mask, launch_tables(block_mask), scale, score_captured,
                           mask_captured, options, need_lse, need_max)
-        return self._run(_plan_key(problem), problem)
+        key = _plan_key(problem)
+        prepared = self._prepared.get(key)
+        if prepared is not None and prepared.serves(self._plans.get(key), problem):
+            try:
+                return prepared(q, k, v, problem.tables, score_captured, mask_captured)
+            except Exception as err:
+                if not is_out_of_resources(err):
+                    raise
+                self._prepared.pop(key, None)  # the long way steps down; pop: another thread may have dropped it
+        result = self._run(key, problem)
+        self._prepare(key, problem)
+        return result
+
+    def _prepare(self, key: tuple, problem: Problem) -> None:
+        """After a call of ``key`` ran its plan the long way: that launch, worked out for the next
+        calls of the key ([Note] Prepared eager launches)."""
+        q, k, v = problem.q, problem.k, problem.v
+        plan = self._plans.get(key)
+        if (plan is None or plan.check_compiled or recording() or not q.dtype == k.dtype == v.dtype
+                or q.dtype in FLOAT8_DTYPES or self._for_call(plan, problem) is not plan):
+            return
+        if len(self._prepared) >= _PREPARED_KEPT:
+            self._prepared.clear()
+        self._prepared[key] = PreparedForward(self, plan, problem)
 
     def kept_plan(self, q, k, v, block_mask, scale: float, *, need_lse: bool, need_max: bool,
                   options: dict) -> Optional[Plan]:
@@ -284,6 +314,61 @@ class WarmForwardLaunch:
         self.launch(args, fresh_aligned=not (out.data_ptr() | lse.data_ptr() | mx.data_ptr()) & 15)
         family.last_plan = self.plan
         return out, (lse if self.need_lse else None), (mx if self.need_max else None)
+
+
+# [Note] Prepared eager launches. A warm eager call of a problem it ran before (the same plan key:
+# shapes, strides, dtypes, device, BLOCK_SIZE, table statistics, outputs, options) launches what
+# the long way worked out for it once: the output's layout and the launch's ints (WarmForwardLaunch),
+# without re-deriving them. The key leaves out, and ``serves`` checks on every call instead:
+# - the plan itself: the key's plan may have been replaced since (resource fallback, the replan
+#   rule, eviction), so the entry serves only while it is the very plan the family keeps;
+# - the scale's value (the key holds its sign) and the index tables' widths (the key holds the row
+#   table's shape): both are launch arguments;
+# - the tensors' 16-byte alignment, which a plan with tensor descriptors needs (``_for_call``).
+# Nothing of a call's tensors is kept (descriptors are templates without their tensor), so a freed
+# tensor whose id comes back finds nothing of its own; the tables and captured values are the
+# call's own, read again each call (the tables' content through launch_tables' stamps). Every
+# launch still goes through ``launch``, which takes Triton's specialisation facts (alignment,
+# dtypes of the mods' tensors) from each call's arguments. FP8 and mixed dtypes (a copied value,
+# a float32 output converted after) and plans still settling take the long way. A prepared launch
+# the compiler refuses (out of resources) is dropped, and the call takes the long way, which steps
+# down ([Note] Resource fallback in kernels/family.py). The backward does the same (PreparedBackward).
+_PREPARED_KEPT = 256
+
+
+class _EveryCallLaunch(NamedTuple):
+    """``launch`` of one kernel, grid and constexprs, the specialisation facts read from each call's
+    arguments (a RepeatedLaunch keeps the first call's; an eager call's key does not fix them)."""
+
+    jit_fn: object
+    grid: tuple
+    constexprs: dict
+
+    def __call__(self, args: tuple, fresh_aligned: bool):
+        return launch(self.jit_fn, self.grid, args, self.constexprs)
+
+
+class PreparedForward(WarmForwardLaunch):
+    """WarmForwardLaunch for the eager calls of one plan key ([Note] Prepared eager launches)."""
+
+    def __init__(self, family: ForwardKernel, plan: Plan, problem: Problem):
+        super().__init__(family, plan, problem.q, problem.k, problem.v, problem.tables, problem.scale,
+                         problem.need_lse, problem.need_max)
+        step = plan.steps["forward"]
+        self.launch = _EveryCallLaunch(plan.compiled.kernel(FORWARD), step.grid, step.constexprs)
+        self.scale = problem.scale
+        self.widths = (problem.tables.kv_indices.shape[3], problem.tables.full_kv_indices.shape[3])
+        self.aligned_only = bool(step.constexprs["USE_TMA"])
+
+    def serves(self, plan: Optional[Plan], problem: Problem) -> bool:
+        """Whether this call launches exactly what the long way would."""
+        tables, scale = problem.tables, problem.scale
+        if (plan is not self.plan or recording() or scale != self.scale
+                or (tables.kv_indices.shape[3], tables.full_kv_indices.shape[3]) != self.widths):
+            return False
+        if not scale and math.copysign(1.0, scale) != math.copysign(1.0, self.scale):
+            return False  # 0.0 and -0.0 are equal, and are different SM_SCALE arguments
+        return not (self.aligned_only and (problem.q.data_ptr() | problem.k.data_ptr() | problem.v.data_ptr()) % 16)
 
 
 def _problem_args(step: Step, q, k, v, out_strides: tuple, tables, scale: float) -> dict:

@@ -425,14 +425,14 @@ def groups_share_tables(block_mask: BlockMask, group: int) -> bool:
     """Whether the query heads of every GQA group list the same key blocks (per batch and row), so
     one program can walk them for the whole group. One host sync per mask content; inside a CUDA-graph
     capture, False for a mask of several heads ([Note] Tables read at each replay)."""
-    if capturing(block_mask.kv_num_blocks) and group > 1 and block_mask.kv_num_blocks.shape[1] > 1:
+    if group == 1 or block_mask.kv_num_blocks.shape[1] == 1:
+        return True  # one head per group, or one head's tables for all: nothing to compare, nothing kept
+    if capturing(block_mask.kv_num_blocks):
         return False
 
     def compute(mask: BlockMask) -> bool:
         tables = launch_tables(mask)
         heads = tables.kv_num_blocks.shape[1]
-        if group == 1 or heads == 1:
-            return True
         pairs = [(tables.kv_num_blocks, tables.kv_indices)]
         if tables.has_full:
             pairs.append((tables.full_kv_num_blocks, tables.full_kv_indices))
