@@ -1,0 +1,122 @@
+"""A warm eager call's host time on the CPU, with every kernel launch stubbed (docs/host_path.md).
+
+    python -m benchmarks.host_proxy                    # every case, min and median of 5 rounds
+    python -m benchmarks.host_proxy --calls 5000
+    python -m benchmarks.host_proxy --profile fwd_mask # cProfile of one case (SORT, TOP in the env)
+
+The proxy of issue 52's warm call where no GPU is at hand: the same Python path as on a GPU, with
+`launch` replaced in every module of flexattn/kernels/ that launches, by a counter (a case whose
+count stays 0 never reached the kernels). It cannot see CUDA's launch cost, the device allocator or
+stream queries: GPU host times come from `python -m benchmarks.startup` on the device.
+
+Cases (B 1, H 2, L 16, d 16, float32, BACKEND TRITON under Triton's interpreter): a forward with
+ALiBi and a causal BlockMask; a forward without either; forward + backward of the first; a decode
+step (q length 1, TRITON_DECODE); and the PYTORCH backend for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+from flexattn import create_block_mask, flex_attention  # noqa: E402
+
+LAUNCHING_MODULES = ("forward", "backward", "decode", "transpose_tables", "hopper.forward", "hopper.backward")
+launches: dict = {}
+
+
+def stub_launches() -> None:
+    """Every launch site of flexattn/kernels/ counts instead of launching (outputs stay as allocated)."""
+    import importlib
+
+    def counted(jit_fn, grid, args, constexprs):
+        name = getattr(jit_fn, "__name__", None) or getattr(getattr(jit_fn, "fn", None), "__name__", "?")
+        launches[name] = launches.get(name, 0) + 1
+
+    for name in LAUNCHING_MODULES:
+        importlib.import_module(f"flexattn.kernels.{name}").launch = counted
+
+
+def cases() -> dict:
+    """name -> (call, calls per timed call's weight: slower cases run fewer times)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 16) for _ in range(3))
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    q1 = torch.randn(1, 2, 1, 16)
+    slopes = torch.randn(2)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    bm = create_block_mask(causal, 1, 1, 16, 16, device="cpu")
+    triton = {"BACKEND": "TRITON"}
+
+    def fwd_bwd():
+        out = flex_attention(qg, kg, vg, score_mod=alibi, block_mask=bm, kernel_options=triton)
+        out.backward(out)  # a gradient the kernels read as it is (a sum's would be an expanded copy)
+
+    return {
+        "fwd_mask": (lambda: flex_attention(q, k, v, score_mod=alibi, block_mask=bm, kernel_options=triton), 1),
+        "fwd_plain": (lambda: flex_attention(q, k, v, kernel_options=triton), 1),
+        "fwd_bwd": (fwd_bwd, 2),
+        "decode": (lambda: flex_attention(q1, k, v, score_mod=alibi, kernel_options={"BACKEND": "TRITON_DECODE"}), 1),
+        "pytorch": (lambda: flex_attention(q, k, v, score_mod=alibi, block_mask=bm,
+                                           kernel_options={"BACKEND": "PYTORCH"}), 5),
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=2000, help="calls per round (divided by the case's weight)")
+    parser.add_argument("--profile", choices=["fwd_mask", "fwd_plain", "fwd_bwd", "decode", "pytorch"])
+    args = parser.parse_args(argv)
+    stub_launches()
+    table = cases()
+    for fn, _ in table.values():  # the first calls trace, render and run the interpreter's kernels once
+        fn()
+    if args.profile:
+        fn = table[args.profile][0]
+        for _ in range(50):
+            fn()
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(args.calls):
+            fn()
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats(os.environ.get("SORT", "tottime")).print_stats(
+            int(os.environ.get("TOP", "25")))
+        print(text.getvalue())
+        return 0
+    print(f"torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+    for name, (fn, weight) in table.items():
+        n = max(1, args.calls // weight)
+        for _ in range(20):
+            fn()
+        launches.clear()
+        rounds = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            rounds.append((time.perf_counter() - start) / n * 1e6)
+        per_call = {kernel: round(count / (5 * n), 2) for kernel, count in launches.items()}
+        print(f"{name:10s} min {min(rounds):7.1f} us/call, median {sorted(rounds)[2]:7.1f} "
+              f"(5 rounds of {n}); stubbed launches per call {per_call}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
