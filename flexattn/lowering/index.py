@@ -25,7 +25,7 @@ from typing import Mapping
 
 import torch
 
-__all__ = ["FloorDiv", "PyMod", "print_index", "wrap_int", "sympy", "ATOM", "UNARY", "MUL", "ADD", "SHIFT"]
+__all__ = ["FloorDiv", "PyMod", "floor_div", "py_mod", "print_index", "wrap_int", "sympy", "ATOM", "UNARY", "MUL", "ADD", "SHIFT"]
 
 
 class _Sympy:
@@ -98,6 +98,16 @@ def _sympy_functions() -> dict:
             _FUNCTIONS[name] = type(name, (sympy.Function,), {
                 "__doc__": doc, "__module__": __name__, "is_integer": True, "eval": classmethod(eval_)})
     return _FUNCTIONS
+
+
+def floor_div(a, b):
+    """``FloorDiv(a, b)``, for tables that must not make the class at import."""
+    return _sympy_functions()["FloorDiv"](a, b)
+
+
+def py_mod(a, b):
+    """``PyMod(a, b)``, for tables that must not make the class at import."""
+    return _sympy_functions()["PyMod"](a, b)
 
 
 def __getattr__(name: str):

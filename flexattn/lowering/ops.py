@@ -33,8 +33,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from . import index
-from .index import ADD, ATOM, BAND, BOR, BXOR, CMP, MUL, SHIFT, UNARY, sympy
+from .index import ADD, ATOM, BAND, BOR, BXOR, CMP, MUL, SHIFT, UNARY, floor_div, py_mod, sympy
 
 __all__ = [
     "Lowering",
@@ -406,11 +405,11 @@ LOWERINGS: dict[Any, Lowering] = {
     ),
     aten.mul: infix("*", MUL, sym=operator.mul, on_bools="&"),
     aten.div: Lowering(
-        _div, MUL, sym=lambda a, b, rounding_mode=None: index.FloorDiv(a, b) if rounding_mode == "floor" else None
+        _div, MUL, sym=lambda a, b, rounding_mode=None: floor_div(a, b) if rounding_mode == "floor" else None
     ),
     aten.neg: Lowering(lambda a: f"-{a}", UNARY, sym=operator.neg),
-    aten.floor_divide: Lowering(_floor_divide, ATOM, sym=lambda a, b: index.FloorDiv(a, b)),
-    aten.remainder: Lowering(lambda a, b: f"py_remainder({a}, {b})", ATOM, sym=lambda a, b: index.PyMod(a, b)),
+    aten.floor_divide: Lowering(_floor_divide, ATOM, sym=floor_div),
+    aten.remainder: Lowering(lambda a, b: f"py_remainder({a}, {b})", ATOM, sym=py_mod),
     aten.fmod: infix("%", MUL),  # Triton's % is C's fmod: the sign of the dividend, like torch.fmod
     aten.reciprocal: Lowering(lambda a: f"1.0 / {a}", MUL, left=()),
     aten.square: Lowering(lambda a: f"{a} * {a}", MUL, reuses=True, on_bools="="),
