@@ -11,8 +11,9 @@ equipment the project's own work uses, run from the checkout's root as ``python 
 * how defaults were chosen: ``sweep`` and ``sweep_backward`` (launch configurations),
   ``tile_census`` (what the compiler made of every default kernel), ``launch_order`` (the grid's
   order against the launch rule's);
-* one question each: ``learnable`` (the backward of variants with learnable tables), ``startup``
-  (the first call and the host overhead), ``model_profile`` (where a compiled model step's time
+* one question each: ``learnable`` (the backward of variants with learnable tables), ``host_proxy``
+  (a warm call's host path on a CPU, launches stubbed; on a GPU, ``flexattn bench --mode host``
+  measures it, with the first call), ``model_profile (where a compiled model step's time
   goes), ``number_inputs`` (a mod's numbers as kernel arguments against literals);
 * context parallelism: ``context_parallel`` (the ring on one GPU with streams for ranks, and the
   ring's cost model at scale), ``context_parallel_gpus`` (real ranks, one process per GPU, beside

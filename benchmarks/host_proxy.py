@@ -7,7 +7,7 @@
 The proxy of issue 52's warm call where no GPU is at hand: the same Python path as on a GPU, with
 `launch` replaced in every module of flexattn/kernels/ that launches, by a counter (a case whose
 count stays 0 never reached the kernels). It cannot see CUDA's launch cost, the device allocator or
-stream queries: GPU host times come from `python -m benchmarks.startup` on the device.
+stream queries: GPU host times come from `flexattn bench --mode host` on the device.
 
 Cases (B 1, H 2, L 16, d 16, float32, BACKEND TRITON under Triton's interpreter): a forward with
 ALiBi and a causal BlockMask; a forward without either; forward + backward of the first; a decode

@@ -191,11 +191,93 @@ def test_kernel_prints_the_generated_triton_source(capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
-@pytest.mark.parametrize("mode", ["fwd", "bwd", "decode"])
+@pytest.mark.parametrize("mode", ["fwd", "bwd", "decode", "host"])
 def test_bench_says_it_needs_a_gpu(mode, capsys):
     assert main(["bench", "--mode", mode]) == 2
     err = capsys.readouterr().err
-    assert "needs a CUDA GPU" in err and len(err.strip().splitlines()) == 1
+    assert "needs a CUDA GPU" in err and f"--mode {mode}" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_python_m_flexattn_bench_host_says_it_needs_a_gpu(capsys):
+    from flexattn.bench.__main__ import main as bench_main
+
+    assert bench_main(["--mode", "host"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err and len(captured.err.strip().splitlines()) == 1
+    assert "--mode host needs a CUDA GPU" in captured.err
+
+
+def test_the_host_mode_is_registered_and_its_help_needs_no_gpu(capsys):
+    from flexattn.bench import MODES
+
+    assert MODES["host"] == "flexattn.bench.host"
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "--mode", "host", "--", "--help"])  # through the CLI's GPU check
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert all(option in out for option in ("--calls", "--skip-torch", "--skip-first-call", "--out"))
+
+
+def _host_result(cold_flexattn_s=2.0):
+    """A made-up run of ``flexattn bench --mode host``, with a flexattn row the GPU held back."""
+    from flexattn.bench.host import CASES
+
+    warm = {case: {"flexattn_host_us": 30.0, "flexattn_gpu_us": 10.0, "torch_host_us": 80.0, "torch_gpu_us": 12.0}
+            for case in CASES}
+    warm["fwd_bwd"].update(flexattn_host_us=90.0, flexattn_gpu_us=95.0)
+    run = {"first_call_s": cold_flexattn_s, "cuda_context_s": 0.3, "import_torch_s": 1.0, "import_lib_s": 0.2,
+           "process_s": 4.0}
+    first = {"flexattn": {"cold": run, "warm": dict(run, first_call_s=0.9)},
+             "torch": {"cold": dict(run, first_call_s=10.0), "warm": {"error": "RuntimeError: out of memory"}}}
+    env = {"device": "NVIDIA H100", "torch": "2.11.0", "triton": "3.6.0", "cuda": "13.0", "python": "3.12.3",
+           "flexattn_commit": "abc123", "calls": 500}
+    return {"env": env, "warm": warm, "first_call": first}
+
+
+def test_the_host_table_checks_the_targets_and_flags_a_row_the_gpu_held_back(tmp_path):
+    from flexattn.bench.host import table, write_json
+
+    text = table(_host_result())
+    assert text.startswith("NVIDIA H100, torch 2.11.0, Triton 3.6.0, CUDA 13.0, Python 3.12.3, flexattn abc123")
+    assert "| fwd, ALiBi + causal BlockMask | 30.0 | 80.0 | ≤ 40 µs met | 10.0 | 12.0 |" in text
+    assert "| fwd + bwd, ALiBi + causal | 90.0 | 80.0 | ≤ 80 µs **missed** | **95.0, not below the host's** |" in text
+    assert "| fwd, no mods | 30.0 | 80.0 | - |" in text and "may measure the GPU, not the host" in text
+    assert "| cold caches: first call | 2.00 | 10.00 | ≤ 0.6x torch met (0.20x) |" in text
+    assert "| warm caches: CUDA context + first call | 1.20 | - | ≤ 1.5 s met |" in text
+    assert "failed: torch warm: RuntimeError: out of memory" in text
+    assert "**missed** (0.90x)" in table(_host_result(cold_flexattn_s=9.0))
+    path = tmp_path / "host.json"
+    write_json(str(path), _host_result())
+    assert json.loads(path.read_text()) == _host_result()
+
+
+def test_the_host_table_without_torch_or_first_calls():
+    from flexattn.bench.host import table
+
+    result = _host_result()
+    del result["first_call"]
+    for row in result["warm"].values():
+        for key in ("torch_host_us", "torch_gpu_us"):
+            del row[key]
+    result["warm"]["fwd_bwd"]["flexattn_gpu_us"] = 20.0
+    text = table(result)
+    assert "| decode step, ALiBi, GQA 16:2, 1k keys | 30.0 | - | ≤ 30 µs met | 10.0 | - |" in text
+    assert "so the host times are the host's" in text and "first call" not in text
+
+
+@pytest.mark.gpu
+def test_bench_host_on_the_gpu_writes_positive_numbers(tmp_path, capsys):
+    from flexattn.bench.host import CASES, main as host_main
+
+    out = tmp_path / "host.json"
+    assert host_main(["--calls", "20", "--skip-first-call", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert "first_call" not in result and result["env"]["device"]
+    for case in CASES:
+        for key in ("flexattn_host_us", "flexattn_gpu_us", "torch_host_us", "torch_gpu_us"):
+            assert (result["warm"][case][key] or 0) > 0, (case, key)
+    assert "| warm call, µs per call |" in capsys.readouterr().out
 
 
 # -- errors and --help --------------------------------------------------------------------------------
@@ -262,9 +344,10 @@ def test_help_everywhere(command, capsys):
     assert capsys.readouterr().out.startswith("usage: flexattn" + "".join(" " + c for c in command))
 
 
-@pytest.mark.parametrize("module", [f"flexattn.bench.{name}" for name in ("forward", "backward", "decode", "model", "fp8")]
-                         + [f"benchmarks.{name}" for name in ("learnable", "sweep", "sweep_backward", "startup",
-                                                              "tile_census", "targets")])
+@pytest.mark.parametrize("module", [f"flexattn.bench.{name}" for name in ("forward", "backward", "decode", "model", "fp8",
+                                                                         "host")]
+                         + [f"benchmarks.{name}" for name in ("learnable", "sweep", "sweep_backward", "tile_census",
+                                                              "targets")])
 def test_the_benchmarks_keep_their_help(module, capsys):
     import importlib
 

@@ -1,17 +1,20 @@
-"""What the benchmarks share: the timer, the block density a TFLOP/s figure is scaled by, and the
-implementations flexattn is compared with (SDPA's kernels, torch's compiled flex_attention)."""
+"""What the benchmarks share: the timers (GPU time, and a warm call's host time), the block density a
+TFLOP/s figure is scaled by, and the implementations flexattn is compared with (SDPA's kernels,
+torch's compiled flex_attention)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import time
 from typing import Optional
 
 import torch
 
 import flexattn
 
-__all__ = ["KV_BYTES", "block_density", "bench", "sdpa_fn", "dense_mask_sdpa", "compile_torch_flex", "git_commit"]
+__all__ = ["KV_BYTES", "block_density", "bench", "host_us_per_call", "sdpa_fn", "dense_mask_sdpa", "compile_torch_flex",
+           "git_commit"]
 
 KV_BYTES = 256 * 2**20  # K (and V) bytes per forward case: the paper's setup
 
@@ -30,6 +33,21 @@ def bench(fn, rep_ms: int = 200) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+
+
+def host_us_per_call(fn, calls: int = 300, warmup: int = 3) -> float:
+    """The host's time per call of ``fn`` (µs): the mean wall time of ``calls`` back-to-back calls with
+    no synchronisation in the loop, on a warm ``fn``. Meaningful only where the GPU keeps up, i.e. on
+    a problem small enough that the host is the bottleneck (flexattn/bench/host.py checks that)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def sdpa_fn(variant: str, q, k, v, backend_name: str):

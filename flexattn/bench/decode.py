@@ -21,12 +21,12 @@ import argparse
 import json
 import platform
 import sys
-import time
 
 import torch
 
 import flexattn
 from flexattn import create_block_mask, flex_attention
+from flexattn.bench.common import host_us_per_call
 from flexattn.variants import generate_alibi_bias, generate_tanh_softcap
 
 # (B, Hq, Hkv, S, D): MHA, GQA 16:2 and 12:2, 16k to 128k keys, B=8 and B=1.
@@ -148,17 +148,6 @@ def graphed(fn):
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
-
-
-def host_us_per_call(fn, calls: int = 300) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
 
 
 def paged_case(q, k, v, score_mod, page_size: int = 128):
@@ -294,22 +283,15 @@ def main(argv=None) -> int:
             rows.append(row)
         del q, k, v
         torch.cuda.empty_cache()
-    # Host time of a warm call: a problem small enough that the GPU never holds the host back.
+    # Host time of a warm call: a problem small enough that the GPU never holds the host back
+    # (`flexattn bench --mode host` measures it with ALiBi too, and checks the GPU keeps up).
     q = torch.randn(1, 16, 1, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 2, 1024, 64, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     env["flexattn_host_us"] = host_us_per_call(lambda: flex_attention(q, k, v, enable_gqa=True))
-    # The same step captured in a CUDA graph (warmed up first, on a side stream), replayed.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            flex_attention(q, k, v, enable_gqa=True)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        flex_attention(q, k, v, enable_gqa=True)
-    env["flexattn_graph_replay_host_us"] = host_us_per_call(graph.replay)
+    # The same step captured in a CUDA graph, replayed.
+    step = graphed(lambda: flex_attention(q, k, v, enable_gqa=True))
+    env["flexattn_graph_replay_host_us"] = host_us_per_call(step)
     if torch_flex is not None:
         env["torch_flex_host_us"] = host_us_per_call(lambda: torch_flex(q, k, v, enable_gqa=True))
     print(json.dumps(env), flush=True)

@@ -4,7 +4,7 @@ variant's mask, its generated Triton source, and the paper benchmark.
     flexattn check [--device cpu|cuda] [--seq N] [--only NAME[,NAME]] [--out PATH]
     flexattn show NAME [--seq N] [--png PATH]
     flexattn kernel NAME [--backward | --decode] [--seq N]
-    flexattn bench [--mode fwd|bwd|decode|model|fp8] [-- BENCHMARK ARGS]
+    flexattn bench [--mode fwd|bwd|decode|model|fp8|host] [-- BENCHMARK ARGS]
     flexattn list
 
 Mistakes on the command line (an unknown variant, a bad length) get one line that names the
@@ -263,9 +263,11 @@ def _cmd_bench(args, parser) -> int:
 
     from flexattn.bench import run_mode
 
-    if not torch.cuda.is_available():
+    wants_help = {"-h", "--help"} & set(args.bench_args)  # the benchmark's own --help needs no GPU
+    if not torch.cuda.is_available() and not wants_help:
         raise _CommandError(
-            "the benchmark needs a CUDA GPU, and this machine has none (torch.cuda.is_available() is False); "
+            f"the benchmark (--mode {args.mode}) needs a CUDA GPU, and this machine has none "
+            "(torch.cuda.is_available() is False); "
             "on a CPU, 'flexattn check' checks every variant and times the PyTorch backend", USAGE_ERROR)
     return run_mode(args.mode, args.bench_args)
 
@@ -341,13 +343,14 @@ def build_parser() -> argparse.ArgumentParser:
     kernel.set_defaults(run=_cmd_kernel)
 
     bench = commands.add_parser(
-        "bench", help="the paper benchmark on a CUDA GPU (forward; --mode bwd, --mode decode)",
+        "bench", help="the paper benchmark on a CUDA GPU (forward; --mode bwd, decode, model, fp8, host)",
         description="Runs the FlexAttention paper's benchmark on a CUDA GPU, side by side with torch's compiled "
         "flex_attention and SDPA. Arguments after '--' go to the benchmark itself "
         "(e.g. flexattn bench --mode bwd -- --out bwd.json; '-- --help' lists them).")
     bench.add_argument("--mode", choices=tuple(BENCH_MODES), default="fwd",
                        help="fwd: forward (default); bwd: forward and backward; decode: one query token; "
-                       "model: a GPT-style training step; fp8: FP8 forward and FP8-cache decoding")
+                       "model: a GPT-style training step; fp8: FP8 forward and FP8-cache decoding; "
+                       "host: warm calls' host time and the first call's time")
     bench.set_defaults(run=_cmd_bench)
 
     listing = commands.add_parser("list", help="the catalogue's variants with their one-line summaries",
