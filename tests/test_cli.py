@@ -252,6 +252,18 @@ def test_the_host_table_checks_the_targets_and_flags_a_row_the_gpu_held_back(tmp
     assert json.loads(path.read_text()) == _host_result()
 
 
+def test_the_host_mode_prints_the_tables_of_a_saved_run_without_a_gpu(tmp_path, capsys):
+    from flexattn.bench.host import main as host_main, table, write_json
+
+    cut_short = _host_result()
+    del cut_short["warm"]["decode"], cut_short["first_call"]["torch"]  # a run stopped before its end
+    write_json(str(tmp_path / "host.json"), cut_short)
+    assert host_main(["--table", str(tmp_path / "host.json")]) == 0
+    out = capsys.readouterr().out
+    assert out == table(cut_short) + "\n"
+    assert "| decode step, ALiBi, GQA 16:2, 1k keys | - | - | ≤ 30 µs | - | - |" in out
+
+
 def test_the_host_table_without_torch_or_first_calls():
     from flexattn.bench.host import table
 
@@ -264,6 +276,10 @@ def test_the_host_table_without_torch_or_first_calls():
     text = table(result)
     assert "| decode step, ALiBi, GQA 16:2, 1k keys | 30.0 | - | ≤ 30 µs met | 10.0 | - |" in text
     assert "so the host times are the host's" in text and "first call" not in text
+    result["warm"]["decode"] = {"flexattn_error": "RuntimeError: no decode"}  # a failed case: recorded, not fatal
+    text = table(result)
+    assert "| decode step, ALiBi, GQA 16:2, 1k keys | - | - | ≤ 30 µs | - | - |" in text
+    assert "\n\nfailed: flexattn decode: RuntimeError: no decode\n" in text  # after the table, not in it
 
 
 @pytest.mark.gpu

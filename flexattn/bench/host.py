@@ -84,6 +84,7 @@ def gpu_us_per_call(fn, calls: int = 32):
     """The GPU's time per call of ``fn`` (µs) with no host gaps, or None where the host could not
     enqueue the burst while a spin kernel held the stream (a synchronisation in the call)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)  # loads the spin kernel: its first launch would stretch the calibration
     start.record()
     torch.cuda._sleep(1_000_000)
     end.record()
@@ -106,9 +107,10 @@ def time_case(fn, calls: int) -> dict:
     return {"host_us": host, "gpu_us": gpu_us_per_call(fn)}
 
 
-def warm_calls(calls: int, torch_flex) -> dict:
-    """Host and GPU µs per warm call of each of CASES, flexattn's and (with ``torch_flex``) torch's."""
+def warm_calls(lib: str, calls: int, results: dict) -> None:
+    """Host and GPU µs per warm call of each of CASES for ``lib`` (flexattn or torch), into ``results``."""
     import flexattn
+    from flexattn.bench.common import compile_torch_flex
     from flexattn.variants import causal_mask, generate_alibi_bias
 
     torch.manual_seed(0)
@@ -119,26 +121,28 @@ def warm_calls(calls: int, torch_flex) -> dict:
     q1 = torch.randn(1, 16, 1, 64, device=device, dtype=dtype)  # decode.py's host-time step
     k1, v1 = (torch.randn(1, 2, 1024, 64, device=device, dtype=dtype) for _ in range(2))
     alibi, alibi16 = generate_alibi_bias(H, device), generate_alibi_bias(16, device)
-    libs = {"flexattn": (flexattn.flex_attention, flexattn.create_block_mask)}
-    if torch_flex is not None:
+    if lib == "flexattn":
+        flex, create_block_mask = flexattn.flex_attention, flexattn.create_block_mask
+    else:
         from torch.nn.attention.flex_attention import create_block_mask
 
-        libs["torch"] = (torch_flex, create_block_mask)
-    results = {case: {} for case in CASES}
-    for lib, (flex, create_block_mask) in libs.items():
-        bm = create_block_mask(causal_mask, None, None, L, L, device=device)
-        calls_of = {
-            "fwd_mask": lambda: flex(q, k, v, score_mod=alibi, block_mask=bm),
-            "fwd_plain": lambda: flex(q, k, v),
-            "fwd_bwd": lambda: flex(qg, kg, vg, score_mod=alibi, block_mask=bm).backward(grad),
-            "decode": lambda: flex(q1, k1, v1, score_mod=alibi16, enable_gqa=True),
-        }
-        for case, fn in calls_of.items():
+        flex = compile_torch_flex()
+    bm = create_block_mask(causal_mask, None, None, L, L, device=device)
+    calls_of = {
+        "fwd_mask": lambda: flex(q, k, v, score_mod=alibi, block_mask=bm),
+        "fwd_plain": lambda: flex(q, k, v),
+        "fwd_bwd": lambda: flex(qg, kg, vg, score_mod=alibi, block_mask=bm).backward(grad),
+        "decode": lambda: flex(q1, k1, v1, score_mod=alibi16, enable_gqa=True),
+    }
+    for case, fn in calls_of.items():
+        row = results.setdefault(case, {})
+        try:
             fn()  # compile outside the timing
             torch.cuda.synchronize()
-            results[case].update({f"{lib}_{key}": value for key, value in time_case(fn, calls).items()})
-            print(json.dumps({"case": case, **results[case]}), flush=True)
-    return results
+            row.update({f"{lib}_{key}": value for key, value in time_case(fn, calls).items()})
+        except Exception as err:  # recorded, not fatal: the other rows still come
+            row[f"{lib}_error"] = f"{type(err).__name__}: {str(err).strip()[:300]}"
+        print(json.dumps({"case": case, **row}), flush=True)
 
 
 def first_call(lib: str, cache_dir: str, env: dict) -> dict:
@@ -153,19 +157,17 @@ def first_call(lib: str, cache_dir: str, env: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def first_calls(libs) -> dict:
-    """Cold, then warm, first call of each of ``libs`` (its own cache folder each)."""
+def first_calls(lib: str) -> dict:
+    """Cold, then warm, first call of ``lib`` (flexattn or torch) on a cache folder of its own."""
     import flexattn
 
     # The children import this very flexattn (an installed one or a checkout), whatever their cwd.
     root = os.path.dirname(os.path.dirname(os.path.abspath(flexattn.__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    results = {}
-    for lib in libs:
-        with tempfile.TemporaryDirectory(prefix=f"flexattn-bench-host-{lib}-") as cache_dir:
-            results[lib] = {"cold": first_call(lib, cache_dir, env), "warm": first_call(lib, cache_dir, env)}
-        print(json.dumps({"first_call": lib, **results[lib]}), flush=True)
-    return results
+    with tempfile.TemporaryDirectory(prefix=f"flexattn-bench-host-{lib}-") as cache_dir:
+        result = {"cold": first_call(lib, cache_dir, env), "warm": first_call(lib, cache_dir, env)}
+    print(json.dumps({"first_call": lib, **result}), flush=True)
+    return result
 
 
 def _num(value, digits: int) -> str:
@@ -188,17 +190,19 @@ def table(result: dict) -> str:
                   "|---|---|---|---|---|---|"]
         host_bound = True
         for case, label in CASES.items():
-            row = warm[case]
+            row = warm.get(case, {})
             cells = []
             for lib in ("flexattn", "torch"):
                 host, gpu = row.get(f"{lib}_host_us"), row.get(f"{lib}_gpu_us")
                 kept_up = host is None or (gpu is not None and gpu < host)
                 host_bound &= kept_up
                 cells.append(_num(gpu, 1) if kept_up else f"**{_num(gpu, 1)}, not below the host's**")
-            target = _verdict(row["flexattn_host_us"], TARGETS_US[case], " µs") if case in TARGETS_US else "-"
-            lines.append(f"| {label} | {_num(row['flexattn_host_us'], 1)} | {_num(row.get('torch_host_us'), 1)} | "
+            target = _verdict(row.get("flexattn_host_us"), TARGETS_US[case], " µs") if case in TARGETS_US else "-"
+            lines.append(f"| {label} | {_num(row.get('flexattn_host_us'), 1)} | {_num(row.get('torch_host_us'), 1)} | "
                          f"{target} | {cells[0]} | {cells[1]} |")
-        lines += ["", "GPU: µs per call of a burst enqueued while a spin kernel held the stream (CUDA events); "
+        lines += [""] + [f"failed: {lib} {case}: {row[f'{lib}_error']}" for case, row in warm.items()
+                         for lib in ("flexattn", "torch") if f"{lib}_error" in row]
+        lines += ["GPU: µs per call of a burst enqueued while a spin kernel held the stream (CUDA events); "
                   + ("every host time is above its GPU time, so the host times are the host's."
                      if host_bound else "**a row whose GPU time is not below its host time (or is missing: the "
                      "call synchronises) may measure the GPU, not the host.**"), ""]
@@ -224,8 +228,8 @@ def table(result: dict) -> str:
         for label, run, keys, target in rows:
             lines.append(f"| {label} | {_num(seconds('flexattn', run, *keys), 2)} | "
                          f"{_num(seconds('torch', run, *keys), 2)} | {target} |")
-        lines += [f"failed: {lib} {run}: {outcome['error']}" for lib, runs in first.items()
-                  for run, outcome in runs.items() if "error" in outcome]
+        lines += [""] + [f"failed: {lib} {run}: {outcome['error']}" for lib, runs in first.items()
+                         for run, outcome in runs.items() if "error" in outcome]
     return "\n".join(lines)
 
 
@@ -240,25 +244,32 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-torch", action="store_true", help="flexattn only: no torch.compile(flex_attention)")
     parser.add_argument("--skip-first-call", action="store_true", help="no fresh processes: warm calls only")
     parser.add_argument("--out", default=None, help="write the numbers as JSON here (rewritten as they come)")
+    parser.add_argument("--table", default=None, metavar="JSON",
+                        help="print the tables of a saved run (--out's JSON) and measure nothing")
     args = parser.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print(table(json.load(f)))
+        return 0
     if not torch.cuda.is_available():
         print("flexattn bench --mode host needs a CUDA GPU: it measures the host's time per call beside the "
               "GPU's, and this machine has none (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
     import triton
 
-    from flexattn.bench.common import compile_torch_flex, git_commit
+    from flexattn.bench.common import git_commit
 
     result = {"env": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": triton.__version__, "cuda": torch.version.cuda,
-                      "python": platform.python_version(), "flexattn_commit": git_commit(), "calls": args.calls}}
-    result["warm"] = warm_calls(args.calls, None if args.skip_torch else compile_torch_flex())
-    if args.out:  # a later failure or time-out keeps what was measured
-        write_json(args.out, result)
-    if not args.skip_first_call:
-        result["first_call"] = first_calls(("flexattn",) if args.skip_torch else ("flexattn", "torch"))
-    if args.out:
-        write_json(args.out, result)
+                      "python": platform.python_version(), "flexattn_commit": git_commit(), "calls": args.calls},
+              "warm": {}}
+    # flexattn's numbers first, torch's after: a run cut short keeps flexattn's against the targets.
+    for lib in ("flexattn",) if args.skip_torch else ("flexattn", "torch"):
+        warm_calls(lib, args.calls, result["warm"])
+        if not args.skip_first_call:
+            result.setdefault("first_call", {})[lib] = first_calls(lib)
+        if args.out:  # rewritten as it goes: a later failure or time-out keeps what was measured
+            write_json(args.out, result)
     print("\n" + table(result))
     return 0
 
