@@ -90,7 +90,8 @@ def gpu_us_per_call(fn, calls: int = 32):
     end.record()
     torch.cuda.synchronize()
     cycles_per_ms = 1_000_000 / start.elapsed_time(end)
-    spin_ms = 2e-3 * host_us_per_call(fn, calls, warmup=1) * calls + 5.0  # twice the burst's host time
+    # Four times the burst's host time: the clock may rise above the calibration's, shortening the spin.
+    spin_ms = 4e-3 * host_us_per_call(fn, calls, warmup=1) * calls + 5.0
     torch.cuda._sleep(int(spin_ms * cycles_per_ms))
     start.record()
     enqueue = time.perf_counter()
