@@ -1,24 +1,35 @@
-"""What a call may keep for later calls when CUDA graphs are about.
+"""What a call may keep for later calls, and for which stream, when streams and CUDA graphs are about.
 
 flexattn keeps a few device tensors across calls: the tensor-descriptor scratch of a stream, the
 all-full BlockMask of a call that passes none, the device copies of a mod's own constants, and (in
-a compiled call) the transposed tables of a mask. Kept from inside a CUDA-graph capture, or from a
-CUDA-graph tree's warm-up (torch.compile's mode="reduce-overhead"), such a tensor would live in the
-graph's private memory pool: the tree refuses a live tensor there that is no output of the graph
-("tensors in the cudagraph pool not tracked as outputs"), and the pool's memory is the graph's to
-reuse. Both run on a stream of their own, never the device's default stream, so a call keeps what
-it allocates only on the default stream and outside a capture; elsewhere it allocates anew each
-call (a few microseconds) and lets it go. A mod's constants are the exception: they come from host
-memory, which a capture may not copy from, so a warm-up has a worker thread copy them (the pool
-takes only the warming thread's allocations) and keeps those copies for the capture.
+a compiled call) the transposed tables of a mask. Three rules keep them right:
+
+- **Per stream.** What a call made is kept for the stream it was made on (``stream_key``), so a
+  later call on that stream reads it after the work that made it, by stream order, with no event
+  and no sync. A server that runs flexattn on a stream of its own keeps its own set: its steady
+  state allocates nothing per call, as on the default stream.
+- **Never into a graph's pool.** Kept from inside a CUDA-graph capture, or from a CUDA-graph
+  tree's warm-up (torch.compile's mode="reduce-overhead", which runs on the tree's own stream with
+  that thread's allocations routed into the graph's private pool), such a tensor would live in the
+  pool: the tree refuses a live tensor there that is no output of the graph ("tensors in the
+  cudagraph pool not tracked as outputs"), and the pool's memory is the graph's to reuse. There a
+  call allocates anew (a few microseconds) and lets it go.
+- **A capture reads nothing kept that may be replaced.** A graph holds raw pointers: a kept tensor
+  it read could be evicted or grown later and its memory reused under the graph. So a capture
+  makes its own scratch and all-full tables, in the graph's pool, which the graph owns.
+
+A mod's constants are the exception to "allocates anew": they come from host memory, which a
+capture may not copy from, so a warm-up has a worker thread copy them (the pool takes only the
+warming thread's allocations) and keeps those copies for the capture.
 """
 
+import sys
 import concurrent.futures
 import threading
 
 import torch
 
-__all__ = ["capturing", "may_keep_allocations", "copied_outside_graph_pools"]
+__all__ = ["capturing", "may_keep_allocations", "stream_key", "copied_outside_graph_pools"]
 
 _copier: "concurrent.futures.ThreadPoolExecutor | None" = None
 _copier_lock = threading.Lock()
@@ -29,12 +40,40 @@ def capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def stream_key(device: torch.device):
+    """The key of what calls on ``device``'s current stream keep: its raw stream handle (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # a handle, without a Stream object
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
 def may_keep_allocations(device: torch.device) -> bool:
-    """Whether device tensors allocated now may be kept for later calls (see the module docstring)."""
+    """Whether device tensors allocated now may be kept for later calls on this stream (see the
+    module docstring)."""
     if device.type != "cuda":
         return True
-    return (not torch.cuda.is_current_stream_capturing()
-            and torch.cuda.current_stream(device) == torch.cuda.default_stream(device))
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    stream = torch.cuda.current_stream(device)
+    return stream == torch.cuda.default_stream(device) or not _graph_tree_stream(stream, device)
+
+
+def _graph_tree_stream(stream, device: torch.device) -> bool:
+    """Whether ``stream`` is the stream of this thread's CUDA-graph tree on ``device``, whose
+    warm-ups allocate into the graph's pool. torch keeps no public record of that, so this reads
+    the tree manager; should its internals move, every side stream counts as one (nothing kept
+    there: slower, never wrong)."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:  # no tree can exist before torch.compile loaded the module
+        return False
+    try:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        manager = trees.get_manager(index, create_if_none_exists=False)
+        return manager is not None and manager.stream == stream
+    except Exception:  # the internals moved: the safe answer
+        return True
 
 
 def copied_outside_graph_pools(tensors: tuple, device: torch.device) -> tuple:

@@ -631,6 +631,56 @@ def test_the_backward_tables_of_a_mask_are_derived_once_for_its_layers(monkeypat
     assert derived == [1, 1]
 
 
+def test_what_a_mask_derives_is_kept_per_stream(monkeypatch):
+    # Tables derived on the device by a call on one stream are read after it only by calls on that
+    # stream (stream order): a call on another stream derives its own, and each stream then keeps
+    # its own set, so a steady state on any stream derives and allocates nothing (cuda_graphs.py).
+    if not flexattn.kernels.interpreter_enabled():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
+    import flexattn.compile.kept as kept_module
+    import flexattn.compile.warm as warm_module
+    import flexattn.kernels.tables as tables_module
+
+    stream = ["first"]
+    for module in (kept_module, warm_module):
+        monkeypatch.setattr(module, "stream_key", lambda device: stream[0])
+    derived = []
+    real = tables_module._compute_backward_tables
+    monkeypatch.setattr(tables_module, "_compute_backward_tables", lambda mask: derived.append(stream[0]) or real(mask))
+    q, k, v = qkv(requires_grad=True)
+    options = {"BACKEND": "TRITON"}
+
+    def two_layers(q, k, v, bm):
+        y = flex_attention(q, k, v, block_mask=bm, kernel_options=options)
+        return flex_attention(y, k, v, block_mask=bm, kernel_options=options)
+
+    bm = create_block_mask(causal, 1, 1, L, L, device="cpu", BLOCK_SIZE=64)
+    two_layers(q, k, v, bm).sum().backward()
+    expected = grads(q, k, v)
+    compiled, _ = counted(two_layers)
+    derived.clear()
+    for name in ("first", "second", "first", "second"):
+        stream[0] = name
+        compiled(q, k, v, bm).sum().backward()
+        for got, want in zip(grads(q, k, v), expected):
+            assert torch.equal(got, want)
+    assert derived == ["first", "second"]
+
+
+def test_the_mask_of_a_call_without_one_is_kept_per_stream(monkeypatch):
+    import flexattn.masks.create as create_module
+
+    stream = ["first"]
+    monkeypatch.setattr(create_module, "stream_key", lambda device: stream[0])
+    first = create_module.dense_block_mask(300, 500, torch.device("cpu"))
+    assert create_module.dense_block_mask(300, 500, torch.device("cpu")) is first
+    stream[0] = "second"
+    second = create_module.dense_block_mask(300, 500, torch.device("cpu"))
+    assert second is not first and torch.equal(second.kv_indices, first.kv_indices)
+    stream[0] = "first"
+    assert create_module.dense_block_mask(300, 500, torch.device("cpu")) is first
+
+
 def test_the_op_calls_its_body_directly_only_without_gradients_modes_or_subclasses(monkeypatch):
     # [Note] The forward op's autograd kernel: the shortcut past the second dispatch is taken only
     # when nothing between autograd and the device kernel could need the op's own dispatch.

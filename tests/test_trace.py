@@ -214,10 +214,11 @@ def test_gpu_tables_are_traced_on_cpu_stand_ins(monkeypatch):
     assert seen and "meta" not in seen[:1]  # the first (real-value) attempt ran on the CPU
 
 
-def test_constants_copied_during_a_graph_warm_up_are_copied_by_another_thread_and_kept(monkeypatch):
+def test_constants_are_copied_by_another_thread_and_kept(monkeypatch):
     # A CUDA-graph tree's warm-up puts the warming thread's allocations into the graph's pool (so
-    # they cannot be kept), and a capture may not copy from host memory: the constants are copied
-    # by a worker thread and kept (flexattn/cuda_graphs.py).
+    # they cannot be kept), a capture may not copy from host memory, and a copy made on one stream
+    # must be done before another stream reads it: the constants are copied by a worker thread that
+    # waits for the copy, and kept (flexattn/cuda_graphs.py).
     import threading
 
     import flexattn.cuda_graphs as cuda_graphs
@@ -242,7 +243,6 @@ def test_constants_copied_during_a_graph_warm_up_are_copied_by_another_thread_an
     calls = []
     traced_module = sys.modules["flexattn.trace.traced"]
     real = traced_module.copied_outside_graph_pools
-    monkeypatch.setattr(traced_module, "may_keep_allocations", lambda device: False)
     monkeypatch.setattr(traced_module, "copied_outside_graph_pools", lambda t, d: calls.append(d) or real(t, d))
     first = traced.fixed_values_on(torch.device("cpu"))
     again = traced.fixed_values_on(torch.device("cpu"))

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ..cuda_graphs import capturing, may_keep_allocations
+from ..cuda_graphs import capturing, may_keep_allocations, stream_key
 from ..kernels.tables import (
     BACKWARD_TABLES, PROGRAM_WALKS, RowStats, assume_groups_differ, checked_launch_tables, preset_row_stats,
 )
@@ -68,7 +68,9 @@ def op_block_mask(query, key, tables, block_size, seq_lengths, group: int,
 #   choices (AUTO's Gluon or portable kernel, tile sizes) assume for a mask of that shape whose
 #   contents the host does not know (one rebuilt every step, or the static copy a CUDA-graph capture
 #   reads). Only speed depends on it: the consecutive-block flags, on which results depend, stay off.
-_KEPT = WeakTensorKeyDictionary()  # kv_num_blocks -> _Kept
+# * per stream (flexattn/cuda_graphs.py): what a call on one stream derived on the device is read by
+#   the next calls on that stream, after it by stream order; a call on another stream derives its own.
+_KEPT = WeakTensorKeyDictionary()  # kv_num_blocks -> {stream key: _Kept}
 # table shape -> mean key blocks a row visits, of the first mask checked (None: its check raised)
 _SHAPES_CHECKED: dict = {}
 _SHAPES_KEPT = 1024  # lengths that keep changing (a decoding loop) must not pile up entries
@@ -100,7 +102,7 @@ def _stamp(mask: BlockMask) -> tuple:
 
 def kept_record(mask: BlockMask) -> Optional[_Kept]:
     """What was kept for these very tables, while its stamp holds."""
-    kept = _KEPT.get(mask.kv_num_blocks)
+    kept = current_record(mask.kv_num_blocks)
     others = (mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices)
     if kept is not None and kept.stamp == _stamp(mask) and same_objects(kept.tables, others):
         return kept
@@ -109,8 +111,19 @@ def kept_record(mask: BlockMask) -> Optional[_Kept]:
 
 def current_record(kv_num_blocks) -> Optional[_Kept]:
     """The record kept now for the tables of which ``kv_num_blocks`` is the first (a warm entry
-    checks that the record it holds weakly is still this one)."""
-    return _KEPT.get(kv_num_blocks)
+    checks that the record it holds weakly is still this one), for the current stream."""
+    records = _KEPT.get(kv_num_blocks)
+    return None if records is None else records.get(stream_key(kv_num_blocks.device))
+
+
+def _keep_record(mask: BlockMask, stats: Optional[RowStats]) -> _Kept:
+    """A new record of ``mask``'s tables for the current stream (replacing that stream's old one)."""
+    nb = mask.kv_num_blocks
+    records = _KEPT.get(nb)
+    if records is None:
+        records = _KEPT[nb] = {}
+    kept = records[stream_key(nb.device)] = _Kept(mask, stats)
+    return kept
 
 
 def _shape_of(mask: BlockMask) -> tuple:
@@ -134,7 +147,7 @@ def _checked(mask: BlockMask) -> Optional[_Kept]:
             and (mask.full_kv_num_blocks is None or (checked.full_kv_num_blocks is mask.full_kv_num_blocks
                                                      and checked.full_kv_indices is mask.full_kv_indices)))
     # Reordered tables: the statistics are not those of the tables the op launches.
-    kept = _KEPT[nb] = _Kept(mask, checked.stats if same else None)
+    kept = _keep_record(mask, checked.stats if same else None)
     return kept
 
 
@@ -163,5 +176,5 @@ def _keep_derived(mask: BlockMask, key, held: Callable) -> Optional[_Kept]:
     if not may_keep_allocations(mask.kv_num_blocks.device):
         return None
     if kept is None:
-        kept = _KEPT[mask.kv_num_blocks] = _Kept(mask, None)
+        kept = _keep_record(mask, None)
     return kept

@@ -10,7 +10,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ..cuda_graphs import capturing
+from ..cuda_graphs import capturing, stream_key
 from ..dispatch import Call, backward_relaunch, forward_relaunch
 from ..kernels import interpreter_enabled
 from ..kernels.tables import BACKWARD_TABLES, LaunchTables, RowStats, launch_tables
@@ -120,7 +120,8 @@ def warm_key(parts: list, tensors: tuple, tables: tuple, grad_flags: bool = True
     backward's."""
     if tables[0] is not None and capturing(tables[0]):
         return None  # a capture takes the long way: kernels/tables.py [Note] Tables read at each replay
-    parts += [interpreter_enabled(), torch.get_float32_matmul_precision(), torch.are_deterministic_algorithms_enabled()]
+    parts += [interpreter_enabled(), torch.get_float32_matmul_precision(), torch.are_deterministic_algorithms_enabled(),
+              stream_key(tensors[0].device)]  # what a launch walks is kept per stream (kept.py)
     for t in tensors:
         parts.append(None if t is None else (t.shape, t.stride(), t.dtype, t.device, grad_flags and t.requires_grad,
                                              t.data_ptr() & 15))
@@ -189,7 +190,7 @@ def remember_backward(problem: tuple, call: Call, query, key, value, out, grad_o
     mask = call.block_mask
     kept = kept_record(mask)
     if kept is None or kept.backward is None or kept.backward is not mask.peek_derived(BACKWARD_TABLES):
-        return  # the transposed tables this call walked are not kept (a capture, a side stream)
+        return  # the transposed tables this call walked are not kept (a capture, a graph tree's warm-up)
     warm_tables = _warm_tables(call, tables)
     relaunch = None if warm_tables is None else backward_relaunch(call, query, key, value, out, grad_out, grad_lse)
     if relaunch is not None:

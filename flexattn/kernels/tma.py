@@ -70,8 +70,11 @@ _tma_scratch: dict = {}  # stream handle -> int8 buffer
 def _tma_scratch_for(size: int, alignment: int, stream) -> torch.Tensor:
     # Device-side tensor descriptors need global scratch for every launch. Launches on one stream
     # run in order, so one buffer per stream, grown when needed, serves them all and saves a
-    # caching-allocator round trip per call (a few microseconds of host time); inside a CUDA
-    # graph's capture or warm-up it is allocated for the launch alone (flexattn/cuda_graphs.py).
+    # caching-allocator round trip per call (a few microseconds of host time). A capture gets a
+    # buffer of its own, in the graph's pool: the graph keeps the pointer, and a kept buffer may be
+    # grown (freed) later. A graph tree's warm-up gets one for the launch alone (flexattn/cuda_graphs.py).
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(max(size, 1), dtype=torch.int8, device="cuda")
     buf = _tma_scratch.get(stream)
     if buf is None or buf.numel() < size:
         buf = torch.empty(max(size, 1 << 16), dtype=torch.int8, device="cuda")

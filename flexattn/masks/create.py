@@ -12,7 +12,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from ..cuda_graphs import may_keep_allocations
+from ..cuda_graphs import may_keep_allocations, stream_key
 from ..errors import FlexAttentionError, InvalidInputError, ModTraceError, describe_mod, raised_as_is_under_dynamo
 from ..lowering.ranges import mod_index_dtype
 from ..mods import MaskMod, check_mask_mod, mod_name
@@ -337,11 +337,13 @@ _DENSE_MASKS_KEPT = 64  # lengths that keep changing (decoding) must not pile up
 def dense_block_mask(L: int, S: int, device: torch.device) -> BlockMask:
     """The mask used when none is given: every block full, so mask_mod never runs.
 
-    Built from fills on the device and marked valid by construction (no checks, so no host sync):
-    a call inside a CUDA-graph capture builds its own, since one made there cannot be kept, and a
+    Built from fills on the device and marked valid by construction (no checks, so no host sync),
+    and kept per stream (flexattn/cuda_graphs.py). A call inside a CUDA-graph capture builds its own
+    in the graph's pool: a kept mask may be evicted while the graph still points at it, and a
     capture may not read tables back to the host."""
-    key = (L, S, device)
-    mask = _dense_masks.get(key)
+    in_capture = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    key = (L, S, device, stream_key(device))
+    mask = None if in_capture else _dense_masks.get(key)
     if mask is None:
         block = DEFAULT_BLOCK_SIZE
         rows, cols = cdiv(L, block), cdiv(S, block)

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
-from ..cuda_graphs import copied_outside_graph_pools, may_keep_allocations
+from ..cuda_graphs import copied_outside_graph_pools
 from .numbers import evaluate
 
 __all__ = [
@@ -115,12 +115,12 @@ class TracedMod:
         entry = copies.get(device)
         if entry is None or entry[0] != versions:
             constants = tuple(c.fixed_value for c in self.captured)
-            if may_keep_allocations(device):
-                values = tuple(None if t is None else t.to(device) for t in constants)
-            elif device.type != "cuda" or not torch.cuda.is_current_stream_capturing():  # a warm-up (cuda_graphs.py)
-                values = copied_outside_graph_pools(constants, device)
-            else:  # inside a capture with no copy kept from before: for this call only
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                # no copy kept from before: for this call only, in the graph's pool
                 return tuple(None if t is None else t.to(device) for t in constants)
+            # Copied by a worker thread, which waits for the copies: outside any graph tree's pool,
+            # and done before a call on any stream reads them (flexattn/cuda_graphs.py).
+            values = copied_outside_graph_pools(constants, device)
             entry = copies[device] = (versions, values)
         return entry[1]
 

@@ -1,0 +1,89 @@
+"""Calls on a stream of their own, as a serving loop runs them, and captures that outlive what was
+kept (flexattn/cuda_graphs.py). GPU only."""
+
+import pytest
+import torch
+from numerics import rel_err
+
+from flexattn import create_block_mask, flex_attention
+from flexattn.reference import reference_attention
+
+pytestmark = pytest.mark.gpu
+
+
+def _allocations_per_call(step, calls: int = 6) -> float:
+    for _ in range(3):  # warm: traces, kernels, plans and what each stream keeps
+        step()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    for _ in range(calls):
+        step()
+    torch.cuda.synchronize()
+    return (torch.cuda.memory_stats()["allocation.all.allocated"] - before) / calls
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+@pytest.mark.parametrize("case", ["no mask", "mask and score_mod", "training", "compiled training"])
+def test_a_side_streams_steady_state_allocates_what_the_default_streams_does(case):
+    torch.manual_seed(0)
+    B, H, L, D = 2, 4, 1024, 128
+    grad = case in ("training", "compiled training")
+    q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=grad) for _ in range(3))
+    block_mask = create_block_mask(_causal, None, None, L, L, device="cuda")
+    bias = torch.tensor([0.25, -0.5, 0.75, 0.0])  # a CPU constant: copied to the device once
+
+    def shifted(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    attend = torch.compile(flex_attention, fullgraph=True) if case == "compiled training" else flex_attention
+
+    def step():
+        if case == "no mask":
+            return flex_attention(q, k, v)
+        out = attend(q, k, v, score_mod=shifted, block_mask=block_mask)
+        if grad:
+            out.sum().backward()
+            for t in (q, k, v):
+                t.grad = None
+        return None
+
+    on_default = _allocations_per_call(step)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = _allocations_per_call(step)
+    torch.cuda.current_stream().wait_stream(side)
+    assert on_side == on_default, f"{case}: {on_side} allocations per call on a side stream, {on_default} on the default"
+
+
+def test_a_capture_does_not_point_at_a_kept_mask_that_is_evicted_later():
+    # A graph keeps raw pointers: the all-full mask a capture reads must be the graph's own, not one
+    # kept for the stream, which other lengths evict (64 are kept) and whose memory is then reused.
+    torch.manual_seed(0)
+    B, H, L, D = 1, 2, 384, 64
+    q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            flex_attention(q, k, v)  # keeps the all-full mask of (384, 384) for this stream
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            static = flex_attention(q, k, v)
+        for n in range(70):  # other lengths evict the kept mask
+            s = 128 + 16 * n
+            flex_attention(q, k[:, :, :1].expand(B, H, s, D).contiguous(), v[:, :, :1].expand(B, H, s, D).contiguous())
+        junk = [torch.full((1 << 16,), 123456789, dtype=torch.int32, device="cuda") for _ in range(64)]
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        static.fill_(float("nan"))
+        graph.replay()
+    torch.cuda.synchronize()
+    del junk
+    expected = reference_attention(q.double(), k.double(), v.double())[0]
+    assert torch.isfinite(static).all()
+    assert torch.equal(static, flex_attention(q, k, v))
+    assert rel_err(static, expected) < 2e-2

@@ -1,0 +1,86 @@
+"""What a call keeps, per stream, around CUDA graphs (flexattn/cuda_graphs.py): the rule, on the
+CPU with the CUDA queries stood in for. tests/test_gpu_streams.py checks it on a GPU."""
+
+import sys
+import types
+
+import pytest
+import torch
+
+import flexattn.cuda_graphs as cuda_graphs
+
+
+class _Stream:
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __eq__(self, other):
+        return self.handle == other.handle
+
+
+@pytest.fixture
+def cuda_state(monkeypatch):
+    state = types.SimpleNamespace(current=1, capturing=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state.capturing)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream(state.current))
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: _Stream(1))
+    monkeypatch.delitem(sys.modules, "torch._inductor.cudagraph_trees", raising=False)
+    return state
+
+
+GPU = torch.device("cuda", 0)
+
+
+def test_allocations_are_kept_on_any_stream_of_the_program(cuda_state):
+    assert cuda_graphs.may_keep_allocations(GPU)  # the default stream
+    cuda_state.current = 7
+    assert cuda_graphs.may_keep_allocations(GPU)  # a stream of its own, as a server runs: kept too
+    assert cuda_graphs.may_keep_allocations(torch.device("cpu"))
+
+
+def test_nothing_is_kept_inside_a_capture(cuda_state):
+    cuda_state.capturing = True
+    assert not cuda_graphs.may_keep_allocations(GPU)
+    cuda_state.current = 7
+    assert not cuda_graphs.may_keep_allocations(GPU)
+
+
+def _graph_trees(monkeypatch, get_manager):
+    trees = types.ModuleType("torch._inductor.cudagraph_trees")
+    trees.get_manager = get_manager
+    monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", trees)
+
+
+def test_nothing_is_kept_on_a_graph_trees_stream(cuda_state, monkeypatch):
+    # torch.compile(mode="reduce-overhead") warms up on its tree's stream, allocating into the
+    # graph's private pool: nothing made there may be kept.
+    manager = types.SimpleNamespace(stream=_Stream(7))
+    asked = []
+    _graph_trees(monkeypatch, lambda index, create_if_none_exists=True: asked.append(create_if_none_exists) or manager)
+    cuda_state.current = 7
+    assert not cuda_graphs.may_keep_allocations(GPU)
+    assert asked == [False]  # never makes a tree manager itself
+    cuda_state.current = 8
+    assert cuda_graphs.may_keep_allocations(GPU)  # another side stream
+    cuda_state.current = 1
+    assert cuda_graphs.may_keep_allocations(GPU)
+    _graph_trees(monkeypatch, lambda index, create_if_none_exists=True: None)  # no tree on this thread
+    cuda_state.current = 7
+    assert cuda_graphs.may_keep_allocations(GPU)
+
+
+def test_unknown_graph_tree_internals_keep_nothing_on_side_streams(cuda_state, monkeypatch):
+    def moved(index, create_if_none_exists=True):
+        raise AttributeError("internals moved")
+
+    _graph_trees(monkeypatch, moved)
+    cuda_state.current = 7
+    assert not cuda_graphs.may_keep_allocations(GPU)  # slower, never wrong
+    cuda_state.current = 1
+    assert cuda_graphs.may_keep_allocations(GPU)  # the default stream needs no tree
+
+
+def test_the_stream_key_is_the_raw_handle_of_the_current_stream(monkeypatch):
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1000 + index, raising=False)
+    assert cuda_graphs.stream_key(torch.device("cuda", 3)) == 1003
+    assert cuda_graphs.stream_key(torch.device("cpu")) is None
