@@ -29,7 +29,7 @@ import threading
 
 import torch
 
-__all__ = ["capturing", "may_keep_allocations", "stream_key", "copied_outside_graph_pools"]
+__all__ = ["capturing", "may_keep_allocations", "stream_key", "StreamMark", "mark_stream", "copied_outside_graph_pools"]
 
 _copier: "concurrent.futures.ThreadPoolExecutor | None" = None
 _copier_lock = threading.Lock()
@@ -74,6 +74,41 @@ def _graph_tree_stream(stream, device: torch.device) -> bool:
         return manager is not None and manager.stream == stream
     except Exception:  # the internals moved: the safe answer
         return True
+
+
+class StreamMark:
+    """Device work that later calls read, enqueued on one stream (BlockMask's derived data): the
+    stream's key and an event recorded after the work. A call on that stream reads it after the
+    work by stream order; a call on another stream first makes its stream wait for the event (once
+    per stream). Once the event is seen complete the mark is ``done`` and costs nothing more."""
+
+    __slots__ = ("stream", "event", "waited", "done")
+
+    def __init__(self, stream, event) -> None:
+        self.stream, self.event, self.waited, self.done = stream, event, set(), False
+
+    def order_after(self, device: torch.device) -> None:
+        """Make the current stream's next work on ``device`` follow the marked work."""
+        if torch.cuda.is_current_stream_capturing():
+            # A capture may not wait for an event recorded outside it: its replays come later, after
+            # the capture ends, by when the work enqueued before it began has long run.
+            return
+        key = stream_key(device)
+        if key != self.stream and key not in self.waited:
+            torch.cuda.current_stream(device).wait_event(self.event)
+            self.waited.add(key)
+        elif self.event.query():
+            self.done = True
+
+
+def mark_stream(device: torch.device) -> "StreamMark | None":
+    """A StreamMark after the work enqueued so far on ``device``'s current stream (None off CUDA or
+    inside a capture, whose work runs only when the graph replays)."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return StreamMark(stream_key(device), event)
 
 
 def copied_outside_graph_pools(tensors: tuple, device: torch.device) -> tuple:

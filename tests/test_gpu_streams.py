@@ -87,3 +87,29 @@ def test_a_capture_does_not_point_at_a_kept_mask_that_is_evicted_later():
     assert torch.isfinite(static).all()
     assert torch.equal(static, flex_attention(q, k, v))
     assert rel_err(static, expected) < 2e-2
+
+
+def test_a_stream_does_not_read_tables_another_stream_is_still_deriving():
+    # Two streams share a BlockMask. The first training call on stream A derives the backward's
+    # transposed tables on A, behind a long kernel; a call on stream B right after must not read
+    # them before A wrote them (BlockMask's derived data carries a StreamMark).
+    torch.manual_seed(0)
+    B, H, L, D = 2, 4, 2048, 64
+    q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16)
+    block_mask = create_block_mask(_causal, None, None, L, L, device="cuda")
+    with torch.no_grad():
+        flex_attention(q, k, v, block_mask=block_mask)  # the forward's checks (a host sync) before the race
+    torch.cuda.synchronize()
+    first, second = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(first):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s: the derivation queued behind it
+        flex_attention(q, k, v, block_mask=block_mask).backward(grad_out)
+    with torch.cuda.stream(second):
+        q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        flex_attention(q2, k2, v2, block_mask=block_mask).backward(grad_out)
+    torch.cuda.synchronize()
+    expected = reference_attention(q.double(), k.double(), v.double(), mask_mod=_causal)[0]
+    want = torch.autograd.grad(expected, (q, k, v), grad_out.double())
+    for name, got, ref in zip(("dq", "dk", "dv"), (q2.grad, k2.grad, v2.grad), want):
+        assert rel_err(got, ref) < 2e-2, f"{name} on the second stream"

@@ -84,3 +84,50 @@ def test_the_stream_key_is_the_raw_handle_of_the_current_stream(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1000 + index, raising=False)
     assert cuda_graphs.stream_key(torch.device("cuda", 3)) == 1003
     assert cuda_graphs.stream_key(torch.device("cpu")) is None
+
+
+class _Event:
+    def __init__(self, complete=False):
+        self.complete, self.waited_by = complete, []
+
+    def query(self):
+        return self.complete
+
+
+def test_a_mark_makes_other_streams_wait_once_and_is_done_once_its_work_ran(cuda_state, monkeypatch):
+    waits = []
+
+    class Current:
+        def wait_event(self, event):
+            waits.append((cuda_state.current, event))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Current())
+    monkeypatch.setattr(cuda_graphs, "stream_key", lambda device: cuda_state.current)
+    event = _Event()
+    mark = cuda_graphs.StreamMark(1, event)
+    mark.order_after(GPU)  # the maker's stream: stream order suffices
+    assert waits == [] and not mark.done
+    cuda_state.current = 7
+    mark.order_after(GPU)
+    mark.order_after(GPU)
+    assert waits == [(7, event)]  # once per stream
+    cuda_state.capturing = True
+    cuda_state.current = 8
+    mark.order_after(GPU)  # a capture may not wait for an outside event
+    assert waits == [(7, event)]
+    cuda_state.capturing = False
+    event.complete = True
+    cuda_state.current = 1
+    mark.order_after(GPU)
+    assert mark.done
+
+
+def test_derived_data_on_the_cpu_carries_no_mark():
+    from flexattn import create_block_mask
+    from flexattn.masks.block_mask import DerivedKey
+
+    mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 256, 256, device="cpu")
+    key = DerivedKey("a test's data")
+    assert mask.derived(key, lambda m: 42) == 42
+    assert mask.__dict__["_derived"][key][-1] is None
+    assert cuda_graphs.mark_stream(torch.device("cpu")) is None

@@ -51,6 +51,7 @@ from typing import Any, Callable, Hashable, NamedTuple, Optional, Union
 import torch
 import torch.utils._pytree as pytree
 
+from ..cuda_graphs import StreamMark, mark_stream
 from ..errors import InvalidInputError
 from ..mods import MaskMod, check_mask_mod, mod_name, noop_mask
 from .layout import (
@@ -207,12 +208,16 @@ class BlockMask:
         the data is computed again. Never keyed by ``id(mask)``: a freed mask's id is handed to
         the next object, which would inherit its data (issue 8, item 2). Each kind of data has its
         own DerivedKey, owned by the module that computes it. The check costs about half a
-        microsecond per call.
+        microsecond per call. A value computed on a CUDA stream may still be in the making on the
+        GPU when a call on another stream reads it: it carries a StreamMark (cuda_graphs.py), and
+        such a call waits for it first.
         """
         value = self.peek_derived(key)
         if value is None:
             value = compute(self)
-            self.preset_derived(key, value)
+            # Device work the value may still be waiting for: a call on another stream must not
+            # read it before it is done (see StreamMark).
+            self._store_derived(key, value, mark_stream(self.kv_num_blocks.device))
         return value
 
     def peek_derived(self, key: DerivedKey) -> Any:
@@ -221,13 +226,15 @@ class BlockMask:
         cache = self.__dict__.get("_derived")
         entry = None if cache is None else cache.get(key)
         if entry is not None:
-            nb, idx, fnb, fidx, versions, block_size, seq_lengths, value = entry
+            nb, idx, fnb, fidx, versions, block_size, seq_lengths, value, made_on = entry
             # Spelled out: this runs on every warm call. No versions: a mask for one call (from_launch_tables).
             if (nb is self.kv_num_blocks and idx is self.kv_indices and fnb is self.full_kv_num_blocks
                     and fidx is self.full_kv_indices
                     and (versions is None or (version_of(nb) == versions[0] and version_of(idx) == versions[1]
                          and (fnb is None or (version_of(fnb) == versions[2] and version_of(fidx) == versions[3]))))
                     and block_size == self.BLOCK_SIZE and seq_lengths == self.seq_lengths):
+                if made_on is not None and not made_on.done:
+                    made_on.order_after(nb.device)
                 return value
         return None
 
@@ -235,6 +242,9 @@ class BlockMask:
         """Store ``value`` under ``key`` without computing it, stamped like a computed one: for
         masks whose builder knows the value by construction (decode_block_mask's tables are
         ascending and in range). A table replaced or changed in place later fails the stamp."""
+        self._store_derived(key, value, None)
+
+    def _store_derived(self, key: DerivedKey, value: Any, made_on: Optional[StreamMark]) -> None:
         if not isinstance(key, DerivedKey):
             raise TypeError(f"derived data is keyed by a DerivedKey, got {type(key).__name__}")
         cache = self.__dict__.get("_derived")
@@ -242,7 +252,7 @@ class BlockMask:
             cache = self.__dict__["_derived"] = {}
         tables = (self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices)
         versions = None if self.__dict__.get("_one_call") else _versions(*tables)
-        cache[key] = (*tables, versions, self.BLOCK_SIZE, self.seq_lengths, value)
+        cache[key] = (*tables, versions, self.BLOCK_SIZE, self.seq_lengths, value, made_on)
 
     # ---------------------------------------------------------------------------- torch interop
 
