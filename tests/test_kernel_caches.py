@@ -203,7 +203,7 @@ def test_default_mask_cache_is_bounded_and_keeps_recent_lengths():
         q = torch.randn(1, 1, length, 8)
         flex_attention(q, q, q, kernel_options={"BACKEND": "PYTORCH"})
     assert len(api._dense_masks) <= 64
-    assert (79, 79, q.device) in api._dense_masks
+    assert (79, 79, q.device, None) in api._dense_masks  # None: no stream off CUDA
 
 
 # ------------------------------------------------------------------------------ resources
