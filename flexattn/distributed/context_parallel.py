@@ -22,10 +22,11 @@ from ..trace import trace_mod
 from .agreement import Agreement
 from .comm import Exchange, as_process_group
 from .cost import CostModel, Problem
+from .memory import RankShapes, choose_head_chunks
 from .plan import SCHEDULES, Plan, tiles_digest
-from .ring import ContextParallelFunction, RankRun
+from .ring import ContextParallelFunction, HeadChunk, RankRun
 from .sharding import BALANCE_MODES, Layout
-from .step import step_call
+from .step import chunk_step_calls
 
 __all__ = ["ContextParallel"]
 
@@ -121,6 +122,13 @@ class ContextParallel:
             kernel; at most two received shards held), ``"allgather"`` (every needed shard at once,
             one kernel), or ``"auto"``: the faster by the cost model, per call size.
         cost_model: the :class:`~flexattn.distributed.CostModel` ``"auto"`` asks (default: by device).
+        head_chunks: run the schedule for this many chunks of the key/value heads, one after the
+            other (a divisor of the key/value heads; each chunk keeps whole GQA groups): the
+            ring's query-sized working buffers (float32 sums, dQ and dK/dV parts, received shards)
+            shrink by that factor, for as many more rounds and kernel launches. ``"auto"`` (the
+            default) picks the fewest chunks whose working buffers fit a quarter of the rank's own
+            tensors, leaving small calls whole ([Note] A rank's memory in memory.py;
+            docs/context_parallel.md, "Memory").
 
     Padding: the sequence is cut into units of ``lcm(Q_BLOCK, KV_BLOCK)`` tokens and padded at its
     end to a whole number of units per rank (two per rank for zigzag). :meth:`shard` pads with
@@ -133,7 +141,7 @@ class ContextParallel:
     """
 
     def __init__(self, block_mask, group=None, balance: str = "mask", *, schedule: str = "auto",
-                 cost_model: Optional[CostModel] = None) -> None:
+                 cost_model: Optional[CostModel] = None, head_chunks="auto") -> None:
         self.group = as_process_group(group)
         self.exchange = Exchange(self.group)
         self.rank, self.world_size = self.exchange.rank, self.exchange.world_size
@@ -142,6 +150,9 @@ class ContextParallel:
                 raise InvalidInputError(f"ContextParallel: balance must be one of {BALANCE_MODES}, got {balance!r}")
             if schedule not in SCHEDULES:
                 raise InvalidInputError(f"ContextParallel: schedule must be one of {SCHEDULES}, got {schedule!r}")
+            if head_chunks != "auto" and not (isinstance(head_chunks, int) and head_chunks >= 1):
+                raise InvalidInputError(
+                    f"ContextParallel: head_chunks must be 'auto' or a positive int, got {head_chunks!r}")
             bm = as_block_mask(block_mask)
             device = bm.kv_num_blocks.device
             if dist.get_backend(self.group) == "nccl" and device.type != "cuda":
@@ -152,6 +163,8 @@ class ContextParallel:
             _mask_facts(check, bm)
             check.value("balance", balance)
             check.value("schedule", schedule)
+            check.value("head_chunks", head_chunks)
+            self.head_chunks = head_chunks
             self.plan = Plan(bm, self.world_size, balance, schedule, cost_model)
         # Every later call states which ContextParallel it is on: two objects over one group that
         # ranks mix up would otherwise run different plans against each other.
@@ -252,6 +265,18 @@ class ContextParallel:
                     f"{layout.world} ranks); pass cp.shard({name[0]}), not the whole sequence"
                 )
 
+    def _head_chunks(self, shapes: RankShapes, schedule: str) -> int:
+        """The chunks of heads this call runs (the constructor's ``head_chunks``)."""
+        if self.head_chunks == "auto":
+            return choose_head_chunks(shapes, self.world_size, schedule)
+        if shapes.kv_heads % self.head_chunks:
+            raise InvalidInputError(
+                f"cp.flex_attention: head_chunks={self.head_chunks} does not divide the {shapes.kv_heads} key/value "
+                "heads (each chunk takes whole groups of query heads); pass ContextParallel(..., head_chunks=n) with "
+                f"n a divisor of {shapes.kv_heads}, or 'auto'"
+            )
+        return self.head_chunks
+
     def flex_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod=None,
                        scale: Optional[float] = None, enable_gqa: bool = False, kernel_options: Optional[dict] = None,
                        *, return_aux: Optional[AuxRequest] = None):
@@ -303,17 +328,21 @@ class ContextParallel:
             schedule = plan.schedule = plan.choose_schedule(problem)
             check.value("schedule chosen", schedule)
             rank_plan = plan.rank_plan(self.rank, schedule)
+            chunks = self._head_chunks(RankShapes(B, Hq, Bk, Hkv, query.shape[2], key.shape[2], E, Ev,
+                                                  query.element_size()), schedule)
+            check.value("head chunks", chunks)
             q_len, kv_len = plan.block_mask.seq_lengths
             position_dtype = (mod_index_dtype(score_mod, "score_mod", B, Hq, q_len, kv_len) if score_mod is not None
                               else torch.int32)
-            calls = [step_call(step, score_mod, position_dtype, query, options, scale, needs_grad, need_max)
-                     for step in rank_plan.steps]
+            head_chunks = [HeadChunk(*chunk) for chunk in chunk_step_calls(
+                rank_plan.steps, chunks, score_mod, position_dtype, query, Hkv, options, scale, needs_grad, need_max)]
         if debug_enabled():
             print(f"[flexattn] context parallel rank {self.rank}/{self.world_size}: schedule={schedule}, "
-                  f"{len(calls)} steps, receives {rank_plan.received_shards()} and sends {rank_plan.sent_shards()} "
-                  f"K/V shards; {plan.describe()}", file=sys.stderr)
-        logger.debug("rank %d: schedule %s, %d steps", self.rank, schedule, len(calls))
-        run = RankRun(rank_plan, calls, self.exchange, need_max, learnable)
+                  f"{len(rank_plan.steps)} steps, {chunks} head chunks, receives {rank_plan.received_shards()} and "
+                  f"sends {rank_plan.sent_shards()} K/V shards; {plan.describe()}", file=sys.stderr)
+        logger.debug("rank %d: schedule %s, %d steps, %d head chunks", self.rank, schedule, len(rank_plan.steps),
+                     chunks)
+        run = RankRun(rank_plan, head_chunks, self.exchange, need_max, learnable)
         if needs_grad:
             out, lse, max_scores = ContextParallelFunction.apply(query, key, value, run, outputs.need_lse, *learnable)
         else:

@@ -37,6 +37,7 @@ index, so equal inputs give equal plans.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -80,14 +81,31 @@ def global_mask_mod(mask_mod, q_pos: torch.Tensor, kv_pos: torch.Tensor, q_len: 
     return at_global_positions
 
 
-def global_score_mod(score_mod, q_pos: torch.Tensor, kv_pos: torch.Tensor):
-    """``score_mod`` at the global positions of local indices."""
+def global_score_mod(score_mod, q_pos: torch.Tensor, kv_pos: torch.Tensor, first_head: Optional[int] = None):
+    """``score_mod`` at the global positions of local indices, and at head ``first_head + h`` for a
+    chunk of heads (None: all heads)."""
 
     def at_global_positions(score, b, h, q_idx, kv_idx):
         return score_mod(score, b, h, q_pos[q_idx], kv_pos[kv_idx])
 
-    at_global_positions.__name__ = f"{mod_name(score_mod)}_global"
-    return at_global_positions
+    def at_global_heads(score, b, h, q_idx, kv_idx):
+        return score_mod(score, b, h + first_head, q_pos[q_idx], kv_pos[kv_idx])
+
+    wrapped = at_global_positions if first_head is None else at_global_heads
+    wrapped.__name__ = f"{mod_name(score_mod)}_global"
+    return wrapped
+
+
+def heads_mask_mod(mask_mod, first_head: int):
+    """``mask_mod`` of a chunk of heads: local head h is head ``first_head + h``. The offset is a
+    Python number the mod reads, so every chunk shares one trace and one kernel ([Note] Numbers are
+    inputs, not constants, in trace/numbers.py)."""
+
+    def at_global_heads(b, h, q_idx, kv_idx):
+        return mask_mod(b, h + first_head, q_idx, kv_idx)
+
+    at_global_heads.__name__ = f"{mod_name(mask_mod)}_heads"
+    return at_global_heads
 
 
 class Round:
@@ -115,6 +133,7 @@ class Step:
     partial_tiles: int
     q_positions: torch.Tensor
     kv_positions: torch.Tensor
+    first_head: Optional[int] = None  # a chunk's step ([Note] Head chunks in ring.py): its first query head
 
     def positions(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The position tables in ``dtype`` (int32 or int64), kept for the next call (the key
@@ -135,10 +154,27 @@ class Step:
         for fn, kept_dtype, wrapped in kept:
             if fn is score_mod and kept_dtype == dtype:
                 return wrapped
-        wrapped = global_score_mod(score_mod, *self.positions(dtype))
+        wrapped = global_score_mod(score_mod, *self.positions(dtype), self.first_head)
         kept.insert(0, (score_mod, dtype, wrapped))
         del kept[4:]
         return wrapped
+
+    def on_heads(self, first: int, count: int) -> "Step":
+        """This step for query heads ``first .. first + count - 1`` only: the mods see global heads,
+        tables with a head dim keep the chunk's rows. Kept, so later calls reuse the wrappers (and
+        their traces)."""
+        kept = self.__dict__.setdefault("_on_heads", {})
+        if (first, count) not in kept:
+            bm = self.block_mask
+            if bm.kv_num_blocks.shape[1] > 1:  # a table per head: the chunk's heads only
+                bm = bm[:, first:first + count]
+            chunk_mask = BlockMask(bm.seq_lengths, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
+                                   bm.full_kv_indices, bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks,
+                                   bm.full_q_indices, BLOCK_SIZE=bm.BLOCK_SIZE,
+                                   mask_mod=heads_mask_mod(self.block_mask.mask_mod, first))
+            chunk_mask.preset_derived(TABLES_IN_RANGE, True)
+            kept[(first, count)] = dataclasses.replace(self, block_mask=chunk_mask, first_head=first)
+        return kept[(first, count)]
 
 
 @dataclass(eq=False)

@@ -9,7 +9,6 @@ differentiate its partial result.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -20,7 +19,7 @@ from ..request import build_call, captured_on
 from ..trace import detached, trace_mod
 from .plan import Step
 
-__all__ = ["StepCall", "step_call", "merge_into", "empty_result", "working_dtype"]
+__all__ = ["StepCall", "step_call", "chunk_step_calls", "merge_into", "working_dtype"]
 
 
 class StepCall(NamedTuple):
@@ -68,6 +67,21 @@ def step_call(step: Step, score_mod, position_dtype: torch.dtype, q: torch.Tenso
     return step_call_
 
 
+def chunk_step_calls(steps: list, chunks: int, score_mod, position_dtype: torch.dtype, q: torch.Tensor,
+                     kv_heads: int, options: dict, scale: float, needs_grad: bool, need_max: bool) -> list:
+    """``[(query heads, key/value heads, [StepCall per step])]`` of each of ``chunks`` chunks of the
+    heads ([Note] Head chunks in ring.py); ``chunks`` divides ``kv_heads``."""
+    q_heads = q.shape[1]
+    found = []
+    for c in range(chunks):
+        qs = slice(c * q_heads // chunks, (c + 1) * q_heads // chunks)
+        ks = slice(c * kv_heads // chunks, (c + 1) * kv_heads // chunks)
+        chunk_steps = steps if chunks == 1 else [step.on_heads(qs.start, qs.stop - qs.start) for step in steps]
+        found.append((qs, ks, [step_call(step, score_mod, position_dtype, q[:, qs], options, scale, needs_grad,
+                                         need_max) for step in chunk_steps]))
+    return found
+
+
 def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Fold the partial result ``(out, lse)`` of more keys into the running one, in place.
 
@@ -79,13 +93,5 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, 
     merged = torch.logaddexp(acc_lse, lse)
     finite = torch.where(torch.isneginf(merged), torch.zeros_like(merged), merged)
     acc_out.mul_(torch.exp(acc_lse - finite).unsqueeze(-1))
-    acc_out.addcmul_(out.to(acc_out.dtype), torch.exp(lse - finite).unsqueeze(-1))
+    acc_out.addcmul_(out, torch.exp(lse - finite).unsqueeze(-1))  # out converted as read: no copy of it
     acc_lse.copy_(merged)
-
-
-def empty_result(q: torch.Tensor, value_dim: int, need_max: bool):
-    """The result of a rank whose queries keep no key at all: zeros and an LSE of -inf."""
-    B, Hq, L, _ = q.shape
-    lse = torch.full((B, Hq, L), -math.inf, dtype=working_dtype(q.dtype), device=q.device)
-    out = torch.zeros(B, Hq, L, value_dim, dtype=q.dtype, device=q.device)
-    return out, lse, lse.clone() if need_max else None
