@@ -260,7 +260,7 @@ def wants_grad(query, key, value, score_captured) -> bool:
     reads requires one (a mask_mod's never take one)."""
     return torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad
-        or (bool(score_captured) and needs_grad(score_captured))
+        or (len(score_captured) > 0 and needs_grad(score_captured))  # not bool(list): torch 2.11 Dynamo refuses it
     )
 
 

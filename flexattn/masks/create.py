@@ -341,6 +341,7 @@ def dense_block_mask(L: int, S: int, device: torch.device) -> BlockMask:
     and kept per stream (flexattn/cuda_graphs.py). A call inside a CUDA-graph capture builds its own
     in the graph's pool: a kept mask may be evicted while the graph still points at it, and a
     capture may not read tables back to the host."""
+    device = torch.device(device)
     in_capture = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     key = (L, S, device, stream_key(device))
     mask = None if in_capture else _dense_masks.get(key)
