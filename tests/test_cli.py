@@ -282,6 +282,15 @@ def test_the_host_table_without_torch_or_first_calls():
     assert "\n\nfailed: flexattn decode: RuntimeError: no decode\n" in text  # after the table, not in it
 
 
+def test_the_host_table_says_when_outputs_were_poisoned():
+    from flexattn.bench.host import table
+
+    result = _host_result()
+    assert "POISON" not in table(result)
+    result["env"]["poisoned_outputs"] = True  # the test suite's NaN fills: not what users run
+    assert "FLEXATTN_POISON_OUTPUTS was set" in table(result)
+
+
 @pytest.mark.gpu
 def test_bench_host_on_the_gpu_writes_positive_numbers(tmp_path, capsys):
     from flexattn.bench.host import CASES, main as host_main

@@ -185,6 +185,9 @@ def table(result: dict) -> str:
     env = result["env"]
     lines = [f"{env['device']}, torch {env['torch']}, Triton {env['triton']}, CUDA {env.get('cuda')}, "
              f"Python {env['python']}, flexattn {env.get('flexattn_commit') or '?'}", ""]
+    if env.get("poisoned_outputs"):  # a testing aid: a fill per output, on every call
+        lines[-1:] = ["**FLEXATTN_POISON_OUTPUTS was set: every output was NaN-filled before its kernel ran; "
+                      "host times include those fills. Unset it for numbers users see.**", ""]
     warm = result.get("warm")
     if warm:
         lines += ["| warm call, µs per call | flexattn host | torch host | target | flexattn GPU | torch GPU |",
@@ -262,7 +265,8 @@ def main(argv=None) -> int:
 
     result = {"env": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": triton.__version__, "cuda": torch.version.cuda,
-                      "python": platform.python_version(), "flexattn_commit": git_commit(), "calls": args.calls},
+                      "python": platform.python_version(), "flexattn_commit": git_commit(), "calls": args.calls,
+                      "poisoned_outputs": os.environ.get("FLEXATTN_POISON_OUTPUTS", "0") not in ("", "0")},
               "warm": {}}
     # flexattn's numbers first, torch's after: a run cut short keeps flexattn's against the targets.
     for lib in ("flexattn",) if args.skip_torch else ("flexattn", "torch"):
