@@ -119,7 +119,7 @@ def main() -> None:
 
 
 def _context_parallel_calls() -> list:
-    """The (schedule, steps) of every ContextParallel.flex_attention call of this rank, from the
+    """The (schedule, steps, head chunks) of every ContextParallel.flex_attention call of this rank, from the
     flexattn.distributed logger's debug records."""
     import logging
 
