@@ -157,6 +157,8 @@ def test_head_chunks_match_flexattn_and_float64(ranks, world, schedule):
 
 
 @pytest.mark.slow  # the Triton kernels in the interpreter, and a garbage collection per allocation
+@pytest.mark.skipif(os.environ.get("FLEXATTN_CP_MEMORY", "0") in ("", "0"),
+                    reason="about 4 minutes on 2 cores: set FLEXATTN_CP_MEMORY=1 (CI keeps under 30 minutes)")
 def test_head_chunks_lower_a_ranks_peak_as_modelled(ranks):
     """Two chunks take each rank's peak down by the working buffers' half (memory.py), and the
     model is the measurement within 3% (what it leaves out: the step masks' small tables)."""
