@@ -395,7 +395,10 @@ def compile_ahead(call: Call, q, k, v, score_captured, *, forward: bool, backwar
                 shape, dims = output_layout(q, v.shape[-1])
                 out = torch.empty(shape, dtype=q.dtype, device="meta").permute(dims)
                 lse = torch.empty(q.shape[:3], dtype=torch.float32, device="meta")
-                run_backward(call, q, k, v, out, lse, torch.empty_like(out), None, score_captured)
+                # empty_strided, not empty_like: a meta tensor's empty_like runs torch's Python
+                # reference, which imports sympy (seconds of a warm first call on the GPU).
+                grad_out = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device="meta")
+                run_backward(call, q, k, v, out, lse, grad_out, None, score_captured)
     except Exception as err:  # noqa: BLE001 - only the head start is lost
         if _DEBUG:
             print(f"[flexattn] kernels not compiled ahead ({type(err).__name__}: {err})", file=sys.stderr)

@@ -133,8 +133,12 @@ def record_compile_and_hit():
             backward(q, q, q, q, lse, q, None, block_mask, 0.125, [], [], deterministic=backward.has_mask_mod)
 
     # 1. Recorded: nothing compiled or launched here, no plan kept, no launch counted.
+    submitted, submit = [], ahead._submit
+    ahead._submit = lambda jit_fn, specialization: (submitted.append((jit_fn, specialization)),
+                                                    submit(jit_fn, specialization))
     with ahead.compiling_ahead():
         run_all()
+    ahead._submit = submit
     recorded = sorted(entry[0].fn.__name__ for entry in ahead.pending.values())
     assert recorded.count("flex_attention_backward_preprocess") == 2, recorded
     assert recorded.count("flex_attention_forward_sm90") == 2 and recorded.count("flex_attention_backward_dkdv_sm90") == 2
@@ -165,7 +169,17 @@ def record_compile_and_hit():
     assert sorted(seen) == recorded, seen
     assert set(cache.iterdir()) == compiled, "a kernel compiled ahead was compiled again"
 
-    # 4. A job the worker cannot do (a specialization of another kernel) is answered, not waited on.
+    # 4. A later process with these caches sends none of those jobs again ([Note] Kernels answered
+    # before): the record on disk, read afresh, holds every one of them.
+    ahead._answered = None
+    ahead._sent.clear()
+    workers_before = list(ahead._workers)
+    for jit_fn, specialization in submitted:
+        ahead._submit(jit_fn, specialization)
+    assert not ahead.pending, "a kernel answered before was sent to a worker again"
+    assert len(ahead._answered_before()) == len(submitted) and ahead._workers == workers_before
+
+    # 5. A job the worker cannot do (a specialization of another kernel) is answered, not waited on.
     jit_fn = families[0][0].compiled(None).kernel(hopper_forward.HOPPER_FORWARD)
     ahead._submit(jit_fn, '{"name": "elsewhere"}')
     ahead.wait_for(jit_fn)

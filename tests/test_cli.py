@@ -219,6 +219,22 @@ def test_the_host_mode_is_registered_and_its_help_needs_no_gpu(capsys):
     assert all(option in out for option in ("--calls", "--skip-torch", "--skip-first-call", "--out"))
 
 
+def test_the_first_call_processes_read_cached_bytecode(monkeypatch):
+    # A package's bytecode is on disk after pip install: the timed fresh processes must not compile
+    # torch's sources (they did on the lent GPUs, whose image has no bytecode), so an untimed process
+    # on throwaway kernel caches writes it first.
+    import flexattn.bench.host as host
+
+    runs = []
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.setattr(host, "first_call", lambda lib, cache_dir, env: runs.append((cache_dir, env)) or {})
+    host.first_calls("flexattn")
+    (throwaway, env0), (cold, env1), (warm, env2) = runs
+    assert throwaway != cold == warm
+    for env in (env0, env1, env2):
+        assert "PYTHONDONTWRITEBYTECODE" not in env and env["PYTHONPYCACHEPREFIX"] == env0["PYTHONPYCACHEPREFIX"]
+
+
 def _host_result(cold_flexattn_s=2.0):
     """A made-up run of ``flexattn bench --mode host``, with a flexattn row the GPU held back."""
     from flexattn.bench.host import CASES

@@ -27,12 +27,23 @@ key from its real arguments, so a specialization guessed wrong (another alignmen
 a cache entry nobody reads, and that launch compiles as before. A job that fails is logged at debug
 level (``FLEXATTN_DEBUG=1``) and the launch compiles itself.
 
+[Note] Kernels answered before. A new process with the on-disk caches of earlier runs would
+otherwise send every kernel to a worker again: the worker starts, imports Triton, finds the kernel
+in Triton's cache and answers, while the first launch waits for it (0.58 s of a warm first call on
+an H100, 2026-12-07, docs/host_path.md). So each job a worker answers without error is written down,
+one digest a line, in ``FLEXATTN_CACHE_DIR/compiled_ahead``, and a job whose digest is there is not
+sent. The digest covers the kernel module's file name (which holds its source's digest), the
+kernel, the specialization, the target, Triton's version and its cache directory. The record can
+only cost time, never change a result: the real launch computes its own cache key, and a kernel
+since removed from Triton's cache is compiled by that launch, as it would be without workers.
+
 ``FLEXATTN_COMPILE_WORKERS`` sets the number of worker processes (default: half the CPUs, at most
 4; 0 turns this off). Workers start on first use and end with the process.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import struct
@@ -43,7 +54,7 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Optional
 
-from ..codegen.source import debug_enabled
+from ..codegen.source import cache_dir, debug_enabled
 
 __all__ = ["recording", "compiling_ahead", "record", "wait_for", "pending", "enabled", "worker_count"]
 
@@ -154,14 +165,15 @@ class _Worker:
         env.pop("TRITON_INTERPRET", None)  # a worker compiles for the GPU, whatever this process runs
         self.process = subprocess.Popen([sys.executable, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         close_fds=True, env=env)
-        self.jobs: dict = {}  # job -> (event, kernel name, id of the kernel in ``pending``)
+        self.jobs: dict = {}  # job -> (event, kernel name, id of the kernel in ``pending``, digest)
         self.reader = threading.Thread(target=self._answers, name="flexattn-compile-answers", daemon=True)
         self.reader.start()
 
-    def send(self, job: int, event: threading.Event, description: str, fn_id: int, request: tuple) -> bool:
+    def send(self, job: int, event: threading.Event, description: str, fn_id: int, digest: str,
+             request: tuple) -> bool:
         data = pickle.dumps(request)
         with _lock:
-            self.jobs[job] = (event, description, fn_id)
+            self.jobs[job] = (event, description, fn_id, digest)
         try:
             self.process.stdin.write(struct.pack("<Q", len(data)) + data)
             self.process.stdin.flush()
@@ -181,17 +193,19 @@ class _Worker:
             (size,) = struct.unpack("<Q", head)
             job, error, note, seconds = pickle.loads(stream.read(size))
             with _lock:
-                event, description, fn_id = self.jobs.pop(job, (None, "", None))
+                event, description, fn_id, digest = self.jobs.pop(job, (None, "", None, None))
             if error is not None:
                 _debug(f"compiling {description} ahead failed ({error}); its launch compiles it")
             else:
                 launcher = f" (its launcher was not: {note})" if note else ""
                 _debug(f"compiled {description} ahead in {seconds:.2f} s{launcher}")
+                if digest is not None:
+                    _note_answered(digest)
             if event is not None:
                 _done(event, fn_id)
         with _lock:  # the worker ended: nobody waits for what it held
             jobs, self.jobs = self.jobs, {}
-        for event, _, fn_id in jobs.values():
+        for event, _, fn_id, _ in jobs.values():
             _done(event, fn_id)
 
     def alive(self) -> bool:
@@ -249,6 +263,9 @@ def _submit(jit_fn, specialization: str) -> None:
     if len(_sent) > _SENT_KEPT:
         _sent.popitem(last=False)
     target = driver.active.get_current_target()
+    digest = _job_digest(path, jit_fn.fn.__name__, specialization, target, knobs.cache.dir)
+    if digest in _answered_before():  # [Note] Kernels answered before
+        return
     _next_job += 1
     worker = _worker(_next_job)
     if worker is None:
@@ -260,7 +277,45 @@ def _submit(jit_fn, specialization: str) -> None:
     description = jit_fn.fn.__name__
     request = (_next_job, path, module.__name__, jit_fn.fn.__name__, specialization,
                (target.backend, target.arch, target.warp_size), knobs.cache.dir, True)
-    worker.send(_next_job, event, description, id(jit_fn), request)
+    worker.send(_next_job, event, description, id(jit_fn), digest, request)
+
+
+# ------------------------------------------------------------------------------------ answered before
+
+_ANSWERED_FILE = "compiled_ahead"
+_answered: Optional[set] = None  # the digests of jobs answered, here or by earlier processes
+
+
+def _job_digest(path: str, kernel: str, specialization: str, target, triton_cache: str) -> str:
+    import triton
+
+    what = (os.path.basename(path), kernel, specialization, (target.backend, target.arch, target.warp_size),
+            triton.__version__, triton_cache)
+    return hashlib.sha256(repr(what).encode()).hexdigest()[:32]
+
+
+def _answered_before() -> set:
+    """The digests in ``FLEXATTN_CACHE_DIR/compiled_ahead``, read once a process."""
+    global _answered
+    if _answered is None:
+        try:
+            _answered = set((cache_dir() / _ANSWERED_FILE).read_text().split())
+        except OSError:
+            _answered = set()
+    return _answered
+
+
+def _note_answered(digest: str) -> None:
+    with _lock:
+        answered = _answered_before()
+        if digest in answered:
+            return
+        answered.add(digest)
+        try:  # one short line appended: processes writing at once do not interleave within it
+            with open(cache_dir() / _ANSWERED_FILE, "a") as record:
+                record.write(digest + "\n")
+        except OSError:
+            pass
 
 
 def _debug(message: str) -> None:
