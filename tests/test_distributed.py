@@ -62,6 +62,10 @@ def test_variant(ranks, case):
     assert entry["backends"] == [case.backend]
     if case.backend == "TRITON":
         assert entry["triton_backwards"] > 0, "the backward did not run the Triton kernels"
+        # Every step after a row's first merged in its kernel ([Note] The merge in the kernel, ring.py).
+        assert entry["merges"]["merge_into"] == 0, entry["merges"]
+    else:
+        assert entry["merges"]["in_kernel"] == 0, entry["merges"]
     for name, flex, ref, nan, same_shape in zip(entry["names"], entry["vs_flexattn"], entry["vs_reference"],
                                                entry["nan"], entry["shapes_match"]):
         assert same_shape and not nan, name
