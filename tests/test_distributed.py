@@ -276,6 +276,10 @@ def test_one_gpu_script_runs_small_on_the_cpu(tmp_path):
     for row in report["runs"]:
         assert row["out_ok"] and row["dq_ok"] and row["dk_ok"] and row["dv_ok"], row
         assert all(step["kernel_ms"] > 0 for steps in row["steps"] for step in steps)
+        # The ring merged in the portable kernels (the interpreter here), checked and timed too.
+        assert row["fused_out_ok"], row
+        assert all(step["fused_ms"] > 0 for steps in row["steps"] for step in steps)
+        assert row["slowest_rank_fused_ms"] > 0 and row["slowest_rank_separate_ms"] > 0
     assert {row["mask"] for row in report["model"]["rows"]} == {"causal", "document", "sliding_window"}
 
 
