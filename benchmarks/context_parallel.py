@@ -3,6 +3,8 @@
     python -m benchmarks.context_parallel --check --out cp.json   # one GPU: check and time
     python -m benchmarks.context_parallel --model                # the predicted table (no GPU)
     python -m benchmarks.context_parallel --smoke                # tiny sizes on the CPU
+    python -m benchmarks.context_parallel --masks document,sliding_window --ranks 2 --check --out cp_merge.json
+                                                                 # the merge in the kernel against merge_into
 
 **On one GPU** (NCCL needs one GPU per rank, so no real ranks here): R ranks of one plan run in one
 process, each with its own shards as separate tensors, its kernels on its own CUDA stream, and each
@@ -15,6 +17,15 @@ backward with the merged statistics) with single-GPU flexattn by the flash-atten
 error against a float32 run at most twice single-GPU flexattn's own. Each step's kernel and the
 merge are then timed one at a time (CUDA events, median of repeats), since streams that share
 one GPU share its time.
+
+**The merge in the kernel** ([Note] The merge in the kernel, flexattn/distributed/ring.py): each
+step is also timed through the portable Triton forward (``BACKEND='TRITON'``), alone and, for the
+steps after a rank's first, with its epilogue merging into the running result. Per rank, three
+sums: the default kernels (the Hopper Gluon forward where it applies) plus ``merge_into`` after
+each, which is what the ring runs where the kernel cannot merge; the portable kernels plus
+``merge_into``; and the portable kernels merging in their epilogue, what the ring runs where it
+can. The slowest rank's sums stand against one GPU's time for the whole problem. ``--check`` checks
+the ring merged in the kernel too (``fused_out_ok``).
 
 **The model** (``--model``): per rank, tiles per step from the plan, kernel time from measured
 single-GPU throughput, transfers from link bandwidth (docs/context_parallel.md lists the
@@ -38,6 +49,7 @@ from flexattn import create_block_mask, flex_attention
 from flexattn.distributed import CostModel, Plan, Problem
 from flexattn.distributed.cost import allgather_kv_seconds
 from flexattn.distributed.step import merge_into, step_call
+from flexattn.kernels import interpreter_enabled
 from flexattn.lowering import mod_index_dtype
 from flexattn.masks import BlockMask
 from flexattn.masks.layout import dense_to_ordered
@@ -117,20 +129,29 @@ class SimulatedRanks:
         q_len, kv_len = plan.block_mask.seq_lengths
         position_dtype = (mod_index_dtype(score_mod, "score_mod", q.shape[0], q.shape[1], q_len, kv_len)
                           if score_mod else torch.int32)
+        self.score_mod, self.scale, self.position_dtype = score_mod, scale, position_dtype
         self.q = [shard(q, plan.q_layout, r) for r in range(self.world)]
         self.k = [shard(k, plan.kv_layout, r) for r in range(self.world)]
         self.v = [shard(v, plan.kv_layout, r) for r in range(self.world)]
         self.rank_plans = [plan.rank_plan(r, "ring") for r in range(self.world)]
         self.calls = [[step_call(step, score_mod, position_dtype, self.q[r], {}, scale, needs_grad, False)
                        for step in self.rank_plans[r].steps] for r in range(self.world)]
+        # The portable Triton forward's, which merges in its epilogue; None where it cannot run (the CPU
+        # without Triton's interpreter).
+        self.portable = None
+        if device.type == "cuda" or interpreter_enabled():
+            self.portable = [[step_call(step, score_mod, position_dtype, self.q[r], {"BACKEND": "TRITON"}, scale,
+                                        False, False) for step in self.rank_plans[r].steps] for r in range(self.world)]
 
     def _keys(self, sc, rank, buffers):
         if sc.step.round is None:
             return self.k[rank], self.v[rank]
         return buffers[sc.step.round % 2]
 
-    def forward(self):
-        """Every rank's merged (out, lse), with the ring's transfers and streams."""
+    def forward(self, fused: bool = False):
+        """Every rank's merged (out, lse), with the ring's transfers and streams; ``fused``: through
+        the portable kernels, each step after a rank's first merging in its epilogue."""
+        calls = self.portable if fused else self.calls
         st, world = self.streams, self.world
         compute = [st.stream() for _ in range(world)]
         copy = [st.stream() for _ in range(world)]
@@ -160,11 +181,16 @@ class SimulatedRanks:
                 st.wait(compute[rank], inputs_ready)
                 if sc.step.round is not None:
                     st.wait(compute[rank], arrived[rank][sc.step.round])
-                out, lse, _ = sc.forward(self.q[rank], *self._keys(sc, rank, buffers[rank]), False)
-                if results[rank] is None:
-                    results[rank] = (out.float(), lse)
+                keys = self._keys(sc, rank, buffers[rank])
+                if results[rank] is not None and fused and sc.forward_into(self.q[rank], *keys,
+                                                                           (*results[rank], None)):
+                    pass
                 else:
-                    merge_into(*results[rank], out, lse)
+                    out, lse, _ = sc.forward(self.q[rank], *keys, False)
+                    if results[rank] is None:
+                        results[rank] = (out.float(), lse)
+                    else:
+                        merge_into(*results[rank], out, lse)
                 if sc.step.round is not None:
                     freed[rank][sc.step.round % 2] = st.record(compute[rank])
 
@@ -172,14 +198,14 @@ class SimulatedRanks:
         if rounds:
             transfer(0)
         for rank in range(world):
-            for sc in self.calls[rank]:
+            for sc in calls[rank]:
                 if sc.step.round is None:
                     run(rank, sc)
         for index in range(rounds):
             if index + 1 < rounds:
                 transfer(index + 1)
             for rank in range(world):
-                for sc in self.calls[rank]:
+                for sc in calls[rank]:
                     if sc.step.round == index:
                         run(rank, sc)
         if st.cuda:
@@ -212,21 +238,38 @@ class SimulatedRanks:
         return whole[:, :, :layout.length]
 
     def step_times(self, reps: int) -> list:
-        """Per rank, per step: (kernel ms, merge ms), each timed alone (median of ``reps``)."""
+        """Per rank, per step, each timed alone (median of ``reps``): the default kernel and
+        ``merge_into`` (kernel_ms, merge_ms); with the portable kernels, the kernel alone and, for a
+        step after the rank's first, the kernel that merges in its epilogue (portable_kernel_ms,
+        fused_ms; the first step's fused_ms is its plain kernel's, which writes as it always does)."""
         times = []
         for rank in range(self.world):
             row = []
-            for sc in self.calls[rank]:
+            for index, sc in enumerate(self.calls[rank]):
                 (source,) = sc.step.sources
                 keys = (self.k[source], self.v[source])
                 out, lse, _ = sc.forward(self.q[rank], *keys, False)
                 acc_out, acc_lse = out.float(), lse.clone()
                 kernel = _median_ms(lambda: sc.forward(self.q[rank], *keys, False), reps)
                 merge = _median_ms(lambda: merge_into(acc_out, acc_lse, out, lse), reps)
-                row.append({"sources": list(sc.step.sources), "full_tiles": sc.step.full_tiles,
-                            "partial_tiles": sc.step.partial_tiles, "kernel_ms": kernel, "merge_ms": merge})
+                entry = {"sources": list(sc.step.sources), "full_tiles": sc.step.full_tiles,
+                         "partial_tiles": sc.step.partial_tiles, "kernel_ms": kernel, "merge_ms": merge,
+                         "portable_kernel_ms": None, "fused_ms": None}
+                if self.portable is not None:
+                    portable = self.portable[rank][index]
+                    entry["portable_kernel_ms"] = _median_ms(lambda: portable.forward(self.q[rank], *keys, False), reps)
+                    # Merging again and again into one running result: the timing's inputs, not a result.
+                    running = (acc_out, acc_lse, None)
+                    entry["fused_ms"] = (entry["portable_kernel_ms"] if index == 0 else
+                                         _median_ms(lambda: _merged(portable, self.q[rank], keys, running), reps))
+                row.append(entry)
             times.append(row)
         return times
+
+
+def _merged(sc, q, keys, running) -> None:
+    if not sc.forward_into(q, *keys, running):
+        raise RuntimeError(f"the portable forward did not merge in its kernel ({sc.call.backend})")
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -247,6 +290,9 @@ def _median_ms(fn, reps: int) -> float:
         stop.synchronize()
         samples.append(start.elapsed_time(stop))
     return statistics.median(samples)
+
+
+CHECKS = ("out_ok", "fused_out_ok", "dq_ok", "dk_ok", "dv_ok")
 
 
 def _max_err(a, b) -> float:
@@ -279,6 +325,10 @@ def run_case(name: str, world: int, length: int, heads: int, kv_heads: int, dim:
             reference = single(q.to(reference_dtype), k.to(reference_dtype), v.to(reference_dtype))
         row["out_err"], row["single_gpu_err"] = _max_err(out, reference), _max_err(ours_single, reference)
         row["out_ok"] = row["out_err"] <= 2 * row["single_gpu_err"] + 1e-6
+        if ranks.portable is not None:
+            fused = ranks.unshard([o for o, _ in ranks.forward(fused=True)], plan.q_layout)
+            row["fused_out_err"] = _max_err(fused, reference)
+            row["fused_out_ok"] = row["fused_out_err"] <= 2 * row["single_gpu_err"] + 1e-6
         if backward:
             grad_out = torch.randn_like(q)
             shards = [shard(grad_out, plan.q_layout, r) for r in range(world)]
@@ -294,6 +344,7 @@ def run_case(name: str, world: int, length: int, heads: int, kv_heads: int, dim:
                 row[f"{label}_ok"] = row[f"{label}_err"] <= 2 * row[f"{label}_single_gpu_err"] + 1e-6
     if device.type == "cuda":  # the whole simulated ring, all streams together (one GPU's time)
         row["simulated_ring_ms"] = _median_ms(ranks.forward, max(3, reps // 4))
+        row["simulated_fused_ring_ms"] = _median_ms(lambda: ranks.forward(fused=True), max(3, reps // 4))
     row["single_gpu_ms"] = _median_ms(lambda: single(q, k, v), reps)
     row["steps"] = ranks.step_times(reps)
     kernels = [sum(s["kernel_ms"] for s in steps) for steps in row["steps"]]
@@ -301,6 +352,12 @@ def run_case(name: str, world: int, length: int, heads: int, kv_heads: int, dim:
     row["sum_of_step_kernels_ms"] = sum(kernels)
     row["slowest_rank_kernels_ms"] = max(kernels)
     row["slowest_rank_merges_ms"] = max(merges)
+    # The slowest rank's kernels and merges: merged apart (default and portable kernels), and in the kernel.
+    row["slowest_rank_separate_ms"] = max(k + m for k, m in zip(kernels, merges))
+    if ranks.portable is not None:
+        portable = [sum(s["portable_kernel_ms"] for s in steps) for steps in row["steps"]]
+        row["slowest_rank_portable_separate_ms"] = max(k + m for k, m in zip(portable, merges))
+        row["slowest_rank_fused_ms"] = max(sum(s["fused_ms"] for s in steps) for steps in row["steps"])
     return row
 
 
@@ -312,11 +369,24 @@ def _print_runs(rows) -> None:
         slowest = max(range(len(row["steps"])), key=lambda r: sum(s["kernel_ms"] for s in row["steps"][r]))
         kernels = sum(s["kernel_ms"] for s in row["steps"][slowest])
         merges = sum(s["merge_ms"] for s in row["steps"][slowest][1:])
-        checks = [row[key] for key in ("out_ok", "dq_ok", "dk_ok", "dv_ok") if key in row]
+        checks = [row[key] for key in CHECKS if key in row]
         check = "-" if not checks else ("pass" if all(checks) else "FAIL")
         print(f"| {row['mask']} | {row['ranks']} | {row['single_gpu_ms']:.3f} | {row['sum_of_step_kernels_ms']:.3f} "
               f"| {kernels:.3f} | {merges:.3f} | {merges / max(kernels, 1e-9):.1%} "
               f"| {[len(s) for s in row['steps']]} | {check} |")
+    print()
+    print("The merge in the kernel: the slowest rank's kernels and merges (ms), against one GPU's whole problem")
+    print("| mask | ranks | single GPU ms | default kernels + merge_into | portable kernels + merge_into "
+          "| portable kernels, merged in the kernel | in-kernel / default | in-kernel / portable + merge_into |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        separate, fused = row["slowest_rank_separate_ms"], row.get("slowest_rank_fused_ms")
+        portable = row.get("slowest_rank_portable_separate_ms")
+        if fused is None:
+            print(f"| {row['mask']} | {row['ranks']} | {row['single_gpu_ms']:.3f} | {separate:.3f} | - | - | - | - |")
+            continue
+        print(f"| {row['mask']} | {row['ranks']} | {row['single_gpu_ms']:.3f} | {separate:.3f} | {portable:.3f} "
+              f"| {fused:.3f} | {fused / separate:.2f} | {fused / portable:.2f} |")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -473,7 +543,7 @@ def main(argv=None) -> int:
                 print(f"{name} at {world} ranks done", file=sys.stderr, flush=True)
         _print_runs(rows)
         report["runs"] = rows
-        failed = [row for row in rows if not all(row.get(k, True) for k in ("out_ok", "dq_ok", "dk_ok", "dv_ok"))]
+        failed = [row for row in rows if not all(row.get(k, True) for k in CHECKS)]
         if failed:
             print("check failed: " + ", ".join(f"{r['mask']} at {r['ranks']} ranks" for r in failed), file=sys.stderr)
     if args.out:

@@ -30,7 +30,7 @@ from .kernels import ahead
 from .kernels import (
     MAX_AUTO_QUERY_LEN, HopperUnavailable, backward_kernel, decode_kernel, descriptor_ready, forward_kernel,
     hopper_auto_reason, hopper_backward_kernel, hopper_forward_kernel, in_output_layout, interpreter_enabled,
-    output_layout, unsupported_reason,
+    merging_forward_kernel, output_layout, unsupported_reason,
 )
 from .kernels.launch import FLOAT8_DTYPES
 from .kernels.tables import backward_tables, launch_tables
@@ -38,8 +38,9 @@ from .masks import BlockMask
 from .options import deterministic, resolve_backend_name
 from .trace import TracedMod
 
-__all__ = ["Call", "pick_backend", "choose_decode", "use_tanh_approx", "run_forward", "forward_relaunch",
-           "prepare_backward", "run_backward", "backward_relaunch", "sm90_forward_choice", "sm90_backward_choice"]
+__all__ = ["Call", "pick_backend", "choose_decode", "use_tanh_approx", "run_forward", "forward_into",
+           "forward_relaunch", "prepare_backward", "run_backward", "backward_relaunch", "sm90_forward_choice",
+           "sm90_backward_choice"]
 
 
 class Call(NamedTuple):
@@ -221,6 +222,34 @@ def run_forward(call: Call, q, k, v, score_captured, need_lse, need_max):
         need_max=need_max, index_dtype=call.index_dtype,
     )
     return in_output_layout(out, q), lse, mx
+
+
+def forward_into(call: Call, q, k, v, score_captured, running: tuple) -> bool:
+    """Merge the call's forward into ``running`` = ``(out, lse, max_scores or None)``, the result of
+    other keys for the same queries (out in float32, lse and max_scores contiguous float32 [B, Hq,
+    L]), in the kernel's epilogue ([Note] Merging into the running result, templates/forward.py.jinja);
+    True when it did. False, having run nothing, where the kernel that runs this call has no such
+    epilogue: the PyTorch backend, the decode kernels, the Hopper Gluon forward (where run_forward
+    would take it, or ``BACKEND='GLUON'`` pins it), and a float64 running result. The caller then
+    runs ``run_forward`` and merges the result itself."""
+    out, lse, mx = running
+    if (call.backend != "TRITON" or call.options.get("BACKEND") == "GLUON" or out.dtype != torch.float32
+            or lse.dtype != torch.float32 or not lse.is_contiguous()
+            or not (mx is None or mx.dtype == torch.float32 and mx.is_contiguous())):
+        return False
+    if q.is_cuda:
+        if torch.float8_e4m3fn in (q.dtype, k.dtype, v.dtype):
+            _check_e4m3_device(q)
+        if call.options.get("BACKEND") != "TRITON":
+            gluon, reason = sm90_forward_choice(call, q, k, v, mx is not None)
+            if gluon is not None and reason is None:
+                return False
+    kernel = merging_forward_kernel(call.score, call.mask, tanh_approx=use_tanh_approx(q, call.options))
+    kernel(q, k, v, call.block_mask, call.scale, score_captured, call.mask_captured, running=running,
+           options=call.options)
+    if _DEBUG:
+        _debug_report("forward, merged", call, q, k, v, lambda: _kernel_plan(kernel.last_plan))
+    return True
 
 
 def forward_relaunch(call: Call, q, k, v, need_max: bool):

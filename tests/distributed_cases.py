@@ -84,6 +84,21 @@ def cases(world: int) -> list:
     return found
 
 
+def fused_merge_cases(world: int) -> list:
+    """Cases through the Triton kernels, whose steps after the first merge in the forward kernel
+    ([Note] The merge in the kernel, flexattn/distributed/ring.py): sparse document and window
+    masks, GQA with the LSE and max_scores, a score_mod reading a captured tensor (tests/test_cp_fused_merge.py)."""
+    return [
+        Case("variant", world, "document_mask", "mask", "ring", q_len=SQUARE, kv_len=SQUARE, backend="TRITON"),
+        Case("variant", world, "sliding_window", "contiguous", "ring", heads=4, kv_heads=2, q_len=ODD, kv_len=ODD,
+             backend="TRITON", aux=True),
+        Case("variant", world, "alibi", "zigzag", "ring", q_len=ODD, kv_len=ODD, backend="TRITON"),
+    ]
+
+
+SUITES = {"distributed": cases, "fused_merge": fused_merge_cases}
+
+
 # ---------------------------------------------------------------------------------------------
 # Starting ranks
 # ---------------------------------------------------------------------------------------------
@@ -119,10 +134,10 @@ def spawn_ranks(entry, world: int, args: tuple, timeout: float) -> Optional[str]
     return failure
 
 
-def run_ranks(world: int, out_dir: str, timeout: float) -> tuple[dict, Optional[str]]:
-    """Start ``world`` gloo ranks that run ``cases(world)``; returns (rank 0's results by case id,
-    the failure: a rank's traceback, or a timeout, or None)."""
-    failure = spawn_ranks(_rank_main, world, (out_dir,), timeout)
+def run_ranks(world: int, out_dir: str, timeout: float, suite: str = "distributed") -> tuple[dict, Optional[str]]:
+    """Start ``world`` gloo ranks that run the cases of ``SUITES[suite](world)``; returns (rank 0's
+    results by case id, the failure: a rank's traceback, or a timeout, or None)."""
+    failure = spawn_ranks(_rank_main, world, (out_dir, suite), timeout)
     results = {}
     for rank in range(world):
         path = os.path.join(out_dir, f"rank{rank}.jsonl")
@@ -138,14 +153,14 @@ def run_ranks(world: int, out_dir: str, timeout: float) -> tuple[dict, Optional[
     return results, failure
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
+def _rank_main(rank: int, world: int, port: int, out_dir: str, suite: str) -> None:
     torch.set_num_threads(1)  # world ranks share 2 cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     path = os.path.join(out_dir, f"rank{rank}.jsonl")
     try:
         with open(path, "w") as f:
-            for case in cases(world):
+            for case in SUITES[suite](world):
                 try:
                     entry = RUNNERS[case.kind](case, rank)
                 except Exception:
@@ -176,6 +191,7 @@ def _seed(case: Case) -> None:
 
 
 def _variant(case: Case, rank: int) -> dict:
+    import flexattn.distributed.ring
     import flexattn.distributed.step
     import flexattn.kernels.backward
     from flexattn import AuxRequest, create_block_mask, flex_attention, noop_mask
@@ -206,17 +222,34 @@ def _variant(case: Case, rank: int) -> dict:
     cp = ContextParallel(block_mask, balance=case.balance, schedule=case.schedule)
     shards = [cp.shard(t).requires_grad_() for t in (q, k, v)]
     backends = set()
-    forward = flexattn.distributed.step.run_forward
+    merges = {"in_kernel": 0, "merge_into": 0}  # how the forward's steps after the first merged
+    forward, into, merge_into = (flexattn.distributed.step.run_forward, flexattn.distributed.step.forward_into,
+                                 flexattn.distributed.ring.merge_into)
 
     def recording(call, *args, **kwargs):  # which backend each step ran
         backends.add(call.backend)
         return forward(call, *args, **kwargs)
 
+    def recording_into(call, *args, **kwargs):
+        merged = into(call, *args, **kwargs)
+        if merged:
+            backends.add(call.backend)
+            merges["in_kernel"] += 1
+        return merged
+
+    def counting(*args, **kwargs):
+        merges["merge_into"] += 1
+        return merge_into(*args, **kwargs)
+
     flexattn.distributed.step.run_forward = recording
+    flexattn.distributed.step.forward_into = recording_into
+    flexattn.distributed.ring.merge_into = counting
     try:
         out_l, aux_l = attend(cp.flex_attention, *shards)
     finally:
         flexattn.distributed.step.run_forward = forward
+        flexattn.distributed.step.forward_into = into
+        flexattn.distributed.ring.merge_into = merge_into
     loss = (out_l * cp.shard(grad_out)).sum()
     if case.aux:  # the LSE's gradient too
         loss = loss + aux_l.lse.sum()
@@ -224,7 +257,7 @@ def _variant(case: Case, rank: int) -> dict:
     grads = torch.autograd.grad(loss, shards + leaves)
     triton_backwards = flexattn.kernels.backward.launches - triton_backwards
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (sorted(backends), triton_backwards))
+    dist.all_gather_object(gathered, (sorted(backends), triton_backwards, merges))
     for g in grads[3:]:  # each rank holds its queries' share
         dist.all_reduce(g)
     roles = ("query", "query", "key", "key")
@@ -268,8 +301,9 @@ def _variant(case: Case, rank: int) -> dict:
         "nan": [bool(torch.isnan(a).any()) for a in got],
         "shapes_match": [tuple(a.shape) == tuple(b.shape) for a, b in zip(got, expected)],
         "schedule": cp.plan.schedule,
-        "backends": sorted({b for ranks_backends, _ in gathered for b in ranks_backends}),
-        "triton_backwards": sum(n for _, n in gathered),
+        "backends": sorted({b for ranks_backends, _, _ in gathered for b in ranks_backends}),
+        "triton_backwards": sum(n for _, n, _ in gathered),
+        "merges": {how: sum(m[how] for _, _, m in gathered) for how in ("in_kernel", "merge_into")},
     }
 
 

@@ -62,6 +62,10 @@ def test_variant(ranks, case):
     assert entry["backends"] == [case.backend]
     if case.backend == "TRITON":
         assert entry["triton_backwards"] > 0, "the backward did not run the Triton kernels"
+        # Every step after a row's first merged in its kernel ([Note] The merge in the kernel, ring.py).
+        assert entry["merges"]["merge_into"] == 0, entry["merges"]
+    else:
+        assert entry["merges"]["in_kernel"] == 0, entry["merges"]
     for name, flex, ref, nan, same_shape in zip(entry["names"], entry["vs_flexattn"], entry["vs_reference"],
                                                entry["nan"], entry["shapes_match"]):
         assert same_shape and not nan, name
@@ -272,6 +276,10 @@ def test_one_gpu_script_runs_small_on_the_cpu(tmp_path):
     for row in report["runs"]:
         assert row["out_ok"] and row["dq_ok"] and row["dk_ok"] and row["dv_ok"], row
         assert all(step["kernel_ms"] > 0 for steps in row["steps"] for step in steps)
+        # The ring merged in the portable kernels (the interpreter here), checked and timed too.
+        assert row["fused_out_ok"], row
+        assert all(step["fused_ms"] > 0 for steps in row["steps"] for step in steps)
+        assert row["slowest_rank_fused_ms"] > 0 and row["slowest_rank_separate_ms"] > 0
     assert {row["mask"] for row in report["model"]["rows"]} == {"causal", "document", "sliding_window"}
 
 

@@ -16,7 +16,9 @@ import flexattn.kernels.backward as backward_module
 import flexattn.kernels.decode as decode_module
 import flexattn.kernels.forward as runtime_module
 from flexattn.codegen.params import FORWARD, KERNELS, KernelParams, mods_group
-from flexattn.kernels import backward_kernel, decode_kernel, forward_kernel, hopper_backward_kernel, hopper_forward_kernel
+from flexattn.kernels import (
+    backward_kernel, decode_kernel, forward_kernel, hopper_backward_kernel, hopper_forward_kernel, merging_forward_kernel,
+)
 from flexattn.trace import trace_mod
 from flexattn.variants import CATALOGUE
 
@@ -98,6 +100,17 @@ def test_rendered_signatures_are_the_declared_ones(family, variant):
     mods = mods_of(kernels.spec)
     for kernel in KERNELS[family]:
         assert mismatches(kernel, kernels.source, mods) == []
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_merging_forward_takes_the_forward_declaration(variant):
+    # The merge into a running result reads and writes OUT, LSE and MAX_SCORES: no parameter of its own.
+    instance = CATALOGUE[variant].make(1, 2, 128, 128, "cpu")
+    score = trace_mod(instance.score_mod, "score_mod")[0] if instance.score_mod else None
+    mask = trace_mod(instance.mask_mod, "mask_mod")[0] if instance.mask_mod else None
+    kernels = merging_forward_kernel(score, mask).compiled(None)
+    assert "def merge_into_running(" in kernels.source
+    assert mismatches(FORWARD, kernels.source, mods_of(kernels.spec)) == []
 
 
 def test_learnable_tables_add_gradient_buffers():

@@ -137,9 +137,13 @@ class KernelSpec:
     score_name: str = "identity"
     mask_name: str = "none"
     score_grad: Optional[object] = None
+    # The forward only: the kernel merges its rows into a running result (forward.py.jinja, [Note]
+    # Merging into the running result) instead of writing fresh outputs. Off, the source is unchanged.
+    merge_into_running: bool = False
 
     def readable_name(self) -> str:
-        return f"{FAMILIES[self.family][2]}_{_slug(self.score_name)}_{_slug(self.mask_name)}"
+        prefix = FAMILIES[self.family][2] + ("_merge" if self.merge_into_running else "")
+        return f"{prefix}_{_slug(self.score_name)}_{_slug(self.mask_name)}"
 
 
 def _slug(name: str) -> str:
@@ -184,6 +188,7 @@ def render(spec: KernelSpec) -> str:
         mask_params=mask_params,
         mods=mods_group(kernel_mods.names, mask_params.names),
         gluon_api=gluon_api(),
+        merge_into_running=spec.merge_into_running,
         **TEMPLATE_GROUPS[spec.family],
     )
     # A group with no names (no mods) leaves a line of spaces where it stood; drop it.

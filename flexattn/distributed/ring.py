@@ -55,11 +55,24 @@ class HeadChunk(NamedTuple):
 
 
 class _Merged:
-    """The running (out, lse, max_scores) of a chunk's steps, written into the call's results."""
+    """The running (out, lse, max_scores) of a chunk's steps, written into the call's results.
+
+    [Note] The merge in the kernel. A step after the first merges into the running result in its
+    own kernel's epilogue where that kernel can (the portable Triton forward: [Note] Merging into
+    the running result in templates/forward.py.jinja), which saves a pass of torch ops over the
+    float32 output per step. Elsewhere (the PyTorch backend, the decode kernels, the Hopper Gluon
+    forward) the step returns its result and ``merge_into`` folds it in. Either way the result is
+    the same merge, and the backward reads only the merged statistics."""
 
     def __init__(self, need_max: bool) -> None:
         self.need_max = need_max
         self.out = self.lse = self.max = None
+
+    def run(self, sc: StepCall, q, k, v) -> None:
+        """Run step ``sc`` of queries ``q`` against keys ``k``, ``v`` and fold its result in."""
+        if self.out is not None and sc.forward_into(q, k, v, (self.out, self.lse, self.max)):
+            return
+        self.add(*sc.forward(q, k, v, self.need_max))
 
     def add(self, out: torch.Tensor, lse: torch.Tensor, max_scores: Optional[torch.Tensor]) -> None:
         if self.out is None:  # the step's own fresh outputs become the accumulators
@@ -180,20 +193,20 @@ class RankRun:
         if self.plan.schedule == "allgather":
             received = self._gather_kv(k, v)
             for sc in chunk.step_calls:
-                merged.add(*sc.forward(q, *self._keys_of(sc, k, v, received), self.need_max))
+                merged.run(sc, q, *self._keys_of(sc, k, v, received))
             return merged
         by_round = {sc.step.round: sc for sc in chunk.step_calls}
         rounds, slots = self.plan.rounds, [None, None]
         pending = self._post_kv(0, k, v, slots) if rounds else None
         own = by_round.get(None)
         if own is not None:
-            merged.add(*own.forward(q, k, v, self.need_max))
+            merged.run(own, q, k, v)
         for index in range(len(rounds)):
             upcoming = self._post_kv(index + 1, k, v, slots) if index + 1 < len(rounds) else None
             _wait(pending)
             sc = by_round.get(index)
             if sc is not None:
-                merged.add(*sc.forward(q, *slots[index % 2], self.need_max))
+                merged.run(sc, q, *slots[index % 2])
             pending = upcoming
         return merged
 

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..dispatch import Call, prepare_backward, run_backward, run_forward
+from ..dispatch import Call, forward_into, prepare_backward, run_backward, run_forward
 from ..reference import working_dtype
 from ..request import build_call, captured_on
 from ..trace import detached, trace_mod
@@ -32,6 +32,13 @@ class StepCall(NamedTuple):
     def forward(self, q, k, v, need_max: bool):
         """``(out, lse, max_scores or None)`` of the rank's queries against this step's keys."""
         return run_forward(self.call, q, k, v, self.score_captured, True, need_max)
+
+    def forward_into(self, q, k, v, running: tuple) -> bool:
+        """Merge this step's forward into ``running`` = ``(out, lse, max_scores or None)`` in its
+        kernel, as ``merge_into`` would ([Note] Merging into the running result in
+        templates/forward.py.jinja); False, having run nothing, where its kernel cannot
+        (dispatch.forward_into says which)."""
+        return forward_into(self.call, q, k, v, self.score_captured, running)
 
     def backward(self, q, k, v, out, lse, grad_out, grad_lse):
         """``(dq, dk, dv, [gradient of each captured tensor or None])`` of this step's share.

@@ -12,7 +12,7 @@ backward in Gluon, taken where they apply.
 
 from .backward import BackwardKernel, backward_kernel
 from .decode import MAX_AUTO_QUERY_LEN, DecodeKernel, decode_kernel, unsupported_reason
-from .forward import ForwardKernel, forward_kernel
+from .forward import ForwardKernel, MergingForwardKernel, forward_kernel, merging_forward_kernel
 from .launch import in_output_layout, interpreter_enabled, output_layout
 from .hopper import (
     HopperBackwardKernel, HopperForwardKernel, HopperUnavailable, descriptor_ready, hopper_backward_kernel,
@@ -22,7 +22,8 @@ from .hopper import auto_reason as hopper_auto_reason
 
 __all__ = [
     "BackwardKernel", "backward_kernel", "DecodeKernel", "decode_kernel", "MAX_AUTO_QUERY_LEN", "unsupported_reason",
-    "ForwardKernel", "forward_kernel", "interpreter_enabled", "HopperForwardKernel", "HopperUnavailable",
+    "ForwardKernel", "forward_kernel", "MergingForwardKernel", "merging_forward_kernel", "interpreter_enabled",
+    "HopperForwardKernel", "HopperUnavailable",
     "hopper_forward_kernel", "hopper_auto_reason", "HopperBackwardKernel", "hopper_backward_kernel",
     "output_layout", "in_output_layout", "descriptor_ready",
 ]

@@ -111,6 +111,9 @@ class Problem(NamedTuple):
     bwd_tables: "Optional[BackwardTables]" = None
     float32_kv_grads: bool = False  # dk and dv in float32, unrounded (context parallelism sums several)
     deterministic: bool = False  # options.deterministic, read once
+    # The merging forward's: (out, lse, max_scores or None) of other keys for these queries, which
+    # its kernel reads and overwrites with the merged result (kernels/forward.py MergingForwardKernel).
+    running: "Optional[tuple]" = None
 
     def bounds(self):
         """The lengths the lowering's decisions depend on (lowering.IndexBounds)."""

@@ -8,15 +8,18 @@ without), writing the output and, when asked, the LSE and the row maxima.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 from typing import NamedTuple, Optional
 
 import torch
 
+from ..codegen import kernel_index
 from ..codegen.params import FORWARD
 from ..errors import ResourceError
 from ..masks.layout import cdiv
+from ..options import deterministic as requested_determinism
 from ..trace import TracedMod
 from .configs import (
     OPTION_KEYS, candidate_configs, input_precision, kv_as_float16, max_shared_memory, next_pow2, pinned_config,
@@ -33,7 +36,7 @@ from .ahead import recording
 from .tables import launch_tables
 from .tma import host_descriptors, host_descriptors_ok, install_tma_allocator, tma_layout_ok
 
-__all__ = ["ForwardKernel", "WarmForwardLaunch", "forward_kernel"]
+__all__ = ["ForwardKernel", "MergingForwardKernel", "WarmForwardLaunch", "forward_kernel", "merging_forward_kernel"]
 
 
 class ForwardKernel(KernelFamily):
@@ -273,6 +276,60 @@ class ForwardKernel(KernelFamily):
         return min(timings, key=lambda t: t[0])[1]
 
 
+class MergingForwardKernel(ForwardKernel):
+    """The forward kernels of one pair of traced mods whose epilogue merges the launch's rows into a
+    running result, in place, instead of writing fresh outputs: context parallelism's steps after a
+    row's first ([Note] Merging into the running result, templates/forward.py.jinja). Its plans are
+    ForwardKernel's, but for what a launch that reads its outputs rules out:
+    - a second launch of one call: a deterministic call keeps its first plan (the replan rule's
+      settling would launch again, and merge twice), and AUTOTUNE is not run (its trial launches
+      would merge as many times) but for the default or pinned tiles;
+    - the warp-specialised loop, under which Triton 3.6 loses rows of row vectors stored through
+      pointers (the merge reads and writes the LSE so);
+    - prepared and warm launches: each call takes the long way (its host time is a small part of a
+      step's), and ``kept_plan`` has none to give (a warm launch fills fresh outputs).
+    """
+
+    def __call__(self, q, k, v, block_mask, scale: float, score_captured, mask_captured, *, running: tuple,
+                 options: dict) -> None:
+        """Merge this call's rows into ``running`` = ``(out, lse, max_scores or None)``: ``out`` a
+        float32 [B, Hq, L, Ev] tensor of any strides, ``lse`` and ``max_scores`` contiguous float32
+        [B, Hq, L]. ``max_scores`` given, the row maxima merge too."""
+        options = {key: value for key, value in options.items() if key != "AUTOTUNE"}
+        problem = Problem(q, k, fp8_value_layout(q, v), block_mask, launch_tables(block_mask), scale, score_captured,
+                          mask_captured, options, need_lse=True, need_max=running[2] is not None, running=running)
+        self._run(_plan_key(problem), problem)
+
+    def kept_plan(self, *args, **kwargs) -> None:
+        return None
+
+    def _spec(self, variants: tuple):
+        return dataclasses.replace(super()._spec(variants), merge_into_running=True)
+
+    def _index_key(self, variants: tuple):
+        key = super()._index_key(variants)
+        return None if key is None else kernel_index.key(("merge_into_running", key))
+
+    def _plan(self, problem: Problem, compiled: CompiledKernel) -> Plan:
+        plan = super()._plan(problem, compiled).with_constexprs("forward", WARP_SPECIALIZE=False)
+        return plan._replace(check_compiled=False) if requested_determinism(problem.options) else plan
+
+    def _launch(self, plan: Plan, problem: Problem):
+        q, k, v, tables = problem.q, problem.k, problem.v, problem.tables
+        step = plan.steps["forward"]
+        constexprs = step.constexprs
+        if constexprs["USE_TMA"]:
+            install_tma_allocator()  # per call: plans are shared by threads, allocators are not
+        out, lse, mx = problem.running
+        q_arg, k_arg, v_arg = q, k, v
+        if constexprs["HOST_DESCRIPTORS"]:  # for Q, K and V; the running output is read through pointers
+            q_arg, k_arg, v_arg, _ = host_descriptors(q, k, v, None, constexprs)
+        args = _pack(self, (q_arg, k_arg, v_arg, out), lse, out if mx is None else mx, tables, problem.score_captured,
+                     problem.mask_captured, _problem_args(step, q, k, v, out.stride(), tables, problem.scale))
+        kernel = launch(plan.compiled.kernel(FORWARD), step.grid, args, constexprs)
+        return None, {"forward": kernel}
+
+
 class WarmForwardLaunch:
     """ForwardKernel._launch of one problem's plan, for its later calls ([Note] Ready launches in
     kernels/launch.py): the output's strides, the launch's ints, the launch order and the
@@ -432,4 +489,13 @@ _kernels: "OrderedDict[tuple, ForwardKernel]" = OrderedDict()  # see [Note] Cach
 def forward_kernel(score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool = False) -> ForwardKernel:
     """The forward kernel for these traced mods, built on first use and kept (the latest 256)."""
     return cached_kernel(_kernels, ForwardKernel, score, mask, tanh_approx)
+
+
+_merging_kernels: "OrderedDict[tuple, MergingForwardKernel]" = OrderedDict()
+
+
+def merging_forward_kernel(score: Optional[TracedMod], mask: Optional[TracedMod], *,
+                           tanh_approx: bool = False) -> MergingForwardKernel:
+    """The merging forward kernel for these traced mods (MergingForwardKernel), kept as forward_kernel's."""
+    return cached_kernel(_merging_kernels, MergingForwardKernel, score, mask, tanh_approx)
 

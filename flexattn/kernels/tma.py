@@ -48,7 +48,8 @@ def host_descriptors_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bo
 
 
 def host_descriptors(q, k, v, out, constexprs):
-    """4-D descriptors [Z, H, LEN, D] of Q, K, V and the output, with the launch's tiles as blocks."""
+    """4-D descriptors [Z, H, LEN, D] of Q, K, V and the output, with the launch's tiles as blocks
+    (None for an ``out`` of None: a kernel that reads and writes its output through pointers)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     bm, bn = constexprs["BLOCK_M"], constexprs["BLOCK_N"]
@@ -57,7 +58,7 @@ def host_descriptors(q, k, v, out, constexprs):
         TensorDescriptor(q, list(q.shape), list(q.stride()), [1, 1, bm, dq]),
         TensorDescriptor(k, list(k.shape), list(k.stride()), [1, 1, bn, dq]),
         TensorDescriptor(v, list(v.shape), list(v.stride()), [1, 1, bn, dv]),
-        TensorDescriptor(out, list(out.shape), list(out.stride()), [1, 1, bm, dv]),
+        None if out is None else TensorDescriptor(out, list(out.shape), list(out.stride()), [1, 1, bm, dv]),
     )
 
 
