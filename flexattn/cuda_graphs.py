@@ -68,6 +68,13 @@ def _graph_tree_stream(stream, device: torch.device) -> bool:
     trees = sys.modules.get("torch._inductor.cudagraph_trees")
     if trees is None:  # no tree can exist before torch.compile loaded the module
         return False
+    # A thread that reaches no tree managers runs no tree. On torch 2.11, asking from such a thread
+    # (autograd's backward threads, unless a tree stashed them there) fails an assertion, which the
+    # safe answer below turned into "nothing kept" for every compiled backward on a side stream.
+    in_tls = getattr(torch._C, "_is_key_in_tls", None)
+    if (in_tls is not None and not hasattr(getattr(trees, "local", None), "tree_manager_containers")
+            and not in_tls("tree_manager_containers")):
+        return False
     try:
         index = device.index if device.index is not None else torch.cuda.current_device()
         manager = trees.get_manager(index, create_if_none_exists=False)

@@ -45,9 +45,12 @@ def test_nothing_is_kept_inside_a_capture(cuda_state):
     assert not cuda_graphs.may_keep_allocations(GPU)
 
 
-def _graph_trees(monkeypatch, get_manager):
+def _graph_trees(monkeypatch, get_manager, reachable: bool = True):
+    # ``reachable``: this thread reaches the tree managers' containers (torch keeps them in a
+    # thread-local, stashed into the threads a tree runs in)
     trees = types.ModuleType("torch._inductor.cudagraph_trees")
     trees.get_manager = get_manager
+    trees.local = types.SimpleNamespace(**({"tree_manager_containers": {}} if reachable else {}))
     monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", trees)
 
 
@@ -78,6 +81,34 @@ def test_unknown_graph_tree_internals_keep_nothing_on_side_streams(cuda_state, m
     assert not cuda_graphs.may_keep_allocations(GPU)  # slower, never wrong
     cuda_state.current = 1
     assert cuda_graphs.may_keep_allocations(GPU)  # the default stream needs no tree
+
+
+def test_a_thread_that_reaches_no_graph_tree_keeps_on_its_side_stream(cuda_state, monkeypatch):
+    # autograd's backward thread after a compiled forward on a side stream: torch 2.11's get_manager
+    # fails an assertion there (no containers in that thread), and the compiled backward kept
+    # nothing, allocating on every call (tests/test_gpu_streams.py, H100, 2026-12-07).
+    def unreachable(index, create_if_none_exists=True):
+        raise AssertionError
+
+    _graph_trees(monkeypatch, unreachable, reachable=False)
+    monkeypatch.setattr(torch._C, "_is_key_in_tls", lambda key: False)
+    cuda_state.current = 7
+    assert cuda_graphs.may_keep_allocations(GPU)
+    # Stashed into this thread by a tree that runs here: asked as any other thread would be.
+    monkeypatch.setattr(torch._C, "_is_key_in_tls", lambda key: key == "tree_manager_containers")
+    assert not cuda_graphs.may_keep_allocations(GPU)
+
+
+def test_in_a_fresh_thread_the_real_graph_trees_module_is_read_without_an_error():
+    import threading
+
+    import torch._inductor.cudagraph_trees  # noqa: F401 - what torch.compile loads
+
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(cuda_graphs._graph_tree_stream(_Stream(7), GPU)))
+    thread.start()
+    thread.join()
+    assert seen == [False]  # no tree exists in this process
 
 
 def test_the_stream_key_is_the_raw_handle_of_the_current_stream(monkeypatch):
