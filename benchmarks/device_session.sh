@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One call of the lent GPU, by stage: what the open issues still need measured there, each stage
+# sized for one call (at most 10 minutes) and at most 8 files back under $OUT.
+#
+#   bash benchmarks/device_session.sh STAGE [BUDGET_S]
+#
+# Stages (the issue each serves):
+#   compile  issue 50: compiled numbers, the compiled fuzzer's CI slice, the GPU compile tests
+#   suite1   issue 51: the first half of the GPU suite (pytest -m gpu), by file
+#   suite2   issue 51: the second half
+#   host     issue 52: flexattn bench --mode host, then benchmarks.host_profile
+#   cp       issue 54: the merge in the kernel and memory per rank, ranks as streams on one GPU
+#   numbers  issue 50: numbers as kernel arguments against literals (d=128, four rounds)
+# Run from the repository root; BUDGET_S (default 560) bounds the whole stage.
+set -o pipefail
+STAGE=${1:?a stage: compile, suite1, suite2, host, cp or numbers}
+BUDGET=${2:-560}
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/flexattn-device-out}
+mkdir -p "$OUT"
+T0=$SECONDS
+left() { echo $(( BUDGET - (SECONDS - T0) - ${1:-10} )); }
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+  git rev-parse HEAD 2>/dev/null; } 2>&1 | tee "$OUT/env.txt"
+
+gpu_files() {  # the test files with GPU tests, sorted; half 1 or 2 of them
+    local files
+    files=$(grep -l "pytest.mark.gpu" tests/test_*.py | sort)
+    local n; n=$(echo "$files" | wc -l)
+    if [ "$1" = 1 ]; then echo "$files" | head -n $(( (n + 1) / 2 )); else echo "$files" | tail -n +$(( (n + 1) / 2 + 1 )); fi
+}
+
+case "$STAGE" in
+compile)
+    timeout "$(left)" python3 -m pytest -q -p no:cacheprovider -rf tests/test_compile_numbers.py \
+        tests/test_fuzz_compiled.py tests/test_gpu_compile.py 2>&1 | tee "$OUT/compile.log" | tail -25 ;;
+suite1|suite2)
+    # shellcheck disable=SC2046
+    timeout "$(left)" python3 -m pytest -p no:cacheprovider -m gpu -rfE -v --durations=10 \
+        $(gpu_files "${STAGE#suite}") > "$OUT/$STAGE.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/$STAGE.log" | awk '{print $NF}' | sort | uniq -c
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$STAGE.log" | tail -30 ;;
+host)
+    unset FLEXATTN_POISON_OUTPUTS
+    timeout "$(left 200)" python3 -m flexattn.bench.host --out "$OUT/host.json" 2>&1 | tee "$OUT/host.log" | tail -30
+    timeout "$(left)" python3 -m benchmarks.host_profile --out-dir "$OUT" 2>&1 | tail -10 ;;
+cp)
+    timeout "$(left 240)" python3 -m benchmarks.context_parallel --masks document,sliding_window --ranks 2 --check \
+        --out "$OUT/cp_merge.json" 2>&1 | tee "$OUT/cp_merge.log" | tail -30
+    timeout "$(left)" python3 -m benchmarks.cp_memory --out "$OUT/cp_memory.json" 2>&1 | tee "$OUT/cp_memory.log" | tail -20 ;;
+numbers)
+    timeout "$(left)" python3 -m benchmarks.number_inputs --head-dims 128 --rounds 4 --out "$OUT/numbers.json" 2>&1 \
+        | tee "$OUT/numbers.log" | tail -25 ;;
+*)
+    echo "unknown stage $STAGE" >&2; exit 2 ;;
+esac
+echo "[$STAGE: $(( SECONDS - T0 )) s]"
