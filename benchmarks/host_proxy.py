@@ -2,6 +2,7 @@
 
     python -m benchmarks.host_proxy                    # every case, min and median of 5 rounds
     python -m benchmarks.host_proxy --calls 5000
+    python -m benchmarks.host_proxy --cases decode decode_gqa   # some cases only
     python -m benchmarks.host_proxy --profile fwd_mask # cProfile of one case (SORT, TOP in the env)
 
 The proxy of issue 52's warm call where no GPU is at hand: the same Python path as on a GPU, with
@@ -91,10 +92,12 @@ def cases() -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000, help="calls per round (divided by the case's weight)")
-    parser.add_argument("--profile", choices=["fwd_mask", "fwd_plain", "fwd_bwd", "decode", "decode_gqa", "pytorch"])
+    names = ["fwd_mask", "fwd_plain", "fwd_bwd", "decode", "decode_gqa", "pytorch"]
+    parser.add_argument("--profile", choices=names)
+    parser.add_argument("--cases", nargs="+", choices=names, default=names, help="the cases to time")
     args = parser.parse_args(argv)
     stub_launches()
-    table = cases()
+    table = {name: case for name, case in cases().items() if name in args.cases or name == args.profile}
     for fn, _ in table.values():  # the first calls trace, render and run the interpreter's kernels once
         fn()
     if args.profile:
