@@ -1,7 +1,8 @@
 """Warm eager calls launch what the long way worked out once ([Note] Prepared eager launches in
-flexattn/kernels/forward.py). Each test warms a problem up, then changes one thing the prepared
-launch's key leaves out (or that comes back under the same key, id or shape) and checks that the
-next call computes the new problem, not the prepared one's.
+flexattn/kernels/family.py): the forward, the backward and the decode. Each test warms a problem
+up, then changes one thing the prepared launch's key leaves out (or that comes back under the same
+key, id or shape) and checks that the next call computes the new problem, not the prepared one's.
+The decode's kept scratch ([Note] Kept scratch in flexattn/kernels/launch.py) is tested at the end.
 
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py), so shapes are tiny.
 """
