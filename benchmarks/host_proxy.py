@@ -2,6 +2,7 @@
 
     python -m benchmarks.host_proxy                    # every case, min and median of 5 rounds
     python -m benchmarks.host_proxy --calls 5000
+    python -m benchmarks.host_proxy --cases decode decode_gqa   # some cases only
     python -m benchmarks.host_proxy --profile fwd_mask # cProfile of one case (SORT, TOP in the env)
 
 The proxy of issue 52's warm call where no GPU is at hand: the same Python path as on a GPU, with
@@ -11,7 +12,9 @@ stream queries: GPU host times come from `flexattn bench --mode host` on the dev
 
 Cases (B 1, H 2, L 16, d 16, float32, BACKEND TRITON under Triton's interpreter): a forward with
 ALiBi and a causal BlockMask; a forward without either; forward + backward of the first; a decode
-step (q length 1, TRITON_DECODE); and the PYTORCH backend for reference.
+step (q length 1, TRITON_DECODE); and the PYTORCH backend for reference. ``decode_gqa`` is the GPU
+benchmark's decode step (flexattn/bench/host.py): ALiBi, 16 query heads on 2 key/value heads (GQA),
+1024 cached keys, d 64, bfloat16; two splits, so a merge launch too, as on an H100.
 """
 
 from __future__ import annotations
@@ -53,15 +56,22 @@ def cases() -> dict:
     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
     q1 = torch.randn(1, 2, 1, 16)
     slopes = torch.randn(2)
+    q16 = torch.randn(1, 16, 1, 64, dtype=torch.bfloat16)
+    k16, v16 = (torch.randn(1, 2, 1024, 64, dtype=torch.bfloat16) for _ in range(2))
+    slopes16 = torch.randn(16)
 
     def alibi(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx)
+
+    def alibi16(score, b, h, q_idx, kv_idx):
+        return score + slopes16[h] * (kv_idx - q_idx)
 
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
 
     bm = create_block_mask(causal, 1, 1, 16, 16, device="cpu")
     triton = {"BACKEND": "TRITON"}
+    decode = {"BACKEND": "TRITON_DECODE"}  # what AUTO picks on a GPU for one query row; on the CPU it picks PYTORCH
 
     def fwd_bwd():
         out = flex_attention(qg, kg, vg, score_mod=alibi, block_mask=bm, kernel_options=triton)
@@ -71,7 +81,9 @@ def cases() -> dict:
         "fwd_mask": (lambda: flex_attention(q, k, v, score_mod=alibi, block_mask=bm, kernel_options=triton), 1),
         "fwd_plain": (lambda: flex_attention(q, k, v, kernel_options=triton), 1),
         "fwd_bwd": (fwd_bwd, 2),
-        "decode": (lambda: flex_attention(q1, k, v, score_mod=alibi, kernel_options={"BACKEND": "TRITON_DECODE"}), 1),
+        "decode": (lambda: flex_attention(q1, k, v, score_mod=alibi, kernel_options=decode), 1),
+        "decode_gqa": (lambda: flex_attention(q16, k16, v16, score_mod=alibi16, enable_gqa=True, kernel_options=decode),
+                       1),
         "pytorch": (lambda: flex_attention(q, k, v, score_mod=alibi, block_mask=bm,
                                            kernel_options={"BACKEND": "PYTORCH"}), 5),
     }
@@ -80,10 +92,12 @@ def cases() -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000, help="calls per round (divided by the case's weight)")
-    parser.add_argument("--profile", choices=["fwd_mask", "fwd_plain", "fwd_bwd", "decode", "pytorch"])
+    names = ["fwd_mask", "fwd_plain", "fwd_bwd", "decode", "decode_gqa", "pytorch"]
+    parser.add_argument("--profile", choices=names)
+    parser.add_argument("--cases", nargs="+", choices=names, default=names, help="the cases to time")
     args = parser.parse_args(argv)
     stub_launches()
-    table = cases()
+    table = {name: case for name, case in cases().items() if name in args.cases or name == args.profile}
     for fn, _ in table.values():  # the first calls trace, render and run the interpreter's kernels once
         fn()
     if args.profile:

@@ -26,7 +26,7 @@ def _causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-@pytest.mark.parametrize("case", ["no mask", "mask and score_mod", "training", "compiled training"])
+@pytest.mark.parametrize("case", ["no mask", "mask and score_mod", "training", "compiled training", "decode"])
 def test_a_side_streams_steady_state_allocates_what_the_default_streams_does(case):
     torch.manual_seed(0)
     B, H, L, D = 2, 4, 1024, 128
@@ -38,9 +38,17 @@ def test_a_side_streams_steady_state_allocates_what_the_default_streams_does(cas
 
     attend = torch.compile(flex_attention, fullgraph=True) if case == "compiled training" else flex_attention
 
+    # A decode step with two splits: its partials' scratch is kept per stream and thread ([Note] Kept
+    # scratch in flexattn/kernels/launch.py).
+    q1 = torch.randn(1, 16, 1, 64, device="cuda", dtype=torch.bfloat16)
+    k1, v1 = (torch.randn(1, 2, 1024, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    decode = {"BACKEND": "TRITON_DECODE", "DECODE_NUM_SPLITS": 2}
+
     def step():
         if case == "no mask":
             return flex_attention(q, k, v)
+        if case == "decode":
+            return flex_attention(q1, k1, v1, enable_gqa=True, kernel_options=decode)
         out = attend(q, k, v, score_mod=shifted, block_mask=block_mask)
         if grad:
             out.sum().backward()
@@ -55,6 +63,8 @@ def test_a_side_streams_steady_state_allocates_what_the_default_streams_does(cas
         on_side = _allocations_per_call(step)
     torch.cuda.current_stream().wait_stream(side)
     assert on_side == on_default, f"{case}: {on_side} allocations per call on a side stream, {on_default} on the default"
+    if case == "decode":
+        assert on_default == 1, f"a decode step allocates its output only, got {on_default} allocations per call"
 
 
 def test_a_capture_does_not_point_at_a_kept_mask_that_is_evicted_later():

@@ -43,9 +43,11 @@ from .configs import (
     upcast_dots,
 )
 from .ahead import recording
-from .family import CompiledKernel, KernelFamily, Plan, Problem, Step, TileRoles, cached_kernel, with_tiles
+from .family import (
+    CompiledKernel, KernelFamily, Plan, PreparedLaunch, Problem, Step, TileRoles, cached_kernel, with_tiles,
+)
 from .launch import (
-    RepeatedLaunch, empty_output, interpreter_enabled, is_out_of_resources, kv_strides, launch, mod_launch_args,
+    RepeatedLaunch, empty_output, interpreter_enabled, kv_strides, launch, mod_launch_args,
 )
 from .launch_order import rows_alike, tail_pairs
 from .tables import backward_tables, launch_tables
@@ -81,10 +83,6 @@ class BackwardKernel(KernelFamily):
                                                    variant=variants[0])
         return replace(super()._spec(variants), score_grad=score_grad)
 
-    def __init__(self, score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool):
-        super().__init__(score, mask, tanh_approx=tanh_approx)
-        self._prepared: dict = {}  # plan key -> PreparedBackward ([Note] Prepared eager launches)
-
     def prepare(self, q, k, block_mask) -> None:
         """Lower and compile for this call's lengths now (at the forward), so a mod whose gradient
         cannot be lowered fails before any kernel runs."""
@@ -104,16 +102,9 @@ class BackwardKernel(KernelFamily):
                           bwd_tables=backward_tables(block_mask), float32_kv_grads=float32_kv_grads,
                           deterministic=deterministic)
         key = _plan_key(problem)
-        prepared = self._prepared.get(key)
-        if prepared is not None and prepared.serves(self._plans.get(key), problem):
-            try:
-                dq, dk, dv = prepared(q, k, v, out, lse, grad_out, grad_lse, problem.tables, problem.bwd_tables,
-                                      score_captured, mask_captured)
-                return dq, dk, dv, [None] * len(score_captured)
-            except Exception as err:
-                if not is_out_of_resources(err):
-                    raise
-                self._prepared.pop(key, None)  # the long way steps down; pop: another thread may have dropped it
+        grads = self._prepared_result(key, problem)
+        if grads is not None:
+            return grads
         grads = self._run(key, problem)
         if not recording():
             launches += 1
@@ -122,7 +113,7 @@ class BackwardKernel(KernelFamily):
 
     def _prepare(self, key: tuple, problem: Problem) -> None:
         """After a call of ``key`` ran its plan the long way: its launches, worked out for the next
-        calls of the key ([Note] Prepared eager launches in kernels/forward.py). Not for what
+        calls of the key ([Note] Prepared eager launches in kernels/family.py). Not for what
         WarmBackwardLaunch leaves out (gradients of captured tensors, a broadcast key/value batch)
         nor for float32 dK/dV."""
         q, k = problem.q, problem.k
@@ -130,9 +121,7 @@ class BackwardKernel(KernelFamily):
         if (plan is None or plan.check_compiled or plan.compiled.trainable or k.shape[0] != q.shape[0]
                 or problem.float32_kv_grads or self._for_call(plan, problem) is not plan):
             return
-        if len(self._prepared) >= _PREPARED_KEPT:
-            self._prepared.clear()
-        self._prepared[key] = PreparedBackward(self, plan, problem)
+        self._keep_prepared(key, PreparedBackward(self, plan, problem))
 
     def kept_plan(self, q, k, v, out, grad_out, grad_lse, block_mask, scale: float, options: dict) -> Optional[Plan]:
         """The plan a call with these arguments launches now, once its problem's plan has settled, else
@@ -420,9 +409,6 @@ class WarmBackwardLaunch:
         return dq, dk, dv
 
 
-_PREPARED_KEPT = 256
-
-
 class _EveryCallLaunch(NamedTuple):
     """``launch`` of one kernel, grid and constexprs, the specialisation facts read from each call's
     arguments (a RepeatedLaunch keeps the first call's; an eager call's key does not fix them)."""
@@ -435,10 +421,11 @@ class _EveryCallLaunch(NamedTuple):
         return launch(self.jit_fn, self.grid, args, self.constexprs)
 
 
-class PreparedBackward(WarmBackwardLaunch):
+class PreparedBackward(WarmBackwardLaunch, PreparedLaunch):
     """WarmBackwardLaunch for the eager calls of one plan key ([Note] Prepared eager launches in
-    kernels/forward.py): ``serves`` checks what the key leaves out, and every launch takes Triton's
-    specialisation facts from its own arguments."""
+    kernels/family.py): ``also_serves`` checks what the backward's key leaves out besides the plan
+    and the scale (the tables' widths, 16-byte alignment under tensor descriptors), and every launch
+    takes Triton's specialisation facts from its own arguments."""
 
     def __init__(self, family: BackwardKernel, plan: Plan, problem: Problem):
         super().__init__(family, plan, problem.q, problem.k, problem.v, problem.out, problem.grad_out,
@@ -450,16 +437,17 @@ class PreparedBackward(WarmBackwardLaunch):
         self.scale = problem.scale
         self.widths = _table_widths(problem.tables, problem.bwd_tables)
 
-    def serves(self, plan: Optional[Plan], problem: Problem) -> bool:
-        """Whether this call launches exactly what the long way would."""
-        scale = problem.scale
-        if (plan is not self.plan or recording() or scale != self.scale
-                or _table_widths(problem.tables, problem.bwd_tables) != self.widths):
+    def also_serves(self, problem: Problem) -> bool:
+        if _table_widths(problem.tables, problem.bwd_tables) != self.widths:
             return False
-        if not scale and math.copysign(1.0, scale) != math.copysign(1.0, self.scale):
-            return False  # 0.0 and -0.0 are equal, and are different SM_SCALE arguments
         return not (self.use_tma and (problem.q.data_ptr() | problem.k.data_ptr() | problem.v.data_ptr()
                                       | problem.grad_out.data_ptr()) % 16)
+
+    def run(self, problem: Problem):
+        dq, dk, dv = self(problem.q, problem.k, problem.v, problem.out, problem.lse, problem.grad_out,
+                          problem.grad_lse, problem.tables, problem.bwd_tables, problem.score_captured,
+                          problem.mask_captured)
+        return dq, dk, dv, [None] * len(problem.score_captured)
 
 
 def _table_widths(tables, bwd_tables) -> tuple:

@@ -16,8 +16,8 @@ Decode tiles in the template).
 
 Caches follow [Note] Cache keys in kernels/family.py: ``_kernels`` (TracedMod pair, tanh flag),
 ``DecodeKernel._compiled`` (lowering variants), ``DecodeKernel._plans`` (shapes, strides, dtype,
-device, BlockMask table shapes, the group check, flags, options), the group check on the BlockMask
-(kernels/tables.py).
+device, BlockMask table shapes, the group check, flags, options), ``DecodeKernel._prepared`` (the
+plans' key: [Note] Prepared decode launches), the group check on the BlockMask (kernels/tables.py).
 """
 
 from __future__ import annotations
@@ -34,13 +34,15 @@ from ..masks import BlockMask
 from ..masks.layout import cdiv
 from ..trace import TracedMod
 from .configs import input_precision, kv_as_float16, next_pow2, select_decode_config, upcast_dots
-from .family import CompiledKernel, KernelFamily, Plan, Problem, Step, cached_kernel
+from .ahead import recording
+from .family import CompiledKernel, KernelFamily, Plan, PreparedLaunch, Problem, Step, cached_kernel
 from .launch import (
-    empty_attention_output, empty_output, finished_output, interpreter_enabled, kv_strides, launch, mod_launch_args,
+    attention_output_spec, empty_output, empty_strided_output, finished_output, interpreter_enabled, kept_scratch,
+    kv_strides, launch, mod_launch_args,
 )
 from .tables import groups_share_tables, launch_tables
 
-__all__ = ["DecodeKernel", "decode_kernel", "unsupported_reason", "launches", "balanced_splits",
+__all__ = ["DecodeKernel", "DecodeLaunch", "decode_kernel", "unsupported_reason", "launches", "balanced_splits",
            "MAX_AUTO_QUERY_LEN"]
 
 launches = 0  # decode calls in this process (tests check that the decode kernels, not the forward, ran)
@@ -127,48 +129,26 @@ class DecodeKernel(KernelFamily):
             raise InvalidInputError(f"kernel_options BACKEND='TRITON_DECODE': {reason}; use 'TRITON' or 'AUTO'")
         tables = launch_tables(block_mask)
         problem = Problem(q, k, v, block_mask, tables, scale, score_captured, mask_captured, options, need_lse)
-        key = (
-            q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-            block_mask.BLOCK_SIZE, tuple(tables.kv_num_blocks.shape), tables.kv_indices.shape[3],
-            tables.full_kv_indices.shape[3], tables.has_full, _groups_share(problem),  # content, never id(block_mask)
-            need_lse, scale > 0, tuple(sorted(options.items())) if options else (),
-            torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None,
-        )
-        result = self._run(key, problem)
+        key = _plan_key(problem)
+        result = self._prepared_result(key, problem)
+        if result is None:
+            seen = key in self._plans
+            result = self._run(key, problem)
+            if seen:
+                self._prepare(key, problem)
         launches += 1
         return result
 
+    def _prepare(self, key: tuple, problem: Problem) -> None:
+        """After the second call of ``key`` ran its plan the long way: that launch, kept for the next
+        calls of the key ([Note] Prepared decode launches)."""
+        plan = self._plans.get(key)
+        if plan is None or plan.check_compiled or recording():
+            return
+        self._keep_prepared(key, DecodeLaunch(self, plan, problem))
+
     def _launch(self, plan: Plan, problem: Problem):
-        q, k, v, tables = problem.q, problem.k, problem.v, problem.tables
-        scale, need_lse = problem.scale, problem.need_lse
-        B, Hq, L, _ = q.shape
-        Ev = v.shape[3]
-        partial = plan.steps["partial"]
-        merge = plan.steps.get("merge")
-        out = empty_attention_output(q, Ev)
-        lse = empty_output((B, Hq, L), torch.float32, q.device) if need_lse else out
-        if merge is None:
-            acc_s = m_s = l_s = out  # unused: one split writes the output directly
-        else:
-            (rows,) = plan.extra
-            acc_s = empty_output((rows, partial.constexprs["V_HEAD_DIM_P2"]), torch.float32, q.device)
-            m_s = empty_output((rows,), torch.float32, q.device)
-            l_s = empty_output((rows,), torch.float32, q.device)
-        k_strides, v_strides = kv_strides(k, v, B)
-        nb, idx, fnb, fidx = tables.kv_num_blocks, tables.kv_indices, tables.full_kv_num_blocks, tables.full_kv_indices
-        launch(plan.compiled.kernel(DECODE_PARTIAL), partial.grid, DECODE_PARTIAL.pack(
-            Q=q, K=k, V=v, OUT=out, LSE=lse, ACC_SCRATCH=acc_s, M_SCRATCH=m_s, L_SCRATCH=l_s,
-            KV_NUM_BLKS=nb, KV_IDX=idx, FULL_KV_NUM_BLKS=fnb, FULL_KV_IDX=fidx,
-            stride_q=q.stride(), stride_k=k_strides, stride_v=v_strides, stride_o=out.stride(),
-            SPARSE_ROWS=nb.shape[2], IDX_COLS=idx.shape[3], FULL_IDX_COLS=fidx.shape[3], KV_LEN=k.shape[2],
-            SM_SCALE=scale, mods=mod_launch_args(problem.score_captured if self.has_score_mod else (),
-                                                 problem.mask_captured if self.has_mask_mod else ()),
-        ), partial.constexprs)
-        if merge is not None:
-            launch(plan.compiled.kernel(DECODE_MERGE), merge.grid, DECODE_MERGE.pack(
-                OUT=out, LSE=lse, ACC_SCRATCH=acc_s, M_SCRATCH=m_s, L_SCRATCH=l_s, stride_o=out.stride(),
-            ), merge.constexprs)
-        return (finished_output(out, q), (lse if need_lse else None)), {}
+        return DecodeLaunch(self, plan, problem).run(problem), {}
 
     def _plan(self, problem: Problem, compiled: CompiledKernel) -> Plan:
         q, k, v, tables, scale, options = problem.q, problem.k, problem.v, problem.tables, problem.scale, problem.options
@@ -241,6 +221,92 @@ class DecodeKernel(KernelFamily):
             f"the Triton decode kernel for {self._names()} does not fit this GPU even with 16-key tiles and one "
             f"pipeline stage ({err}); simplify the mod or use kernel_options={{'BACKEND': 'TRITON'}}"
         )
+
+
+# [Note] Prepared decode launches. A warm decode call of a plan key that ran the long way twice
+# launches the DecodeLaunch kept for it ([Note] Prepared eager launches in kernels/family.py): the
+# output's and the scratch's shapes and strides and the partial kernel's ints, worked out once. The
+# long way makes a DecodeLaunch at each call and runs it once, so both ways launch the same
+# arguments. Prepared at the second call, not the first: a cache that grows by a token a step is a
+# new key at each step, and would prepare launches never served.
+# The key (_plan_key) holds every int the launch passes: q's, k's and v's shapes (so the KV length)
+# and strides (so the output's layout and a broadcast key/value batch of 1), the tables' shapes and
+# widths (SPARSE_ROWS, IDX_COLS, FULL_IDX_COLS), the dtypes (so the output's) and device, need_lse,
+# kernel_options and the group check (enable_gqa shows in the head counts). What it leaves out, the
+# plan and the scale, PreparedLaunch.serves checks at every call. Read at every call, as the long
+# way reads them: q, k and v; the tables, through launch_tables' stamps (a paged cache's mask
+# converted each step, a mask changed in place); the mods' values (captured tensors as they are
+# then, replaced or changed in place; the Python numbers a mod reads; the page tables a paged mod
+# reads). Nothing of a call's tensors is kept. The output and LSE are allocated per call; the
+# splits' scratch is kept per thread and stream by the rules of flexattn/cuda_graphs.py ([Note] Kept
+# scratch in kernels/launch.py), so a capture or a graph tree's warm-up allocates its own, as the
+# forward's calls do. FP8 and mixed dtypes are prepared too: the output's dtype comes from
+# attention_output_spec and finished_output converts it, as on the long way.
+
+
+class DecodeLaunch(PreparedLaunch):
+    """The decode kernels' launches of one plan for the calls of one plan key: the output's and the
+    scratch's shapes and the partial kernel's ints, from the call it was made for (see [Note]
+    Prepared decode launches). ``run(problem)`` returns ``(out, lse or None)``."""
+
+    def __init__(self, family: DecodeKernel, plan: Plan, problem: Problem):
+        q, k, v, tables = problem.q, problem.k, problem.v, problem.tables
+        B, Hq, L, _ = q.shape
+        self.family, self.plan, self.scale, self.need_lse = family, plan, problem.scale, problem.need_lse
+        self.partial, self.merge = plan.steps["partial"], plan.steps.get("merge")
+        self.partial_kernel = plan.compiled.kernel(DECODE_PARTIAL)
+        self.merge_kernel = plan.compiled.kernel(DECODE_MERGE) if self.merge is not None else None
+        self.out_shape, out_strides, self.out_dtype = attention_output_spec(q, v.shape[3])
+        self.out_strides, self.lse_shape = out_strides, (B, Hq, L)
+        if self.merge is not None:
+            # The splits' ACC, M and L rows ([Note] Kept scratch in kernels/launch.py).
+            (rows,) = plan.extra
+            self.scratch_shapes = ((rows, self.partial.constexprs["V_HEAD_DIM_P2"]), (rows,), (rows,))
+        k_strides, v_strides = kv_strides(k, v, B)
+        self.fixed = dict(
+            stride_q=q.stride(), stride_k=k_strides, stride_v=v_strides, stride_o=out_strides,
+            SPARSE_ROWS=tables.kv_num_blocks.shape[2], IDX_COLS=tables.kv_indices.shape[3],
+            FULL_IDX_COLS=tables.full_kv_indices.shape[3], KV_LEN=k.shape[2], SM_SCALE=problem.scale,
+        )
+
+    def run(self, problem: Problem):
+        q, tables, family = problem.q, problem.tables, self.family
+        device = q.device
+        out = empty_strided_output(self.out_shape, self.out_strides, self.out_dtype, device)
+        lse = empty_output(self.lse_shape, torch.float32, device) if self.need_lse else out
+        if self.merge is None:
+            acc_s = m_s = l_s = out  # unused: one split writes the output directly
+        else:
+            acc_s, m_s, l_s = kept_scratch(self.scratch_shapes, torch.float32, device)
+        partial = self.partial
+        launch(self.partial_kernel, partial.grid, DECODE_PARTIAL.pack(
+            Q=q, K=problem.k, V=problem.v, OUT=out, LSE=lse, ACC_SCRATCH=acc_s, M_SCRATCH=m_s, L_SCRATCH=l_s,
+            KV_NUM_BLKS=tables.kv_num_blocks, KV_IDX=tables.kv_indices, FULL_KV_NUM_BLKS=tables.full_kv_num_blocks,
+            FULL_KV_IDX=tables.full_kv_indices,
+            mods=mod_launch_args(problem.score_captured if family.has_score_mod else (),
+                                 problem.mask_captured if family.has_mask_mod else ()),
+            **self.fixed,
+        ), partial.constexprs)
+        merge = self.merge
+        if merge is not None:
+            launch(self.merge_kernel, merge.grid, DECODE_MERGE.pack(
+                OUT=out, LSE=lse, ACC_SCRATCH=acc_s, M_SCRATCH=m_s, L_SCRATCH=l_s, stride_o=self.out_strides,
+            ), merge.constexprs)
+        family.last_plan = self.plan
+        return finished_output(out, q), (lse if self.need_lse else None)
+
+
+def _plan_key(problem: Problem) -> tuple:
+    """What a decode plan depends on (see [Note] Cache keys in kernels/family.py), and with it every
+    int its launch passes ([Note] Prepared decode launches)."""
+    q, k, v, tables, options = problem.q, problem.k, problem.v, problem.tables, problem.options
+    return (
+        q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+        problem.block_mask.BLOCK_SIZE, tuple(tables.kv_num_blocks.shape), tables.kv_indices.shape[3],
+        tables.full_kv_indices.shape[3], tables.has_full, _groups_share(problem),  # content, never id(block_mask)
+        problem.need_lse, problem.scale > 0, tuple(sorted(options.items())) if options else (),
+        torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None,
+    )
 
 
 def _groups_share(problem: Problem) -> bool:

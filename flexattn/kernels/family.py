@@ -23,20 +23,23 @@ Every cache is bounded (least recently used entries go first).
 
 The caches: each family module's ``_kernels`` (TracedMod pair, tanh flag), ``KernelFamily._compiled``
 (lowering variants), ``KernelFamily._plans`` (shapes, strides, dtype, device, BlockMask content,
-flags, options), the device copies of a mod's own constants (on the TracedMod, per device), the
-tables derived from a BlockMask (on the mask, kernels/tables.py), ``codegen.source._loaded`` (source
-digest), the autotune store (source digest, device, shape class, Triton version; kernels/configs.py),
-``masks.create._dense_masks`` (lengths, device), ``lowering.ranges._VARIANTS`` and ``_WIDE``
-(TracedMods, bounds), the direct launches of kernels/launch.py (on each Triton kernel: device,
-specialisation facts, constexprs), and what was compiled ahead (dispatch._AHEAD_DONE,
-compile/ops.py's _TRACED_AHEAD, kernels/ahead.py's sent specialisations: problems and specialisations only,
-never read by a launch).
+flags, options), ``KernelFamily._prepared`` (the plans' key, and what it leaves out checked at each
+call: [Note] Prepared eager launches), the decode's kept scratch (per thread, device, stream and
+shape: [Note] Kept scratch in kernels/launch.py), the device copies of a mod's own constants (on
+the TracedMod, per device), the tables derived from a BlockMask (on the mask, kernels/tables.py),
+``codegen.source._loaded`` (source digest), the autotune store (source digest, device, shape class,
+Triton version; kernels/configs.py), ``masks.create._dense_masks`` (lengths, device),
+``lowering.ranges._VARIANTS`` and ``_WIDE`` (TracedMods, bounds), the direct launches of
+kernels/launch.py (on each Triton kernel: device, specialisation facts, constexprs), and what was
+compiled ahead (dispatch._AHEAD_DONE, compile/ops.py's _TRACED_AHEAD, kernels/ahead.py's sent
+specialisations: problems and specialisations only, never read by a launch).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from types import ModuleType
@@ -54,8 +57,8 @@ from .ahead import recording
 from .launch import interpreter_enabled, is_out_of_resources, shared_bytes, spilled_bytes
 
 __all__ = [
-    "Problem", "CompiledKernel", "Step", "Plan", "TileRoles", "KernelFamily", "cached_kernel", "SPILL_LIMIT_BYTES",
-    "STAGED_GATHER_BYTES",
+    "Problem", "CompiledKernel", "Step", "Plan", "TileRoles", "KernelFamily", "PreparedLaunch", "cached_kernel",
+    "SPILL_LIMIT_BYTES", "STAGED_GATHER_BYTES",
 ]
 
 
@@ -201,6 +204,58 @@ def _tile_bytes(c: dict, roles: TileRoles, elem_bytes: int) -> int:
 
 _PLANS_PER_KERNEL = 256
 
+# [Note] Prepared eager launches. A warm eager call of a problem that ran before (the same plan key:
+# shapes, strides, dtypes, device, BLOCK_SIZE, table statistics, outputs, options) launches what
+# the long way worked out for it once: the outputs' layouts and the launch's ints, without
+# re-deriving them or going through ``_run``. Each family keeps one PreparedLaunch per plan key
+# (``KernelFamily._prepared``, bounded), made after a call ran the long way, and
+# ``_prepared_result`` runs it while its ``serves`` says the call launches exactly what the long
+# way would. A key leaves out what the family's plan does not depend on but its launch does; those
+# facts are compared at every call instead, here for every family:
+# - the plan itself: the key's plan may have been replaced since (resource fallback, the replan
+#   rule, eviction), so the entry serves only while it is the very plan the family keeps;
+# - the scale's value (the key holds its sign): a launch argument; 0.0 and -0.0 compare equal and
+#   are different SM_SCALE arguments, so they are told apart;
+# - kernels compiled ahead: a recording call takes the long way, which records;
+# and in each family's ``also_serves``, what its own key leaves out (each family's module says what).
+# Nothing of a call's tensors is kept: the tables and the mods' captured values are the call's
+# own, read again at each call (the tables' content through launch_tables' stamps; a captured
+# tensor replaced by another or changed in place is read as it is then; a Python number a mod
+# reads comes in ``score_captured``), and a freed tensor whose id comes back finds nothing of its
+# own. No device buffer is kept in a prepared launch either: each call allocates as the long way
+# does, under the same rules for CUDA-graph captures and side streams (flexattn/cuda_graphs.py; the
+# decode's split scratch is kept per thread and stream by those rules, [Note] Kept scratch in
+# kernels/launch.py, on both ways alike). Every launch still goes through ``launch``, which takes
+# Triton's specialisation facts (alignment, dtypes of the mods' tensors, the mods' numbers) from
+# each call's arguments. A prepared launch the compiler refuses (out of resources) is dropped,
+# and the call takes the long way, which steps down ([Note] Resource fallback).
+_PREPARED_KEPT = 256
+
+
+class PreparedLaunch:
+    """What a family's prepared launch has besides its own work ([Note] Prepared eager launches):
+    the ``plan`` it launches and the ``scale`` it was prepared for, set by the family's subclass,
+    which also implements ``run(problem)`` (the call's result) and may add ``also_serves``."""
+
+    plan: Plan
+    scale: float
+
+    def serves(self, plan: Optional[Plan], problem: Problem) -> bool:
+        """Whether this call, whose key's plan is ``plan``, launches exactly what the long way would."""
+        scale = problem.scale
+        if plan is not self.plan or recording() or scale != self.scale:
+            return False
+        if not scale and math.copysign(1.0, scale) != math.copysign(1.0, self.scale):
+            return False  # 0.0 and -0.0 are equal, and are different SM_SCALE arguments
+        return self.also_serves(problem)
+
+    def also_serves(self, problem: Problem) -> bool:
+        """What the family's own key leaves out, checked for this call."""
+        return True
+
+    def run(self, problem: Problem):
+        raise NotImplementedError
+
 
 class KernelFamily:
     """The kernels of one family for one pair of traced mods (see [Note] Cache keys): one compiled
@@ -219,6 +274,8 @@ class KernelFamily:
         self.has_mask_mod = mask is not None
         self._compiled: dict[tuple, CompiledKernel] = {}
         self._plans: "OrderedDict[tuple, Plan]" = OrderedDict()
+        self._prepared: dict = {}  # plan key -> PreparedLaunch ([Note] Prepared eager launches)
+        self.prepared_calls = 0  # calls served by a prepared launch (tests check that warm calls take it)
         self.last_plan: Optional[Plan] = None  # what the latest call launched (tests and debugging read it)
 
     # ---------------------------------------------------------------- compiled sources
@@ -272,6 +329,28 @@ class KernelFamily:
         )
 
     # ---------------------------------------------------------------- plans and launches
+    def _prepared_result(self, key: tuple, problem: Problem):
+        """The result of the prepared launch of ``key`` when it serves this call, else None: the
+        call takes the long way (``_run``) ([Note] Prepared eager launches)."""
+        prepared = self._prepared.get(key)
+        if prepared is None or not prepared.serves(self._plans.get(key), problem):
+            return None
+        try:
+            result = prepared.run(problem)
+        except Exception as err:
+            if not is_out_of_resources(err):
+                raise
+            self._prepared.pop(key, None)  # the long way steps down; pop: another thread may have dropped it
+            return None
+        self.prepared_calls += 1
+        return result
+
+    def _keep_prepared(self, key: tuple, prepared: PreparedLaunch) -> None:
+        """``prepared`` for the later calls of ``key`` (the latest _PREPARED_KEPT keys)."""
+        if len(self._prepared) >= _PREPARED_KEPT:
+            self._prepared.clear()
+        self._prepared[key] = prepared
+
     def _run(self, key: tuple, problem: Problem):
         """Launch the plan of problem ``key`` (made by ``_plan`` on first use, for the kernels
         ``compiled`` for its lengths) and return the result of ``_launch(used, problem) -> (result,

@@ -9,7 +9,6 @@ without), writing the output and, when asked, the LSE and the row maxima.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import OrderedDict
 from typing import NamedTuple, Optional
 
@@ -25,11 +24,12 @@ from .configs import (
     OPTION_KEYS, candidate_configs, input_precision, kv_as_float16, max_shared_memory, next_pow2, pinned_config,
     select_config, shared_memory_bytes, tuned_configs, upcast_dots,
 )
-from .family import CompiledKernel, KernelFamily, Plan, Problem, Step, TileRoles, cached_kernel, with_tiles
+from .family import (
+    CompiledKernel, KernelFamily, Plan, PreparedLaunch, Problem, Step, TileRoles, cached_kernel, with_tiles,
+)
 from .launch import (
     FLOAT8_DTYPES, RepeatedLaunch, descriptor_over, descriptor_template, empty_attention_output, empty_output,
-    empty_strided_output, finished_output, interpreter_enabled, is_out_of_resources, kv_strides, launch,
-    mod_launch_args,
+    empty_strided_output, finished_output, interpreter_enabled, kv_strides, launch, mod_launch_args,
 )
 from .launch_order import rows_alike, tail_pairs
 from .ahead import recording
@@ -49,10 +49,6 @@ class ForwardKernel(KernelFamily):
                                        owned_width=("QK_HEAD_DIM_P2",),
                                        walked_width=("QK_HEAD_DIM_P2", "V_HEAD_DIM_P2"))}
 
-    def __init__(self, score: Optional[TracedMod], mask: Optional[TracedMod], *, tanh_approx: bool):
-        super().__init__(score, mask, tanh_approx=tanh_approx)
-        self._prepared: dict = {}  # plan key -> PreparedForward ([Note] Prepared eager launches)
-
     def __call__(
         self, q, k, v, block_mask, scale: float, score_captured, mask_captured, *,
         need_lse: bool, need_max: bool, options: dict,
@@ -61,29 +57,22 @@ class ForwardKernel(KernelFamily):
         problem = Problem(q, k, fp8_value_layout(q, v), block_mask, launch_tables(block_mask), scale, score_captured,
                           mask_captured, options, need_lse, need_max)
         key = _plan_key(problem)
-        prepared = self._prepared.get(key)
-        if prepared is not None and prepared.serves(self._plans.get(key), problem):
-            try:
-                return prepared(q, k, v, problem.tables, score_captured, mask_captured)
-            except Exception as err:
-                if not is_out_of_resources(err):
-                    raise
-                self._prepared.pop(key, None)  # the long way steps down; pop: another thread may have dropped it
+        result = self._prepared_result(key, problem)
+        if result is not None:
+            return result
         result = self._run(key, problem)
         self._prepare(key, problem)
         return result
 
     def _prepare(self, key: tuple, problem: Problem) -> None:
         """After a call of ``key`` ran its plan the long way: that launch, worked out for the next
-        calls of the key ([Note] Prepared eager launches)."""
+        calls of the key ([Note] Prepared eager launches in kernels/family.py)."""
         q, k, v = problem.q, problem.k, problem.v
         plan = self._plans.get(key)
         if (plan is None or plan.check_compiled or recording() or not q.dtype == k.dtype == v.dtype
                 or q.dtype in FLOAT8_DTYPES or self._for_call(plan, problem) is not plan):
             return
-        if len(self._prepared) >= _PREPARED_KEPT:
-            self._prepared.clear()
-        self._prepared[key] = PreparedForward(self, plan, problem)
+        self._keep_prepared(key, PreparedForward(self, plan, problem))
 
     def kept_plan(self, q, k, v, block_mask, scale: float, *, need_lse: bool, need_max: bool,
                   options: dict) -> Optional[Plan]:
@@ -373,24 +362,13 @@ class WarmForwardLaunch:
         return out, (lse if self.need_lse else None), (mx if self.need_max else None)
 
 
-# [Note] Prepared eager launches. A warm eager call of a problem it ran before (the same plan key:
-# shapes, strides, dtypes, device, BLOCK_SIZE, table statistics, outputs, options) launches what
-# the long way worked out for it once: the output's layout and the launch's ints (WarmForwardLaunch),
-# without re-deriving them. The key leaves out, and ``serves`` checks on every call instead:
-# - the plan itself: the key's plan may have been replaced since (resource fallback, the replan
-#   rule, eviction), so the entry serves only while it is the very plan the family keeps;
-# - the scale's value (the key holds its sign) and the index tables' widths (the key holds the row
-#   table's shape): both are launch arguments;
-# - the tensors' 16-byte alignment, which a plan with tensor descriptors needs (``_for_call``).
-# Nothing of a call's tensors is kept (descriptors are templates without their tensor), so a freed
-# tensor whose id comes back finds nothing of its own; the tables and captured values are the
-# call's own, read again each call (the tables' content through launch_tables' stamps). Every
-# launch still goes through ``launch``, which takes Triton's specialisation facts (alignment,
-# dtypes of the mods' tensors) from each call's arguments. FP8 and mixed dtypes (a copied value,
-# a float32 output converted after) and plans still settling take the long way. A prepared launch
-# the compiler refuses (out of resources) is dropped, and the call takes the long way, which steps
-# down ([Note] Resource fallback in kernels/family.py). The backward does the same (PreparedBackward).
-_PREPARED_KEPT = 256
+# The forward's prepared launch ([Note] Prepared eager launches in kernels/family.py) is the warm
+# launch of compiled calls (WarmForwardLaunch: the output's layout, the launch's ints and launch
+# order, descriptor templates). What the forward's key leaves out besides the plan and the scale,
+# checked by ``also_serves``: the index tables' widths (the key holds the row table's shape), and
+# the tensors' 16-byte alignment, which a plan with tensor descriptors needs (``_for_call``). FP8
+# and mixed dtypes (a copied value, a float32 output converted after) and plans still settling take
+# the long way. The backward does the same (PreparedBackward).
 
 
 class _EveryCallLaunch(NamedTuple):
@@ -405,8 +383,9 @@ class _EveryCallLaunch(NamedTuple):
         return launch(self.jit_fn, self.grid, args, self.constexprs)
 
 
-class PreparedForward(WarmForwardLaunch):
-    """WarmForwardLaunch for the eager calls of one plan key ([Note] Prepared eager launches)."""
+class PreparedForward(WarmForwardLaunch, PreparedLaunch):
+    """WarmForwardLaunch for the eager calls of one plan key ([Note] Prepared eager launches in
+    kernels/family.py)."""
 
     def __init__(self, family: ForwardKernel, plan: Plan, problem: Problem):
         super().__init__(family, plan, problem.q, problem.k, problem.v, problem.tables, problem.scale,
@@ -417,15 +396,14 @@ class PreparedForward(WarmForwardLaunch):
         self.widths = (problem.tables.kv_indices.shape[3], problem.tables.full_kv_indices.shape[3])
         self.aligned_only = bool(step.constexprs["USE_TMA"])
 
-    def serves(self, plan: Optional[Plan], problem: Problem) -> bool:
-        """Whether this call launches exactly what the long way would."""
-        tables, scale = problem.tables, problem.scale
-        if (plan is not self.plan or recording() or scale != self.scale
-                or (tables.kv_indices.shape[3], tables.full_kv_indices.shape[3]) != self.widths):
+    def also_serves(self, problem: Problem) -> bool:
+        tables = problem.tables
+        if (tables.kv_indices.shape[3], tables.full_kv_indices.shape[3]) != self.widths:
             return False
-        if not scale and math.copysign(1.0, scale) != math.copysign(1.0, self.scale):
-            return False  # 0.0 and -0.0 are equal, and are different SM_SCALE arguments
         return not (self.aligned_only and (problem.q.data_ptr() | problem.k.data_ptr() | problem.v.data_ptr()) % 16)
+
+    def run(self, problem: Problem):
+        return self(problem.q, problem.k, problem.v, problem.tables, problem.score_captured, problem.mask_captured)
 
 
 def _problem_args(step: Step, q, k, v, out_strides: tuple, tables, scale: float) -> dict:

@@ -46,16 +46,18 @@ other, so kernels compiled ahead (kernels/ahead.py) carry it too.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Optional, Sequence
 
 import torch
 
+from ..cuda_graphs import may_keep_allocations, stream_key
 from .ahead import pending, record, recording, wait_for
 
 __all__ = [
     "launch", "fast_launches", "RepeatedLaunch", "descriptor_over", "descriptor_template", "interpreter_enabled",
-    "empty_output", "empty_strided_output", "zeroed_output", "output_layout",
-    "empty_attention_output", "finished_output", "in_output_layout", "mod_launch_args", "kv_strides", "FLOAT8_DTYPES",
+    "empty_output", "empty_strided_output", "kept_scratch", "zeroed_output", "output_layout", "empty_attention_output",
+    "attention_output_spec", "finished_output", "in_output_layout", "mod_launch_args", "kv_strides", "FLOAT8_DTYPES",
     "is_out_of_resources", "spilled_bytes", "shared_bytes",
 ]
 
@@ -310,8 +312,21 @@ def empty_attention_output(q: torch.Tensor, value_dim: int) -> torch.Tensor:
     conversion drops the carry into the exponent (1.97 becomes 1.0 in Triton 3.6 to 3.9): there
     ``finished_output`` converts with torch."""
     shape, dims = output_layout(q, value_dim)
-    dtype = torch.float32 if q.dtype in FLOAT8_DTYPES and interpreter_enabled() else q.dtype
-    return empty_output(shape, dtype, q.device).permute(dims)
+    return empty_output(shape, _attention_output_dtype(q), q.device).permute(dims)
+
+
+def attention_output_spec(q: torch.Tensor, value_dim: int) -> tuple[tuple, tuple, torch.dtype]:
+    """``(shape, strides, dtype)`` of ``empty_attention_output(q, value_dim)``, without allocating it:
+    for ``empty_strided_output`` (one allocation, no view on top) in a launch worked out once."""
+    storage, dims = output_layout(q, value_dim)
+    strides, step = [0] * 4, 1
+    for d in reversed(range(4)):
+        strides[d], step = step, step * storage[d]
+    return tuple(storage[d] for d in dims), tuple(strides[d] for d in dims), _attention_output_dtype(q)
+
+
+def _attention_output_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float32 if q.dtype in FLOAT8_DTYPES and interpreter_enabled() else q.dtype
 
 
 def finished_output(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -329,6 +344,43 @@ def in_output_layout(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     if tuple(out.stride()) == tuple(stride[d] for d in dims):
         return out
     return torch.empty(shape, dtype=out.dtype, device=out.device).permute(dims).copy_(out)
+
+
+# [Note] Kept scratch. Buffers that one call's kernels write and read back before the call returns
+# (the decode kernels' split partials: the partial kernel writes every entry, the merge reads them)
+# hold nothing from one call to the next, so a thread keeps one set per device, stream and shape
+# instead of allocating it at every call. Safe because each call writes before it reads, on one
+# stream: the next call's first kernel runs after this call's last one by stream order. Per
+# thread, because two threads enqueueing on one stream could interleave one call's write with the
+# other's read; per stream, because two streams run unordered. Nothing is kept where
+# flexattn/cuda_graphs.py forbids it (inside a capture, which needs buffers the graph owns, or on a
+# CUDA-graph tree's stream, whose allocations go to the graph's pool) or while launches are only
+# recorded: there every call allocates. Under FLEXATTN_POISON_OUTPUTS kept buffers are NaN-filled
+# again at each call, so an entry a kernel forgets to write still shows.
+_kept_scratch = threading.local()
+_SCRATCH_SETS_KEPT = 8  # per thread: (device, stream, shapes, dtype) sets; cleared when full
+
+
+def kept_scratch(shapes: tuple, dtype, device) -> tuple:
+    """Buffers of ``shapes`` (a tuple of shapes, each a tuple) and ``dtype`` on ``device`` for the
+    kernels of one call to write and then read ([Note] Kept scratch): this thread's kept set for the
+    device's current stream, or new ``empty_output``s where nothing may be kept."""
+    device = torch.device(device)
+    if recording() or not may_keep_allocations(device):
+        return tuple(empty_output(shape, dtype, device) for shape in shapes)
+    kept = getattr(_kept_scratch, "sets", None)
+    if kept is None:
+        kept = _kept_scratch.sets = {}
+    key = (device, stream_key(device), shapes, dtype)
+    buffers = kept.get(key)
+    if buffers is None:
+        if len(kept) >= _SCRATCH_SETS_KEPT:
+            kept.clear()
+        buffers = kept[key] = tuple(empty_output(shape, dtype, device) for shape in shapes)
+    elif _POISON_OUTPUTS:
+        for buffer in buffers:
+            buffer.fill_(float("nan"))
+    return buffers
 
 
 def zeroed_output(shape, dtype, device) -> torch.Tensor:
