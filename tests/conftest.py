@@ -1,5 +1,6 @@
 """Shared test set-up: import path, the Triton interpreter on CPU machines, GPU markers."""
 
+import gc
 import os
 import sys
 import zlib
@@ -51,6 +52,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def collect_new_objects_only():
+    """For tests that call gc.collect() in a loop: every object alive when the test starts is set
+    aside (gc.freeze), so each collection walks only what the test made since, all of which it still
+    collects. After a few hundred tests the session holds millions of objects, and a full collection
+    took about a second, several times per step of a loop; they go back (gc.unfreeze) at the end."""
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(autouse=True)

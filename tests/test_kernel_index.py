@@ -89,7 +89,7 @@ import torch
 torch.set_num_threads(1)
 import test_differential
 from flexattn.codegen import counts
-test_differential.test_every_variant_in_one_process_against_the_reference(None)  # raises on a wrong result
+test_differential.test_every_variant_in_one_process_against_the_reference(None, None)  # raises on a wrong result
 print(json.dumps({"renders": counts.renders, "hits": counts.index_hits}))
 """
 
