@@ -76,8 +76,9 @@ def one_thread():
 def collect_new_objects_only():
     """For tests that call gc.collect() in a loop: every object alive when the test starts is set
     aside (gc.freeze), so each collection walks only what the test made since, all of which it still
-    collects. After a few hundred tests the session holds millions of objects, and a full collection
-    took about a second, several times per step of a loop; they go back (gc.unfreeze) at the end."""
+    collects. Late in a full run the session's heap made each full collection take about half a
+    second, and the differential sweep (one per step) five times slower; the set-aside objects go
+    back (gc.unfreeze) at the end."""
     gc.freeze()
     yield
     gc.unfreeze()
