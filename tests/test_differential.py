@@ -189,7 +189,7 @@ def _describe(step: int, case: Case, param, shape: Shape, block: int, backend: s
 
 
 @pytest.mark.slow  # about 30 s on 2 CPU cores (the interpreter); CI runs it
-def test_every_variant_in_one_process_against_the_reference(one_thread):
+def test_every_variant_in_one_process_against_the_reference(one_thread, collect_new_objects_only):
     rng = random.Random(SEED)
     failures = []
     for step, (case, param, shape, block) in enumerate(_steps(rng)):
@@ -264,7 +264,7 @@ def _recycled_ids_for_block_masks(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("ids", ["as_cpython_gives_them", "always_recycled"])
-def test_masks_rebuilt_every_step_like_a_training_loop(ids, monkeypatch, one_thread):
+def test_masks_rebuilt_every_step_like_a_training_loop(ids, monkeypatch, one_thread, collect_new_objects_only):
     # One mask_mod (one code object, one kernel) whose block pattern changes every step, as a
     # training loop that builds a BlockMask per batch does: consecutive blocks per row (causal) in
     # even steps, gaps in odd ones. The old BlockMask is freed before the new one is built, so the

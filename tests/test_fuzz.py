@@ -618,7 +618,7 @@ def run_case(seed: int) -> list[str]:
 
 
 @pytest.mark.parametrize("case", range(NUM_CASES))
-def test_fuzz_case(case, one_thread):
+def test_fuzz_case(case, one_thread, collect_new_objects_only):
     seed = BASE_SEED + case
     failures = run_case(seed)
     assert not failures, "\n".join(failures)

@@ -63,7 +63,7 @@ def _dense(mask_mod) -> torch.Tensor:
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="relies on CPython handing a freed BlockMask's id to the next one, "
                     "which CUDA allocations upset; tests/test_gpu.py and tests/test_differential.py cover the GPU")
-def test_masks_rebuilt_every_step_with_recycled_ids_get_their_own_plans(one_thread):
+def test_masks_rebuilt_every_step_with_recycled_ids_get_their_own_plans(one_thread, collect_new_objects_only):
     # Issue 8, item 2: a loop that frees its BlockMask and builds the next one gets the freed
     # mask's id back, and with an id-keyed plan the freed mask's CONSECUTIVE_* constexprs.
     patterns = [mask_from_table(_dense(causal_mask)), mask_from_table(_dense(every_other_block))]

@@ -83,13 +83,14 @@ def test_an_edit_anywhere_in_the_package_changes_the_code_digest(tmp_path, monke
 
 
 EVERY_VARIANT = r"""
-import json, sys
+import gc, json, sys
 sys.path.insert(0, "tests")
 import torch
 torch.set_num_threads(1)
 import test_differential
 from flexattn.codegen import counts
-test_differential.test_every_variant_in_one_process_against_the_reference(None)  # raises on a wrong result
+gc.freeze()  # as tests/conftest.py's collect_new_objects_only: the sweep's collections walk its own objects
+test_differential.test_every_variant_in_one_process_against_the_reference(None, None)  # raises on a wrong result
 print(json.dumps({"renders": counts.renders, "hits": counts.index_hits}))
 """
 

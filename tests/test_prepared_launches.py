@@ -153,7 +153,7 @@ def test_a_mods_number_and_tensor_changed_after_warm_calls(one_thread):
     check(flex_attention(q, k, v, score_mod=alibi, kernel_options=TRITON), q, k, v, score_mod=alibi)
 
 
-def test_freed_tensors_and_other_layouts_dtypes_and_grad_flags(one_thread):
+def test_freed_tensors_and_other_layouts_dtypes_and_grad_flags(one_thread, collect_new_objects_only):
     q, k, v = qkv()
     warm(q, k, v, kernel_options=TRITON)
     for _ in range(3):  # new tensors each step, often at a freed one's id and address
