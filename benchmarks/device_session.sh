@@ -8,12 +8,14 @@
 #   compile  issue 50: compiled numbers, the compiled fuzzer's CI slice, the GPU compile tests
 #   suite1   issue 51: the first half of the GPU suite (pytest -m gpu), by file
 #   suite2   issue 51: the second half
+#   suite    issue 51: the whole GPU suite at once, tests spread over pytest-xdist workers
+#            (compiling dominates, and the machine has 16 cores for one GPU)
 #   host     issue 52: flexattn bench --mode host, then benchmarks.host_profile
 #   cp       issue 54: the merge in the kernel and memory per rank, ranks as streams on one GPU
 #   numbers  issue 50: numbers as kernel arguments against literals (d=128, four rounds)
 # Run from the repository root; BUDGET_S (default 560) bounds the whole stage.
 set -o pipefail
-STAGE=${1:?a stage: compile, suite1, suite2, host, cp or numbers}
+STAGE=${1:?a stage: compile, suite, suite1, suite2, host, cp or numbers}
 BUDGET=${2:-560}
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/flexattn-device-out}
@@ -41,6 +43,12 @@ suite1|suite2)
         $(gpu_files "${STAGE#suite}") > "$OUT/$STAGE.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/$STAGE.log" | awk '{print $NF}' | sort | uniq -c
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$STAGE.log" | tail -30 ;;
+suite)
+    # shellcheck disable=SC2046
+    timeout "$(left)" python3 -m pytest -p no:cacheprovider -m gpu -rfE -v --durations=15 \
+        -n "${WORKERS:-8}" --dist worksteal $(gpu_files 1) $(gpu_files 2) > "$OUT/suite.log" 2>&1
+    grep -oE " (PASSED|FAILED|ERROR|SKIPPED) " "$OUT/suite.log" | sort | uniq -c
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/suite.log" | tail -30 ;;
 host)
     unset FLEXATTN_POISON_OUTPUTS
     timeout "$(left 200)" python3 -m flexattn.bench.host --out "$OUT/host.json" 2>&1 | tee "$OUT/host.log" | tail -30
