@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from flexattn.bench.host import FIRST_CALL_PROBLEM
+
 CHILD = r"""
 import cProfile, io, os, pstats, sys, time
 prof = cProfile.Profile()
@@ -36,16 +38,7 @@ import flexattn
 t2 = time.perf_counter()
 torch.empty(1, device="cuda"); torch.cuda.synchronize()
 t3 = time.perf_counter()
-B, H, L, D = 1, 16, 4096, 128
-q, k, v, grad = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-for t in (q, k, v):
-    t.requires_grad_(True)
-slopes = torch.exp2(-8.0 * torch.arange(1, H + 1, device="cuda") / H)
-def alibi(score, b, h, q_idx, kv_idx):
-    return score + slopes[h] * (kv_idx - q_idx)
-def causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-torch.cuda.synchronize()
+""" + FIRST_CALL_PROBLEM + r"""torch.cuda.synchronize()
 t4 = time.perf_counter()
 bm = flexattn.create_block_mask(causal, None, None, L, L, device="cuda")
 torch.cuda.synchronize()

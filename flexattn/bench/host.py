@@ -51,6 +51,20 @@ TARGET_COLD_SHARE_OF_TORCH = 0.6
 CASES = {"fwd_mask": "fwd, ALiBi + causal BlockMask", "fwd_plain": "fwd, no mods",
          "fwd_bwd": "fwd + bwd, ALiBi + causal", "decode": "decode step, ALiBi, GQA 16:2, 1k keys"}
 
+# The first call's problem, shared with benchmarks/host_profile.py's profiled child: its inputs
+# and mods, made after the CUDA context (a string: it runs in a fresh process).
+FIRST_CALL_PROBLEM = r"""
+B, H, L, D = 1, 16, 4096, 128
+q, k, v, grad = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+for t in (q, k, v):
+    t.requires_grad_(True)
+slopes = torch.exp2(-8.0 * torch.arange(1, H + 1, device="cuda") / H)
+def alibi(score, b, h, q_idx, kv_idx):
+    return score + slopes[h] * (kv_idx - q_idx)
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+"""
+
 CHILD = r"""
 import json, os, sys, time
 start = time.perf_counter()
@@ -66,16 +80,7 @@ imported = time.perf_counter()
 torch.empty(1, device="cuda")
 torch.cuda.synchronize()
 cuda = time.perf_counter()
-B, H, L, D = 1, 16, 4096, 128
-q, k, v, grad = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-for t in (q, k, v):
-    t.requires_grad_(True)
-slopes = torch.exp2(-8.0 * torch.arange(1, H + 1, device="cuda") / H)
-def alibi(score, b, h, q_idx, kv_idx):
-    return score + slopes[h] * (kv_idx - q_idx)
-def causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-torch.cuda.synchronize()
+""" + FIRST_CALL_PROBLEM + r"""torch.cuda.synchronize()
 before = time.perf_counter()
 block_mask = create_block_mask(causal, None, None, L, L, device="cuda")
 flex(q, k, v, score_mod=alibi, block_mask=block_mask).backward(grad)
