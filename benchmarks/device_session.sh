@@ -13,9 +13,11 @@
 #   host     issue 52: flexattn bench --mode host, then benchmarks.host_profile
 #   cp       issue 54: the merge in the kernel and memory per rank, ranks as streams on one GPU
 #   numbers  issue 50: numbers as kernel arguments against literals (d=128, four rounds)
+#   softcap  issue 50: only the soft-cap forward + backward, the one row two rounds left open, in
+#            eight alternating rounds of about a second each (do_bench with --rep 20 ran it once)
 # Run from the repository root; BUDGET_S (default 560) bounds the whole stage.
 set -o pipefail
-STAGE=${1:?a stage: compile, suite, suite1, suite2, host, cp or numbers}
+STAGE=${1:?a stage: compile, suite, suite1, suite2, host, cp, numbers or softcap}
 BUDGET=${2:-560}
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/flexattn-device-out}
@@ -60,6 +62,9 @@ cp)
 numbers)
     timeout "$(left)" python3 -m benchmarks.number_inputs --head-dims 128 --rounds 4 --out "$OUT/numbers.json" 2>&1 \
         | tee "$OUT/numbers.log" | tail -25 ;;
+softcap)
+    timeout "$(left)" python3 -m benchmarks.number_inputs --head-dims 128 --rounds 8 --rep 1000 --skip-compiles --cases softcap \
+        --passes fwd+bwd --out "$OUT/softcap.json" 2>&1 | tee "$OUT/softcap.log" | tail -10 ;;
 *)
     echo "unknown stage $STAGE" >&2; exit 2 ;;
 esac

@@ -124,6 +124,10 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rep", type=int, default=60, help="ms of timed runs per measurement")
     parser.add_argument("--compiles-only", action="store_true")
+    parser.add_argument("--skip-compiles", action="store_true", help="time only, without the compile-count check")
+    parser.add_argument("--cases", nargs="+", choices=("sliding_window", "prefix_lm", "softcap"),
+                        default=["sliding_window", "prefix_lm", "softcap"])
+    parser.add_argument("--passes", nargs="+", choices=("fwd", "fwd+bwd"), default=["fwd", "fwd+bwd"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -134,7 +138,7 @@ def main(argv=None) -> int:
     device, dtype = torch.device("cuda"), torch.bfloat16
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "python": platform.python_version(), "compiles": {}, "rows": []}
-    for d in args.head_dims:
+    for d in [] if args.skip_compiles else args.head_dims:
         result["compiles"][d] = compiles_once(device, dtype, d)
         print(f"d={d} compilations (Triton, modules) after the first and the last of 7 values:",
               json.dumps(result["compiles"][d]), flush=True)
@@ -147,7 +151,7 @@ def main(argv=None) -> int:
         B, H = max(1, 256 * 2**20 // (SEQ * d * 2 * 16)), 16
         q, k, v = (torch.randn(B, H, SEQ, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
         runtime, literal = runtime_mods(window, prefix, cap), literal_mods(window, prefix, cap)
-        for name in runtime:
+        for name in args.cases:
             with torch.no_grad():
                 a = flex_attention(q, k, v, score_mod=runtime[name][0],
                                    block_mask=create_block_mask(runtime[name][1], None, None, SEQ, SEQ, device=device)
@@ -156,7 +160,7 @@ def main(argv=None) -> int:
                                    block_mask=create_block_mask(literal[name][1], None, None, SEQ, SEQ, device=device)
                                    if literal[name][1] else None)
             diff = (a.float() - b.float()).abs().max().item()
-            for bwd in (False, True):
+            for bwd in [p == "fwd+bwd" for p in args.passes]:
                 times = {"runtime": [], "literal": []}
                 for _ in range(args.rounds):  # alternating: the spread of each form is its own rounds'
                     for form, mods in (("runtime", runtime), ("literal", literal)):
