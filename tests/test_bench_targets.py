@@ -47,7 +47,8 @@ def test_what_a_run_did_not_measure_is_not_checked():
 
 
 def test_the_keys_read_are_the_keys_the_benchmarks_write():
-    for path, issue, expected in ((FORWARD_RUN, 22, FORWARD), (BACKWARD_RUN, 22, BACKWARD), (BACKWARD_RUN, 53, TRAINING)):
+    runs = ((FORWARD_RUN, 22, FORWARD), (BACKWARD_RUN, 22, BACKWARD), (BACKWARD_RUN, 53, TRAINING))
+    for path, issue, expected in runs:
         rows = json.loads(path.read_text())["rows"]
         assert targets_for(rows, issue) is expected
         written = {key for row in rows for key in row}
@@ -83,7 +84,8 @@ def test_issue_53_says_which_rows_lack_torchs_flash_path_and_why():
         "causal d=128 B2 H32:8 8k: torch's FLASH path, forward: NotImplementedError: no",
         "document_mask d=128 B1 H32:8 32k: torch's FLASH path, backward: not run (no --torch-flash)",
         "document_mask d=128 B1 H32:8 32k: torch's FLASH path, forward: not run (no --torch-flash)",
-        "document_mask d=128 B1 H32:8 32k: the deterministic backward's time over the default's: not run (no --two-pass)",
+        "document_mask d=128 B1 H32:8 32k: the deterministic backward's time over the default's: "
+        "not run (no --two-pass)",
     ]
     assert not_measured([unasked], BACKWARD) == []  # issue 22's targets: what a run did not measure says nothing
 

@@ -69,7 +69,8 @@ from flexattn.variants import CATALOGUE
 
 PAPER_VARIANTS = [name for name, variant in CATALOGUE.items() if variant.paper]
 
-TRAIN_Q_BYTES = 128 * 2**20  # Q bytes per case (K and V too without GQA): B = 4 at d = 64, B = 2 at d = 128, 16 heads, 16k
+# Q bytes per case (K and V too without GQA): B = 4 at d = 64, B = 2 at d = 128, 16 heads, 16k
+TRAIN_Q_BYTES = 128 * 2**20
 BWD_FLOP_FACTOR = 2.5  # backward FLOPs per forward FLOP: five matmuls against the forward's two
 GRADS = ("dq", "dk", "dv")
 SDPA_BACKENDS = ("flash", "cudnn")
@@ -275,7 +276,8 @@ def _run_case(name: str, B: int, H: int, H_kv: int, L: int, D: int, dtype, devic
     density = block_density(bm) if bm is not None else 1.0
     fwd_flops = 4.0 * B * H * L * S * D * density
     flops = {"fwd": fwd_flops, "bwd": BWD_FLOP_FACTOR * fwd_flops, "fwdbwd": (1 + BWD_FLOP_FACTOR) * fwd_flops}
-    row = {"variant": name, "B": B, "H": H, "H_kv": H_kv, "L": L, "S": S, "D": D, "dtype": str(dtype).replace("torch.", ""),
+    row = {"variant": name, "B": B, "H": H, "H_kv": H_kv, "L": L, "S": S, "D": D,
+           "dtype": str(dtype).replace("torch.", ""),
            "density": round(density, 4), **{f"{p}_flops": f for p, f in flops.items()}}
 
     results = {}
@@ -457,8 +459,8 @@ def run(args) -> int:
             # torch's flex_attention has no CPU backward (eager or compiled); a smoke run checks the
             # comparison code against flexattn's blockwise PyTorch backend instead, and says so.
             def torch_flex(q, k, v, score_mod=None, block_mask=None, enable_gqa=False):
-                return flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa,
-                                               kernel_options={"BACKEND": "PYTORCH"})
+                return flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                               enable_gqa=enable_gqa, kernel_options={"BACKEND": "PYTORCH"})
 
             torch_flex_how = "STAND-IN (no CUDA): flexattn BACKEND=PYTORCH with torch's BlockMask"
 
