@@ -15,15 +15,17 @@
 #   numbers  issue 50: numbers as kernel arguments against literals (d=128, four rounds)
 #   softcap  issue 50: only the soft-cap forward + backward, the one row two rounds left open, in
 #            eight alternating rounds of about a second each (do_bench with --rep 20 ran it once)
+#   train    issue 53: the training benchmark's GQA rows and the d=128 causal MHA row beside torch's
+#            FLASH path and cuDNN, with the issue's 'below target:' lines (FLASH: see the stage)
 # Run from the repository root; BUDGET_S (default 560) bounds the whole stage.
 set -o pipefail
-STAGE=${1:?a stage: compile, suite, suite1, suite2, host, cp, numbers or softcap}
+STAGE=${1:?a stage: compile, suite, suite1, suite2, host, cp, numbers, softcap or train}
 BUDGET=${2:-560}
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/flexattn-device-out}
 mkdir -p "$OUT"
 T0=$SECONDS
-left() { echo $(( BUDGET - (SECONDS - T0) - ${1:-10} )); }
+left() { local s=$(( BUDGET - (SECONDS - T0) - ${1:-10} )); echo $(( s > 1 ? s : 1 )); }  # timeout takes no s <= 0
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
   git rev-parse HEAD 2>/dev/null; } 2>&1 | tee "$OUT/env.txt"
@@ -65,6 +67,21 @@ numbers)
 softcap)
     timeout "$(left)" python3 -m benchmarks.number_inputs --head-dims 128 --rounds 8 --rep 1000 --skip-compiles --cases softcap \
         --passes fwd+bwd --out "$OUT/softcap.json" 2>&1 | tee "$OUT/softcap.log" | tail -10 ;;
+train)
+    # torch's FLASH path needs FlashAttention-4 in /tmp/site, which travels in two calls
+    # (../shared/tools/flash4_wheels.sh): one carrying .flash4a (mkdir -p /tmp/flash4a && cp .flash4a/*
+    # /tmp/flash4a/), then this one carrying .flash4b, unpacked here. Without it the FLASH targets say
+    # 'not measured'. About 60 s for the MHA row, 30 s for each of the 8 GQA rows (compiles included).
+    unset FLEXATTN_POISON_OUTPUTS
+    if [ ! -d /tmp/site ] && [ -f .flash4b/flash4_setup.sh ]; then bash .flash4b/flash4_setup.sh 2>&1 | tail -2; fi
+    if [ -d /tmp/site ]; then export PYTHONPATH=.:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+    else echo "no FlashAttention-4 in /tmp/site: torch's FLASH path will not run"; fi
+    train="python3 -m benchmarks.targets --issue 53 --run bwd --head-dims 128 --torch-flash --two-pass --rep 30"
+    # The reference first, bounded, so the GQA rows keep the rest: 16k tokens, B2 H16.
+    timeout "$(left 400)" $train --variants causal --out "$OUT/train_mha.json" 2>&1 | tee "$OUT/train_mha.log" \
+        | grep -v '^{'
+    timeout "$(left)" $train --variants causal document_mask --heads 32:8 8:1 --seq-len 8192 32768 \
+        --out "$OUT/train_gqa.json" 2>&1 | tee "$OUT/train_gqa.log" | grep -v '^{' ;;
 *)
     echo "unknown stage $STAGE" >&2; exit 2 ;;
 esac

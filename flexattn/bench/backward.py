@@ -1,13 +1,22 @@
 """Training benchmark: forward and backward in the FlexAttention paper's setup, side by side in one process.
 
     python -m flexattn.bench.backward --out bench_bwd.json            # or: flexattn bench --mode bwd
+    python -m flexattn.bench.backward --head-dims 128 --variants causal document_mask \
+        --heads 32:8 8:1 --seq-len 8192 32768 --torch-flash              # grouped-query attention
     TRITON_INTERPRET=1 python -m flexattn.bench.backward --smoke      # CPU: code paths only
 
-bf16, 16k tokens, 16 heads, batch chosen so that K (and V) are 128 MiB each: B = 4 at d = 64 and
-B = 2 at d = 128 (issue 9; the forward benchmark uses 256 MiB). The paper's seven variants. For each,
-in one process: flexattn, torch's flex_attention under torch.compile(dynamic=False) with a torch
+bf16, 16k tokens, 16 heads, batch chosen so that Q (and K and V) are 128 MiB each: B = 4 at d = 64
+and B = 2 at d = 128 (issue 9; the forward benchmark uses 256 MiB). The paper's seven variants. For
+each, in one process: flexattn, torch's flex_attention under torch.compile(dynamic=False) with a torch
 BlockMask from torch's create_block_mask over the same mods, and SDPA (flash and cuDNN where they
 express the variant; the memory-efficient kernel with a dense boolean mask where only a mask does).
+
+Grouped-query attention: ``--heads 32:8`` gives 32 query heads on 8 key/value heads (``enable_gqa``
+for every implementation, SDPA's included); several shapes and ``--seq-len`` several lengths make one
+row each. The batch still makes Q 128 MiB (at least 1): at d = 128, 32:8 takes B = 2 at 8k and B = 1
+at 32k, 8:1 takes B = 8 and B = 2, so both shapes do the same work at one length. GQA rows skip the
+dense-mask SDPA: that kernel repeats K and V per query head over an L x S mask, no baseline for
+grouped heads.
 
 Method. q, k, v are leaves that require grad, so every forward is a training forward (it builds the
 autograd graph and, for flexattn, keeps the LSE). Each implementation runs one forward, ``out``, and
@@ -28,8 +37,9 @@ it is credited with). Speed-ups are other_ms / flexattn_ms, so above 1 means fle
 Correctness, on every case, because a fast wrong kernel is worse than none: flexattn's output and
 its gradients dq, dk, dv against torch's compiled flex_attention on the same inputs (norm-wise
 relative error per tensor; the maximum over the three is flagged above ``--grad-tol``), and both
-against a float32 dense oracle (``flexattn.reference``) on one (batch, head) slice, where flexattn's
-error must stay within twice torch's (or ``--oracle-floor``): the flash-attention rule. Mismatches are
+against a float32 dense oracle (``flexattn.reference``) on one batch's last key/value head and its
+query heads (one head without GQA), where flexattn's error must stay within twice torch's (or
+``--oracle-floor``): the flash-attention rule. Mismatches are
 printed loudly, recorded in the row's ``grad_check``, and make the exit status 1. Errors of any one
 implementation (cuDNN refusing a shape, running out of memory) are recorded in the row, never fatal.
 
@@ -59,11 +69,32 @@ from flexattn.variants import CATALOGUE
 
 PAPER_VARIANTS = [name for name, variant in CATALOGUE.items() if variant.paper]
 
-TRAIN_KV_BYTES = 128 * 2**20  # K (and V) bytes per case: B = 4 at d = 64, B = 2 at d = 128, 16 heads, 16k
+# Q bytes per case (K and V too without GQA): B = 4 at d = 64, B = 2 at d = 128, 16 heads, 16k
+TRAIN_Q_BYTES = 128 * 2**20
 BWD_FLOP_FACTOR = 2.5  # backward FLOPs per forward FLOP: five matmuls against the forward's two
 GRADS = ("dq", "dk", "dv")
 SDPA_BACKENDS = ("flash", "cudnn")
 SMOKE = {"seq_len": 256, "heads": 2, "batch": 1, "head_dims": [32]}
+
+
+def heads_shape(text: str) -> tuple[int, int]:
+    """A ``--heads`` value: ``"16"`` (as many key/value heads as query heads) or ``"32:8"`` (GQA, query
+    heads : key/value heads) -> (query heads, key/value heads)."""
+    query, colon, kv = text.partition(":")
+    try:
+        shape = int(query), int(kv if colon else query)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give H or HQ:HKV, e.g. 16 or 32:8") from None
+    if min(shape) < 1 or shape[0] % shape[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: the query heads must be a multiple of the key/value heads")
+    return shape
+
+
+def shape_label(row: dict) -> str:
+    """A row's batch, heads and length: ``"B2 H16 16k"``, with GQA ``"B2 H32:8 8k"``."""
+    heads = f"{row['H']}:{row['H_kv']}" if row.get("H_kv", row["H"]) != row["H"] else f"{row['H']}"
+    length = f"{row['L'] // 1024}k" if row["L"] % 1024 == 0 else f"{row['L']}"
+    return f"B{row['B']} H{heads} {length}"
 
 
 def _first_line(err: BaseException) -> str:
@@ -148,14 +179,15 @@ def _measure(impl: str, fn: Callable, q, k, v, dout, row: dict, bench, device, *
                 row[f"{impl}_bwd_error"] = (
                     "the backward ran on the blockwise PyTorch path (no kernel family's launch counter moved); not timed"
                 )
-                print(f"!!! {impl} {row['variant']} d={row['D']}: {row[f'{impl}_bwd_error']}", flush=True)
+                print(f"!!! {impl} {row['variant']} d={row['D']} {shape_label(row)}: {row[f'{impl}_bwd_error']}",
+                      flush=True)
         row[f"{impl}_fwd_ms"] = bench(fn)
         if time_backward:
             row[f"{impl}_bwd_ms"] = bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
             row[f"{impl}_fwdbwd_ms"] = row[f"{impl}_fwd_ms"] + row[f"{impl}_bwd_ms"]
     except Exception as err:  # one implementation failing (cuDNN refusing a shape, OOM) must not end the run
         row[f"{impl}_error"] = _first_line(err)
-        print(f"  {impl} {row['variant']} d={row['D']}: {row[f'{impl}_error']}", flush=True)
+        print(f"  {impl} {row['variant']} d={row['D']} {shape_label(row)}: {row[f'{impl}_error']}", flush=True)
         return None
     return out.detach(), [g.detach() for g in grads]
 
@@ -169,26 +201,38 @@ def _shifted(mod: Optional[Callable], b0: int, h0: int, with_score: bool) -> Opt
     return lambda b, h, q_idx, kv_idx: mod(b + b0, h + h0, q_idx, kv_idx)
 
 
-def _oracle_errors(q, k, v, dout, score_mod, mask_mod, results: dict, b0: int, h0: int) -> dict:
-    """float32 dense reference on the slice [b0, h0] (exact copies of the bf16 inputs): each
-    implementation's relative error of out, dq, dk, dv there. Without GQA a head's gradients depend
-    on that head alone, so the slice is an exact sub-problem."""
-    leaves = [t[b0 : b0 + 1, h0 : h0 + 1].detach().float().requires_grad_() for t in (q, k, v)]
+def oracle_errors(q, k, v, dout, score_mod, mask_mod, results: dict, b0: int, kv_head: int) -> dict:
+    """float32 dense reference on batch b0's key/value head ``kv_head`` and the query heads that read
+    it (exact copies of the bf16 inputs): each implementation's relative error of out, dq, dk, dv there.
+    That group's gradients depend on the group alone, so the slice is an exact sub-problem. Its query
+    heads run one at a time, their dK and dV summed, so the oracle holds one head's L x S scores (4 GiB
+    at 32k tokens), GQA or not."""
+    group = q.shape[1] // k.shape[1]
+    heads = slice(kv_head * group, (kv_head + 1) * group)
+    k32, v32 = (t[b0 : b0 + 1, kv_head : kv_head + 1].detach().float() for t in (k, v))
+    outs, dqs, dk, dv = [], [], torch.zeros_like(k32), torch.zeros_like(v32)
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")  # no TF32 in the oracle, whatever the process set
     try:
-        out, _, _ = reference_attention(
-            *leaves, _shifted(score_mod, b0, h0, True), _shifted(mask_mod, b0, h0, False),
-        )
-        grads = torch.autograd.grad(out, leaves, dout[b0 : b0 + 1, h0 : h0 + 1].float())
+        for h in range(heads.start, heads.stop):
+            leaves = [q[b0 : b0 + 1, h : h + 1].detach().float().requires_grad_(),
+                      k32.detach().requires_grad_(), v32.detach().requires_grad_()]
+            out, _, _ = reference_attention(*leaves, _shifted(score_mod, b0, h, True), _shifted(mask_mod, b0, h, False))
+            dq_h, dk_h, dv_h = torch.autograd.grad(out, leaves, dout[b0 : b0 + 1, h : h + 1].float())
+            outs.append(out.detach())
+            dqs.append(dq_h)
+            dk += dk_h
+            dv += dv_h
+            del out, dq_h, dk_h, dv_h, leaves
     finally:
         torch.set_float32_matmul_precision(precision)
-    expected = {"out": out.detach(), **dict(zip(GRADS, grads))}
-    del out, grads, leaves
+    expected = {"out": torch.cat(outs, dim=1), "dq": torch.cat(dqs, dim=1), "dk": dk, "dv": dv}
+    del outs, dqs
+    sliced = {"out": heads, "dq": heads, "dk": slice(kv_head, kv_head + 1), "dv": slice(kv_head, kv_head + 1)}
     errors = {}
     for impl, (impl_out, impl_grads) in results.items():
         got = {"out": impl_out, **dict(zip(GRADS, impl_grads))}
-        errors[impl] = {name: _rel_err(got[name][b0 : b0 + 1, h0 : h0 + 1], expected[name]) for name in expected}
+        errors[impl] = {name: _rel_err(got[name][b0 : b0 + 1, sliced[name]], expected[name]) for name in expected}
     return errors
 
 
@@ -219,48 +263,52 @@ def _ratio(other_ms: Optional[float], ours_ms: Optional[float]) -> Optional[floa
     return round(other_ms / ours_ms, 3) if other_ms and ours_ms else None
 
 
-def _run_case(name: str, B: int, H: int, L: int, D: int, dtype, device, options, torch_flex, bench, args) -> dict:
-
+def _run_case(name: str, B: int, H: int, H_kv: int, L: int, D: int, dtype, device, options, torch_flex, bench,
+              args) -> dict:
     S = L
+    gqa = H_kv != H
     torch.manual_seed(0)
-    q, k, v = (torch.randn(B, H, n, D, device=device, dtype=dtype, requires_grad=True) for n in (L, S, S))
+    q, k, v = (torch.randn(B, heads, n, D, device=device, dtype=dtype, requires_grad=True)
+               for heads, n in ((H, L), (H_kv, S), (H_kv, S)))
     dout = torch.randn(B, H, L, D, device=device, dtype=dtype)
     score_mod, mask_mod = CATALOGUE[name].build(B, H, L, S, device)
     bm = flexattn.create_block_mask(mask_mod, None, None, L, S, device=device) if mask_mod else None
     density = block_density(bm) if bm is not None else 1.0
     fwd_flops = 4.0 * B * H * L * S * D * density
     flops = {"fwd": fwd_flops, "bwd": BWD_FLOP_FACTOR * fwd_flops, "fwdbwd": (1 + BWD_FLOP_FACTOR) * fwd_flops}
-    row = {"variant": name, "B": B, "H": H, "L": L, "S": S, "D": D, "dtype": str(dtype).replace("torch.", ""),
+    row = {"variant": name, "B": B, "H": H, "H_kv": H_kv, "L": L, "S": S, "D": D,
+           "dtype": str(dtype).replace("torch.", ""),
            "density": round(density, 4), **{f"{p}_flops": f for p, f in flops.items()}}
 
     results = {}
-    ours = lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, kernel_options=options)  # noqa: E731
+    ours = lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,  # noqa: E731
+                                           kernel_options=options)
     results["flexattn"] = _measure("flexattn", ours, q, k, v, dout, row, bench, device)
     if args.portable:  # flexattn pinned to its portable Triton kernels, forward and backward
         portable = {**options, "BACKEND": "TRITON"}
         pinned = lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,  # noqa: E731
-                                                 kernel_options=portable)
+                                                 enable_gqa=gqa, kernel_options=portable)
         results["flexattn_portable"] = _measure("flexattn_portable", pinned, q, k, v, dout, row, bench, device)
     if args.two_pass:  # the deterministic backward (on Hopper: dQ added in a fixed order, or its own kernel)
         two_pass = {**options, "DETERMINISTIC": True}
         pinned = lambda: flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,  # noqa: E731
-                                                 kernel_options=two_pass)
+                                                 enable_gqa=gqa, kernel_options=two_pass)
         results["flexattn_two_pass"] = _measure("flexattn_two_pass", pinned, q, k, v, dout, row, bench, device)
     if torch_flex is not None:
         from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
         tbm = torch_create_block_mask(mask_mod, None, None, L, S, device=device) if mask_mod else None
-        theirs = lambda: torch_flex(q, k, v, score_mod=score_mod, block_mask=tbm)  # noqa: E731
+        theirs = lambda: torch_flex(q, k, v, score_mod=score_mod, block_mask=tbm, enable_gqa=gqa)  # noqa: E731
         results["torch_flex"] = _measure("torch_flex", theirs, q, k, v, dout, row, bench, device)
         if args.torch_flash:  # torch's FlashAttention-4 (CuTe DSL) kernels from the same mods
-            flash = lambda: torch_flex(q, k, v, score_mod=score_mod, block_mask=tbm,  # noqa: E731
+            flash = lambda: torch_flex(q, k, v, score_mod=score_mod, block_mask=tbm, enable_gqa=gqa,  # noqa: E731
                                        kernel_options={"BACKEND": "FLASH"})
             results["torch_flash"] = _measure("torch_flash", flash, q, k, v, dout, row, bench, device)
     for backend in SDPA_BACKENDS:
         fn = sdpa_fn(name, q, k, v, backend)
         if fn is not None:
             _measure(f"sdpa_{backend}", fn, q, k, v, dout, row, bench, device)
-    if score_mod is None and mask_mod is not None and name != "causal":
+    if score_mod is None and mask_mod is not None and name != "causal" and not gqa:
         try:
             fn = dense_mask_sdpa(q, k, v, mask_mod, device)
         except Exception as err:
@@ -276,10 +324,10 @@ def _run_case(name: str, B: int, H: int, L: int, D: int, dtype, device, options,
         row["grad_max_rel_err_vs_torch_flex"] = max(row["grad_rel_err_vs_torch_flex"].values())
     kept = {impl: r for impl, r in results.items() if r is not None}
     if args.oracle and kept:
-        b0, h0 = B - 1, H - 1  # the last slice: mods see nonzero b and h
-        row["oracle_slice"] = [b0, h0]
+        b0, kv_head = B - 1, H_kv - 1  # the last slice: mods see nonzero b and h
+        row["oracle_slice"] = [b0, kv_head]  # the batch and the key/value head (with its query heads)
         try:
-            row["rel_err_vs_oracle"] = _oracle_errors(q, k, v, dout, score_mod, mask_mod, kept, b0, h0)
+            row["rel_err_vs_oracle"] = oracle_errors(q, k, v, dout, score_mod, mask_mod, kept, b0, kv_head)
         except Exception as err:
             row["oracle_error"] = _first_line(err)
 
@@ -298,7 +346,7 @@ def _run_case(name: str, B: int, H: int, L: int, D: int, dtype, device, options,
     problems = _check(row, args)
     row["grad_check"] = "ok" if not problems else problems
     for problem in problems:
-        print(f"!!! MISMATCH {name} d={D}: {problem}", flush=True)
+        print(f"!!! MISMATCH {name} d={D} {shape_label(row)}: {problem}", flush=True)
     return row
 
 
@@ -313,16 +361,16 @@ def _markdown(rows: list[dict]) -> str:
         return f"{x:.2f}x" if x else "-"
 
     lines = [
-        "| variant | d | density | flexattn fwd / bwd ms | bwd TFLOP/s | fwd+bwd TFLOP/s "
+        "| variant | d | shape | density | flexattn fwd / bwd ms | bwd TFLOP/s | fwd+bwd TFLOP/s "
         "| torch flex (compiled) fwd / bwd ms | bwd TFLOP/s | bwd speed-up | fwd+bwd speed-up "
         "| SDPA cuDNN bwd ms | flexattn / cuDNN bwd | fwd+bwd | SDPA flash bwd ms | max grad rel err vs torch | check |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     flash = any(f"{impl}_bwd_ms" in r for r in rows for impl in ("torch_flash", "flexattn_portable", "flexattn_two_pass"))
     for r in rows:
         err = r.get("grad_max_rel_err_vs_torch_flex")
         lines.append(
-            f"| {r['variant']} | {r['D']} | {r['density']:.2f} "
+            f"| {r['variant']} | {r['D']} | {shape_label(r)} | {r['density']:.2f} "
             f"| {ms(r.get('flexattn_fwd_ms'))} / {ms(r.get('flexattn_bwd_ms'))} | {tf(r.get('flexattn_bwd_tflops'))} "
             f"| {tf(r.get('flexattn_fwdbwd_tflops'))} "
             f"| {ms(r.get('torch_flex_fwd_ms'))} / {ms(r.get('torch_flex_bwd_ms'))} | {tf(r.get('torch_flex_bwd_tflops'))} "
@@ -334,17 +382,18 @@ def _markdown(rows: list[dict]) -> str:
     if flash:  # --portable / --two-pass / --torch-flash: the backward's paths side by side
         lines += [
             "",
-            "| variant | d | flexattn bwd (path) TFLOP/s | two-pass bwd TFLOP/s | portable bwd TFLOP/s "
-            "| torch FLASH bwd TFLOP/s | x two-pass | x portable | x torch FLASH | x cuDNN |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| variant | d | shape | flexattn bwd (path) TFLOP/s | two-pass bwd TFLOP/s | portable bwd TFLOP/s "
+            "| torch FLASH bwd TFLOP/s | x two-pass | x portable | x torch FLASH | x cuDNN | fwd x torch FLASH |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             lines.append(
-                f"| {r['variant']} | {r['D']} | {tf(r.get('flexattn_bwd_tflops'))} ({r.get('flexattn_bwd_backend', '-')}) "
+                f"| {r['variant']} | {r['D']} | {shape_label(r)} "
+                f"| {tf(r.get('flexattn_bwd_tflops'))} ({r.get('flexattn_bwd_backend', '-')}) "
                 f"| {tf(r.get('flexattn_two_pass_bwd_tflops'))} | {tf(r.get('flexattn_portable_bwd_tflops'))} "
                 f"| {tf(r.get('torch_flash_bwd_tflops'))} | {ratio(r.get('bwd_ratio_vs_two_pass'))} "
                 f"| {ratio(r.get('bwd_ratio_vs_portable'))} | {ratio(r.get('bwd_ratio_vs_torch_flash'))} "
-                f"| {ratio(r.get('bwd_ratio_vs_cudnn'))} |"
+                f"| {ratio(r.get('bwd_ratio_vs_cudnn'))} | {ratio(r.get('fwd_ratio_vs_torch_flash'))} |"
             )
     return "\n".join(lines)
 
@@ -354,12 +403,15 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dims", type=int, nargs="+", default=None, help="default 64 128")
     parser.add_argument("--variants", nargs="+", default=PAPER_VARIANTS, choices=list(CATALOGUE), metavar="VARIANT",
                         help="default: the paper's seven (" + " ".join(PAPER_VARIANTS) + ")")
-    parser.add_argument("--seq-len", type=int, default=None, help="default 16384")
-    parser.add_argument("--heads", type=int, default=None, help="default 16")
+    parser.add_argument("--seq-len", type=int, nargs="+", default=None, help="default 16384; several make a row each")
+    parser.add_argument("--heads", type=heads_shape, nargs="+", default=None, metavar="H|HQ:HKV",
+                        help="default 16; HQ:HKV is grouped-query attention (32:8: 32 query heads on 8 key/value "
+                             "heads); several make a row each")
     parser.add_argument("--no-torch-flex", action="store_true", help="skip torch.compile(flex_attention)")
     parser.add_argument("--out", default=None, help="write all numbers as JSON here")
     parser.add_argument("--kernel-options", default="{}", help="JSON FlexKernelOptions for flexattn")
-    parser.add_argument("--batch", type=int, default=None, help="default: K and V 128 MiB each (B4 at d=64, B2 at d=128)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="default: Q 128 MiB (at least 1; B4 at d=64 and B2 at d=128 with 16 heads at 16k)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--rep", type=float, default=100, help="do_bench budget per timing, ms (default 100)")
     parser.add_argument("--min-reps", type=int, default=5, help="at least this many timed calls (default 5)")
@@ -390,8 +442,8 @@ def run(args) -> int:
         return 2
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, args.dtype)
-    seq_len = args.seq_len or (SMOKE["seq_len"] if args.smoke else None)
-    heads = args.heads or (SMOKE["heads"] if args.smoke else 16)
+    seq_lens = args.seq_len or [SMOKE["seq_len"] if args.smoke else 16384]
+    head_shapes = args.heads or [(SMOKE["heads"],) * 2 if args.smoke else (16, 16)]
     batch = args.batch or (SMOKE["batch"] if args.smoke else None)
     head_dims = args.head_dims or (SMOKE["head_dims"] if args.smoke else [64, 128])
     options = json.loads(args.kernel_options)
@@ -406,10 +458,9 @@ def run(args) -> int:
         else:
             # torch's flex_attention has no CPU backward (eager or compiled); a smoke run checks the
             # comparison code against flexattn's blockwise PyTorch backend instead, and says so.
-            def torch_flex(q, k, v, score_mod=None, block_mask=None):
-                return flexattn.flex_attention(
-                    q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options={"BACKEND": "PYTORCH"}
-                )
+            def torch_flex(q, k, v, score_mod=None, block_mask=None, enable_gqa=False):
+                return flexattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                               enable_gqa=enable_gqa, kernel_options={"BACKEND": "PYTORCH"})
 
             torch_flex_how = "STAND-IN (no CUDA): flexattn BACKEND=PYTORCH with torch's BlockMask"
 
@@ -443,25 +494,24 @@ def run(args) -> int:
             with open(args.out, "w") as f:
                 json.dump({"env": {**env, "wall_s": round(time.perf_counter() - started, 1)}, "rows": rows}, f, indent=1)
 
-    L = seq_len or 16384
-    cases = len(head_dims) * len(args.variants)
-    for D in head_dims:
-        B = batch or max(1, TRAIN_KV_BYTES // (heads * L * D * 2))
-        for name in args.variants:
-            print(f"[{len(rows) + 1}/{cases}] {name} d={D} B={B} H={heads} L={L} "
-                  f"({time.perf_counter() - started:.0f} s so far)", flush=True)
-            row = _run_case(name, B, heads, L, D, dtype, device, options, torch_flex, bench, args)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            write()
-            gc.collect()  # the case's tensors, graphs and gradients went with _run_case's frame
-            if cuda:
-                torch.cuda.empty_cache()
+    cases = [(D, H, H_kv, L, name) for D in head_dims for H, H_kv in head_shapes for L in seq_lens
+             for name in args.variants]
+    for D, H, H_kv, L, name in cases:
+        B = batch or max(1, TRAIN_Q_BYTES // (H * L * D * 2))
+        print(f"[{len(rows) + 1}/{len(cases)}] {name} d={D} B={B} H={H}{f':{H_kv}' if H_kv != H else ''} L={L} "
+              f"({time.perf_counter() - started:.0f} s so far)", flush=True)
+        row = _run_case(name, B, H, H_kv, L, D, dtype, device, options, torch_flex, bench, args)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        write()
+        gc.collect()  # the case's tensors, graphs and gradients went with _run_case's frame
+        if cuda:
+            torch.cuda.empty_cache()
 
     print()
     print(_markdown(rows))
     print()
-    mismatched = [f"{r['variant']} d={r['D']}" for r in rows if r["grad_check"] != "ok"]
+    mismatched = [f"{r['variant']} d={r['D']} {shape_label(r)}" for r in rows if r["grad_check"] != "ok"]
     print(f"wall time {time.perf_counter() - started:.0f} s; torch.compile first calls (fwd + bwd) "
           f"{sum(r.get('torch_flex_first_fwd_s', 0) + r.get('torch_flex_first_bwd_s', 0) for r in rows):.0f} s")
     if mismatched:

@@ -51,6 +51,8 @@ def host_us_per_call(fn, calls: int = 300, warmup: int = 3) -> float:
 
 
 def sdpa_fn(variant: str, q, k, v, backend_name: str):
+    """SDPA on one backend for the variants it expresses (noop, causal), else None; with GQA (fewer key/value
+    heads than query heads) through ``enable_gqa``, which a backend without it refuses when called."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
 
@@ -58,10 +60,11 @@ def sdpa_fn(variant: str, q, k, v, backend_name: str):
                "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend_name]
     if variant in ("noop", "causal"):
         causal = variant == "causal"
+        gqa = q.shape[1] != k.shape[1]
 
         def run():
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
         return run
     return None
