@@ -18,11 +18,10 @@ import re
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 from typing import Optional
-
-import jinja2
 
 from ..lowering import LoweredMod
 from .params import TEMPLATE_GROUPS, mods_group
@@ -32,12 +31,23 @@ __all__ = ["FAMILIES", "KernelSpec", "render", "cache_dir", "load_kernel_module"
 
 TEMPLATE_DIR = Path(__file__).parent.parent / "templates"
 
-_environment = jinja2.Environment(
-    loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
-    undefined=jinja2.StrictUndefined,  # a missing value is a bug in codegen, not an empty string
-    keep_trailing_newline=True,
-    autoescape=False,
-)
+
+
+@cache
+def _templates():
+    """The templates' environment, made at the first render: a process whose kernels all come from
+    the disk cache renders nothing, and importing jinja2 (its lexer compiles large regular
+    expressions) is a measurable share of ``import flexattn``."""
+    import jinja2
+
+    environment = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,  # a missing value is a bug in codegen, not an empty string
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    environment.filters["gluon_spelling"] = gluon_spelling
+    return environment
 
 
 # [Note] Gluon spelling. The mods' lowered lines are written for Triton's language; the Gluon
@@ -55,8 +65,6 @@ def gluon_spelling(text: str) -> str:
         text = text.replace(triton_name, gluon_name)
     return text
 
-
-_environment.filters["gluon_spelling"] = gluon_spelling
 
 
 # [Note] Gluon API by Triton release. Gluon is experimental and renames its ops between releases;
@@ -176,7 +184,7 @@ def render(spec: KernelSpec) -> str:
     # The numbers the mods read are scalars the kernels are not specialised on (a new window size
     # reuses the compiled kernel): the kernels that take the mods list them in do_not_specialize.
     numbers = [p for m in (spec.score_mod, spec.mask_mod) if m is not None for p in m.number_params]
-    source = _environment.get_template(template).render(
+    source = _templates().get_template(template).render(
         do_not_specialize=lambda *names: _do_not_specialize(list(names) + numbers),
         kernel_name=kernel_name,
         description=f"score_mod={spec.score_name}, mask_mod={spec.mask_name}",
