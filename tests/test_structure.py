@@ -43,12 +43,21 @@ def _imports(name: str, path: Path, modules: dict):
                 yield (submodule, None) if submodule in modules else (target, alias.name)
 
 
+def _packages_above(name: str) -> list:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
 def _graph(modules: dict) -> dict:
+    """Module -> the modules its imports run. Importing ``a.b.c`` first runs the package ``a.b``'s
+    ``__init__``, unless the importer is inside ``a.b`` (then it is running already): that import
+    is an edge to ``a.b`` too, so a package whose ``__init__`` imports back is a cycle."""
     edges = {}
     for name, path in modules.items():
         for target, _ in _imports(name, path, modules):
-            if target in modules and target != name:
-                edges.setdefault(name, set()).add(target)
+            for reached in [target, *_packages_above(target)]:
+                if reached in modules and reached != name and reached not in _packages_above(name):
+                    edges.setdefault(name, set()).add(reached)
     return edges
 
 
@@ -93,6 +102,20 @@ def test_the_cycle_finder_finds_a_cycle():
     # The test above can fail: two modules that import each other are one component.
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_importing_a_module_runs_its_package_first(tmp_path):
+    # pkg.x imports pkg.sub.y, whose package's __init__ imports pkg.x back: a cycle through an
+    # __init__ that no import names. Inside pkg.sub, importing a sibling runs no __init__ again.
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    files = {"pkg/__init__.py": "", "pkg/x.py": "from .sub.y import f\n", "pkg/sub/__init__.py": "from .. import x\n",
+             "pkg/sub/y.py": "from .z import g\n", "pkg/sub/z.py": "g = 1\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    modules = {".".join(Path(n).with_suffix("").parts).removesuffix(".__init__"): tmp_path / n for n in files}
+    edges = _graph(modules)
+    assert _cycles(edges) == [["pkg.sub", "pkg.x"]]
+    assert "pkg.sub" not in edges["pkg.sub.y"]
 
 
 def test_no_private_names_taken_from_another_package():
