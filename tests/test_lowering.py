@@ -271,8 +271,19 @@ def test_golden_sliding_window_parenthesises_comparisons():
 
 def test_golden_tanh_precise_and_approx():
     softcap = CATALOGUE["softcap"].build(1, 1, 16, 16, "cpu")[0]
-    assert lowered_of(softcap).result == "precise_tanh(qk / sm_cap) * sm_cap"
-    assert lowered_of(softcap, tanh_approx=True).result == "tanh_approx(qk / sm_cap) * sm_cap"
+    assert lowered_of(softcap).result == "precise_tanh(qk * tl.math.div_rn(1.0, sm_cap)) * sm_cap"
+    assert lowered_of(softcap, tanh_approx=True).result == "tanh_approx(qk * tl.math.div_rn(1.0, sm_cap)) * sm_cap"
+
+
+def test_golden_division_by_a_number_argument_multiplies_by_its_reciprocal():
+    # [Note] Dividing by a number argument (lowering/ops.py): one reciprocal of the scalar, then a
+    # multiply per element, as the compiler makes of a literal divisor; tensors and literals divide.
+    cap, scale = 30.0, torch.tensor(2.0)
+    assert lowered_of(lambda s, b, h, q, kv: s / cap).result == "qk * tl.math.div_rn(1.0, sm_cap)"
+    assert lowered_of(lambda s, b, h, q, kv: (s + 1.0) / cap).result == "(qk + 1.0) * tl.math.div_rn(1.0, sm_cap)"
+    assert "div_rn" not in lowered_of(lambda s, b, h, q, kv: cap / s).result  # a number divided by the score
+    assert lowered_of(lambda s, b, h, q, kv: s / 30.0).result == "qk / 30.0"
+    assert " / " in lowered_of(lambda s, b, h, q, kv: s / scale).result
 
 
 def test_golden_literals_stay_constants():

@@ -136,9 +136,9 @@ def test_approx_tanh_of_attention_gym_lowers_as_tanh():
     from attn_gym.mods import generate_tanh_softcap
 
     softcap = generate_tanh_softcap(20, approx=True)  # an int cap, a number of the graph: converted once per use
-    assert lowered_of(softcap).result == ("precise_tanh(qk / sm_soft_cap.to(tl.float32)) * "
+    assert lowered_of(softcap).result == ("precise_tanh(qk * tl.math.div_rn(1.0, sm_soft_cap.to(tl.float32))) * "
                                           "sm_soft_cap.to(tl.float32)")
-    assert lowered_of(softcap, tanh_approx=True).result.startswith("tanh_approx(qk / sm_soft_cap")
+    assert lowered_of(softcap, tanh_approx=True).result.startswith("tanh_approx(qk * tl.math.div_rn(1.0, sm_soft_cap")
     check(softcap, "score_mod")
 
 

@@ -187,13 +187,14 @@ class CallLowering:
                 return self.sym_val(expr, out)
 
         targets = self.input_dtypes(rule.inputs, node, out, args)
+        numbers = [isinstance(a, Val) and a.weak and a.value is None for a in args]  # before coerce drops weak
         args = [self.coerce(a, t) if isinstance(a, Val) and t is not None else a for a, t in zip(args, targets)]
         kwargs = {k: self.coerce(v, targets[-1]) if isinstance(v, Val) and targets[-1] is not None else v
                   for k, v in kwargs.items()}  # fmt: skip
         if rule.reuses:
             args = [self.named(a) if isinstance(a, Val) else a for a in args]
 
-        operands = [self.operand(a, i, rule) for i, a in enumerate(args)]
+        operands = [self.operand(a, i, rule, number) for i, (a, number) in enumerate(zip(args, numbers))]
         kw_operands = {k: self.operand(v, -1, rule) for k, v in kwargs.items()}
         try:
             written = rule.fn(*operands, **kw_operands)
@@ -264,7 +265,7 @@ class CallLowering:
         v = self.value_of(arg, node)
         return v if isinstance(v, Vec) else Vec((v,), ())
 
-    def operand(self, a, position: int, rule: Lowering):
+    def operand(self, a, position: int, rule: Lowering, number: bool = False):
         if not isinstance(a, Val):
             return a
         if rule.prec is None:  # user entries: every operand an atom
@@ -276,7 +277,7 @@ class CallLowering:
             if rule.prec in LOGIC_AND_CMP and a.prec in LOGIC_AND_CMP:
                 need = max(need, rule.prec if a.prec == rule.prec and position in rule.left else ATOM)
             text = paren(a, need)
-        return Operand(text, a.text, a.prec, a.dtype, a.value)
+        return Operand(text, a.text, a.prec, a.dtype, a.value, number)
 
     def input_dtypes(self, policy: str, node: torch.fx.Node, out: torch.dtype, args) -> list[Optional[torch.dtype]]:
         n = max(len(args), 1)
