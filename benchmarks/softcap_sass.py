@@ -7,7 +7,12 @@ Needs a Triton that compiles Gluon offline (kernels/hopper/common.py GLUON_COMPI
 bundled ptxas and nvdisasm; no GPU. See docs/tracing.md, "Numbers" ([Note] Dividing by a number
 argument in flexattn/lowering/ops.py).
 """
-import collections, os, re, subprocess, sys, tempfile
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
