@@ -173,12 +173,19 @@ class _FailingKernel:
     def unsupported_reason(self, *args):
         return None
 
+    def problem_reason(self, *args):
+        return None
+
+    def failed_reason(self, *args):
+        return None
+
     def __call__(self, *args, **kwargs):
         raise hopper_common.HopperUnavailable("the Gluon kernel of these mods did not compile (CompilationError: x)")
 
 
 def test_a_kernel_that_does_not_compile_falls_back_unless_pinned(monkeypatch):
     monkeypatch.setattr(dispatch, "hopper_forward_kernel", lambda *args, **kwargs: _FailingKernel())
+    monkeypatch.setattr(dispatch, "_GLUON_FORWARD", {})  # no choice kept from another test's families
     monkeypatch.setattr(dispatch, "hopper_auto_reason", lambda q, block_mask, has_score_mod, has_mask_mod: None)
     q = bhnd()
     bm = create_block_mask(causal, None, None, L, L, device="cpu")

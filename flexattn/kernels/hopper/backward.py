@@ -188,7 +188,7 @@ class HopperBackwardKernel(HopperFamily):
     def unsupported_reason(self, q, k, v, block_mask, float32_kv_grads: bool = False,
                            grad_out: Optional[torch.Tensor] = None) -> Optional[str]:
         """Why this call cannot run here (None: it can): the problem's reason, or the mods'."""
-        reason = problem_reason(q, k, v, block_mask, float32_kv_grads, grad_out) or self._failed_reason(q, k)
+        reason = problem_reason(q, k, v, block_mask, float32_kv_grads, grad_out) or self.failed_reason(q, k)
         if reason is not None:
             return reason
         B, Hq, L, _ = q.shape

@@ -122,7 +122,14 @@ class HopperForwardKernel(HopperFamily):
 
     def unsupported_reason(self, q, k, v, block_mask, need_max: bool) -> Optional[str]:
         """Why this call cannot run here (None: it can): the problem's reason, or the mods'."""
-        return problem_reason(q, k, v, block_mask, need_max) or self._failed_reason(q, k)
+        return self.problem_reason(q, k, v, block_mask, need_max) or self.failed_reason(q, k)
+
+    @staticmethod
+    def problem_reason(q, k, v, block_mask, need_max: bool) -> Optional[str]:
+        """The part of ``unsupported_reason`` that the mods' kernels do not change: the device, the
+        tensors' dtypes, shapes, strides and alignment, BLOCK_SIZE and need_max
+        (common.problem_reason). dispatch.py keeps it per key of those facts."""
+        return problem_reason(q, k, v, block_mask, need_max)
 
     def __call__(self, q, k, v, block_mask, scale: float, score_captured, mask_captured, *, need_lse: bool):
         """``(out, lse or None)``; raises HopperUnavailable when the kernel of these mods does not compile

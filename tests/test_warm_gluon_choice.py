@@ -1,0 +1,196 @@
+"""[Note] The Gluon forward's choice, kept (dispatch.py), without a GPU: warm eager calls ask the
+Hopper Gluon forward's reasons once per key, and every fact the key stands for, changed after warm
+calls, gives the answer a fresh choice gives.
+
+The Gluon path runs on CPU tensors here as on a Hopper: the problem's reasons (kernels/hopper/forward.py
+``problem_reason``) are replaced by a counting stand-in that asks the real shape rules
+(hopper/common.py ``shape_reason``) and a per-device table in place of the device's facts, and the
+Gluon kernel is recorded, not launched (Gluon kernels do not run in Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_hopper_backward import _Recorder
+
+import flexattn.dispatch as dispatch
+import flexattn.kernels.hopper.common as hopper_common
+import flexattn.kernels.hopper.forward as hopper_forward
+from flexattn import create_block_mask
+from flexattn.dispatch import Call
+from flexattn.kernels.family import CompiledKernel
+from flexattn.trace import trace_mod
+
+L = 256
+slopes = torch.exp2(-torch.arange(1, 3, dtype=torch.float32))
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score + slopes[h] * (kv_idx - q_idx)
+
+
+def softcap(score, b, h, q_idx, kv_idx):
+    return torch.tanh(score / 20.0) * 20.0
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def anti_causal(b, h, q_idx, kv_idx):
+    return q_idx <= kv_idx
+
+
+def bhnd(N=L, D=128, dtype=torch.bfloat16, H=2):
+    return torch.randn(1, H, N, D, dtype=dtype)
+
+
+@pytest.fixture
+def gluon(monkeypatch):
+    """The Gluon forward as on a Hopper, its problem reasons counted, its launches recorded."""
+    state = SimpleNamespace(reasons=0, launches=[], devices={"cpu": None})
+
+    def problem_reason(q, k, v, block_mask, need_max):
+        state.reasons += 1
+        return state.devices[q.device.type] or hopper_common.shape_reason(q, k, v, block_mask, need_max)
+
+    monkeypatch.setattr(hopper_forward, "problem_reason", problem_reason)
+    monkeypatch.setattr(CompiledKernel, "kernel", lambda self, params: _Recorder(params, state.launches))
+    monkeypatch.setattr(dispatch, "_GLUON_FORWARD", {})
+    return state
+
+
+def call_of(block_mask, score_mod=alibi, options=None) -> Call:
+    score = trace_mod(score_mod, "score_mod")[0] if score_mod is not None else None
+    mask = trace_mod(block_mask.mask_mod, "mask_mod")[0]
+    return Call("TRITON", block_mask, 0.125, score, mask, [], options or {}, torch.int32)
+
+
+def forward(call: Call, q, k, v, captured=None, need_max=False):
+    """``(took the Gluon forward, note)`` of dispatch's eager Gluon step."""
+    captured = [slopes] if captured is None and call.score is not None else captured or []
+    result, note = dispatch._sm90_forward(call, q, k, v, captured, True, need_max)
+    return result is not None, note
+
+
+def test_warm_calls_ask_the_reasons_once(gluon):
+    q, k, v = bhnd(), bhnd(), bhnd()
+    call = call_of(create_block_mask(causal, None, None, L, L, device="cpu"))
+    for _ in range(5):
+        assert forward(call, q, k, v) == (True, "")
+    assert gluon.reasons == 1 and len(gluon.launches) == 5
+    assert dispatch.sm90_forward_choice(call, q, k, v, False)[1] is None  # the uncached choice agrees
+    assert gluon.reasons == 2
+
+
+def _misaligned(t: torch.Tensor) -> None:
+    """``t`` (the same object, so the same id()) moved onto storage 2 bytes off 16-byte alignment."""
+    base = torch.empty(t.numel() + 8, dtype=t.dtype)
+    t.set_(base.untyped_storage(), 1, t.shape, t.stride())
+
+
+def _strided(t: torch.Tensor) -> None:
+    """``t`` (the same object) on storage whose last dim is not contiguous."""
+    base = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    t.set_(base.untyped_storage(), 0, t.shape, base[..., ::2].stride())
+
+
+# Each change after warm calls: what it does to (call, q, k, v, need_max), and what a fresh choice says.
+CHANGES = {
+    "float32 query": (lambda s: setattr(s.q, "data", s.q.data.float()), "float16 or bfloat16"),
+    "float16 everywhere": (lambda s: [setattr(t, "data", t.data.half()) for t in (s.q, s.k, s.v)], ""),
+    "float16 key only": (lambda s: setattr(s.k, "data", s.k.data.half()), "float16 or bfloat16"),
+    "float16 value only": (lambda s: setattr(s.v, "data", s.v.data.half()), "float16 or bfloat16"),
+    "head dim 96": (lambda s: [setattr(t, "data", bhnd(D=96)) for t in (s.q, s.k, s.v)], "head dims of 64 or 128"),
+    # Views of the same strides: only the shape tells them apart.
+    "value head dim 64, same strides": (lambda s: setattr(s.v, "data", s.v.data[..., :64]), "equal Q/K and V head dims"),
+    "shorter query, same strides": (lambda s: setattr(s.q, "data", s.q.data[:, :, :200]), "multiples of 128"),
+    "shorter key, same strides": (lambda s: setattr(s.k, "data", s.k.data[:, :, :200]), "multiples of 128"),
+    "head dim 64": (lambda s: [setattr(t, "data", bhnd(D=64)) for t in (s.q, s.k, s.v)],
+                    "portable forward is faster with a score_mod and a mask_mod"),
+    "lengths of 200": (lambda s: [setattr(t, "data", bhnd(N=200)) for t in (s.q, s.k, s.v)]
+                       or setattr(s, "call", call_of(create_block_mask(causal, None, None, 200, 200, device="cpu"))),
+                       "multiples of 128"),
+    "misaligned query, same id": (lambda s: _misaligned(s.q), "q cannot be read"),
+    "misaligned key, same id": (lambda s: _misaligned(s.k), "k cannot be read"),
+    "misaligned value, same id": (lambda s: _misaligned(s.v), "v cannot be read"),
+    # The same shape: only the strides tell them apart.
+    "strided query, same id": (lambda s: _strided(s.q), "q cannot be read"),
+    "strided key, same id": (lambda s: _strided(s.k), "k cannot be read"),
+    "strided value, same id": (lambda s: _strided(s.v), "v cannot be read"),
+    "BLOCK_SIZE 64": (lambda s: setattr(s, "call", call_of(create_block_mask(causal, None, None, L, L, device="cpu",
+                                                                             BLOCK_SIZE=64))), "BLOCK_SIZE"),
+    "max_scores": (lambda s: setattr(s, "need_max", True), "does not write max_scores"),
+    "another device": (lambda s: s.__dict__.update(q=s.q.to("meta"), k=s.k.to("meta"), v=s.v.to("meta")),
+                       "this GPU is 8.0"),
+    "BACKEND='TRITON'": (lambda s: setattr(s, "call", s.call._replace(options={"BACKEND": "TRITON"})),
+                         "pins the portable kernels"),
+    "a portable tile option": (lambda s: setattr(s, "call", s.call._replace(options={"BLOCK_M": 64})),
+                               "tune the portable forward"),
+    "another score_mod": (lambda s: setattr(s, "call", call_of(s.call.block_mask, softcap)), ""),
+    "no score_mod": (lambda s: setattr(s, "call", call_of(s.call.block_mask, None)), ""),
+    "another mask_mod": (lambda s: setattr(s, "call", call_of(create_block_mask(anti_causal, None, None, L, L,
+                                                                                device="cpu"))), ""),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_a_changed_fact_is_not_answered_from_a_stale_choice(gluon, change):
+    gluon.devices["meta"] = "the Gluon kernel is for compute capability 9.0 (Hopper), this GPU is 8.0"
+    s = SimpleNamespace(q=bhnd(), k=bhnd(), v=bhnd(), need_max=False,
+                        call=call_of(create_block_mask(causal, None, None, L, L, device="cpu")))
+    for _ in range(3):
+        assert forward(s.call, s.q, s.k, s.v, need_max=s.need_max) == (True, "")
+    alter, expected = CHANGES[change]
+    alter(s)
+    took, note = forward(s.call, s.q, s.k, s.v, need_max=s.need_max)
+    fresh = dispatch.sm90_forward_choice(s.call, s.q, s.k, s.v, s.need_max)
+    assert took == (fresh[0] is not None and fresh[1] is None)
+    assert took == (expected == "") and expected in note, note
+    if took:  # the family of the call's own mods launched
+        kernel = dispatch._kept_forward_choice(s.call, s.q, s.k, s.v, s.need_max)[0]
+        assert kernel.score is s.call.score and kernel.mask is s.call.mask
+
+
+def test_the_launch_reads_each_calls_captured_tensor(gluon):
+    q, k, v = bhnd(), bhnd(), bhnd()
+    call = call_of(create_block_mask(causal, None, None, L, L, device="cpu"))
+    for values in ([slopes], [slopes.clone()], [torch.zeros(2)]):
+        assert forward(call, q, k, v, captured=values) == (True, "")
+        assert any(a is values[0] for a in gluon.launches[-1][2])
+    assert gluon.reasons == 1
+
+
+def test_a_family_whose_kernels_did_not_compile_falls_back_at_the_next_call(gluon):
+    q, k, v = bhnd(), bhnd(), bhnd()
+    call = call_of(create_block_mask(causal, None, None, L, L, device="cpu"))
+    assert forward(call, q, k, v) == (True, "")
+    kernel = dispatch.sm90_forward_choice(call, q, k, v, False)[0]
+    kernel._failed[kernel._variants(q, k)] = "the Gluon kernel of these mods did not compile (x)"
+    try:
+        assert forward(call, q, k, v) == (False, "not GLUON (the Gluon kernel of these mods did not compile (x)); ")
+    finally:
+        kernel._failed.clear()
+
+
+def test_auto_rule_reads_each_calls_mask(gluon):
+    # At head dim 64 AUTO leaves rows of few key blocks to the portable forward: two masks of one
+    # mask_mod's graph (one key) whose rows visit 24 and 2 key blocks take different forwards.
+    N = 24 * 128
+
+    def window(size):
+        def near(b, h, q_idx, kv_idx):
+            return (q_idx - kv_idx).abs() <= size
+        return near
+
+    wide, narrow = (create_block_mask(window(w), None, None, N, N, device="cpu") for w in (N, 64))
+    assert trace_mod(wide.mask_mod, "mask_mod")[0] is trace_mod(narrow.mask_mod, "mask_mod")[0]
+    q, k, v = (bhnd(N=N, D=64, H=1) for _ in range(3))
+    for _ in range(2):
+        assert forward(call_of(wide, None), q, k, v) == (True, "")
+        took, note = forward(call_of(narrow, None), q, k, v)
+        assert not took and "rows of few key blocks" in note
+    assert gluon.reasons == 1
