@@ -339,7 +339,7 @@ def _forward_choice_now(call: Call, q, k, fixed: tuple):
 # - need_lse, the scale: no reason reads them;
 # - tanh_approx, which picks the family: from TANH_APPROX (in the options), the device and q's dtype.
 # A family evicted from hopper_forward_kernel's table stays alive in an entry and serves it as before.
-# tests/test_warm_gluon_choice.py changes each of these after warm calls.
+# tests/test_warm_gluon_forward.py changes each of these after warm calls.
 _GLUON_FORWARD: dict = {}
 _GLUON_FORWARD_KEPT = 256
 

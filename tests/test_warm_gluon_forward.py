@@ -10,6 +10,7 @@ Gluon kernel is recorded, not launched (Gluon kernels do not run in Triton's int
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from types import SimpleNamespace
 
 import pytest
@@ -60,6 +61,8 @@ def gluon(monkeypatch):
     monkeypatch.setattr(hopper_forward, "problem_reason", problem_reason)
     monkeypatch.setattr(CompiledKernel, "kernel", lambda self, params: _Recorder(params, state.launches))
     monkeypatch.setattr(dispatch, "_GLUON_FORWARD", {})
+    # Fresh families: a prepared launch keeps the kernel it launches (here another test's recorder).
+    monkeypatch.setattr(hopper_forward, "_kernels", OrderedDict())
     return state
 
 
@@ -194,3 +197,125 @@ def test_auto_rule_reads_each_calls_mask(gluon):
         took, note = forward(call_of(narrow, None), q, k, v)
         assert not took and "rows of few key blocks" in note
     assert gluon.reasons == 1
+
+
+# ------------------------------------------------------------------------------------ prepared launches
+# [Note] Prepared Gluon forward launches (kernels/hopper/forward.py): after warm calls of one family,
+# a call with one thing changed that its key leaves out launches what a fresh family's long way
+# launches for that call (the same grid, constexprs and arguments: the call's own tensors, the
+# outputs fresh allocations of the same layout).
+
+
+def _normal(value, inputs: list):
+    """A launch argument as the comparison sees it: the call's own tensors by position in ``inputs``,
+    other tensors (fresh outputs) by layout, descriptors by tensor and geometry, floats by repr
+    (0.0 and -0.0 differ)."""
+    if isinstance(value, torch.Tensor):
+        same = [i for i, t in enumerate(inputs) if t is value]
+        return ("input", same[0]) if same else ("fresh", tuple(value.shape), value.stride(), value.dtype)
+    if hasattr(value, "block_shape"):
+        return ("descriptor", _normal(value.base, inputs), tuple(value.shape), tuple(value.strides),
+                tuple(value.block_shape), repr(value.layout))
+    return repr(value) if isinstance(value, float) else value
+
+
+def _launch_of(record, inputs: list) -> tuple:
+    params, grid, args, constexprs = record
+    return params.name, tuple(grid), tuple(_normal(a, inputs) for a in args), dict(constexprs)
+
+
+@pytest.fixture
+def families(monkeypatch):
+    """Two families of ALiBi + causal (one warmed up, one fresh), their launches recorded."""
+    calls = []
+    monkeypatch.setattr(CompiledKernel, "kernel", lambda self, params: _Recorder(params, calls))
+    score = trace_mod(alibi, "score_mod")[0]
+    mask = trace_mod(causal, "mask_mod")[0]
+    return SimpleNamespace(calls=calls, new=lambda: hopper_forward.HopperForwardKernel(score, mask, tanh_approx=False))
+
+
+def _widened(bm):
+    """``bm`` with index tables twice as wide (zero columns past every row's count): the same row
+    table and statistics, so the same plan key."""
+    from flexattn import BlockMask
+
+    pad = torch.zeros_like(bm.kv_indices)
+    return BlockMask.from_kv_blocks(bm.kv_num_blocks, torch.cat([bm.kv_indices, pad], -1), bm.full_kv_num_blocks,
+                                    torch.cat([bm.full_kv_indices, pad], -1), BLOCK_SIZE=bm.BLOCK_SIZE,
+                                    mask_mod=bm.mask_mod, seq_lengths=bm.seq_lengths)
+
+
+def _in_place(bm):
+    """``bm`` itself, its tables overwritten with another mask's (same shapes and statistics)."""
+    other = create_block_mask(anti_causal, None, None, L, L, device="cpu")
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        getattr(bm, name).copy_(getattr(other, name))
+    return bm
+
+
+def _fresh_inputs(s):
+    """New q, k and v of the same layout, the old ones freed (their ids may come back)."""
+    s.q = s.k = s.v = None
+    import gc
+
+    gc.collect()
+    s.q, s.k, s.v = bhnd(), bhnd(), bhnd()
+
+
+# Each change after warm calls, on the state (q, k, v, bm, scale, captured); and the warm-up's scale.
+PREPARED_CHANGES = {
+    "a scale of the same sign": (0.125, lambda s: setattr(s, "scale", 0.25)),
+    "-0.0 after 0.0": (0.0, lambda s: setattr(s, "scale", -0.0)),
+    "wider index tables": (0.125, lambda s: setattr(s, "bm", _widened(s.bm))),
+    "tables changed in place": (0.125, lambda s: setattr(s, "bm", _in_place(s.bm))),
+    "the mod's tensor replaced": (0.125, lambda s: setattr(s, "captured", [slopes.clone() * 2])),
+    "freed tensors, new ones": (0.125, _fresh_inputs),
+    "heads side by side in a row": (0.125, lambda s: setattr(s, "q", torch.randn(1, L, 2, 128, dtype=torch.bfloat16)
+                                                               .transpose(1, 2))),
+}
+
+
+@pytest.mark.parametrize("change", sorted(PREPARED_CHANGES))
+def test_a_prepared_gluon_launch_launches_what_the_long_way_would(families, change):
+    warm_scale, alter = PREPARED_CHANGES[change]
+    s = SimpleNamespace(q=bhnd(), k=bhnd(), v=bhnd(), bm=create_block_mask(causal, None, None, L, L, device="cpu"),
+                        scale=warm_scale, captured=[slopes])
+    warm = families.new()
+    for _ in range(3):
+        warm(s.q, s.k, s.v, s.bm, s.scale, s.captured, [], need_lse=True)
+    assert warm.prepared_calls == 2  # the first call took the long way, and prepared the next ones
+    alter(s)
+    from flexattn.kernels.tables import launch_tables
+
+    def launched(family):
+        out, lse = family(s.q, s.k, s.v, s.bm, s.scale, s.captured, [], need_lse=True)
+        assert out.shape == s.q.shape and lse.shape == s.q.shape[:3]
+        inputs = [s.q, s.k, s.v, *launch_tables(s.bm)[:4], *s.captured]
+        return _launch_of(families.calls[-1], inputs)
+
+    assert launched(warm) == launched(families.new())
+
+
+def test_a_replaced_gluon_plan_is_launched_not_the_prepared_one(families):
+    q, k, v = bhnd(), bhnd(), bhnd()
+    bm = create_block_mask(causal, None, None, L, L, device="cpu")
+    kernel = families.new()
+    for _ in range(2):
+        kernel(q, k, v, bm, 0.125, [slopes], [], need_lse=True)
+    [(key, plan)] = kernel._plans.items()
+    kernel._plans[key] = other = plan.with_constexprs("forward", STAGES=3)
+    kernel(q, k, v, bm, 0.125, [slopes], [], need_lse=True)
+    assert families.calls[-1][3]["STAGES"] == 3 and kernel.last_plan is other
+
+
+def test_an_unaligned_input_takes_the_long_way_which_refuses_it(families):
+    q, k, v = bhnd(), bhnd(), bhnd()
+    bm = create_block_mask(causal, None, None, L, L, device="cpu")
+    kernel = families.new()
+    for _ in range(2):
+        kernel(q, k, v, bm, 0.125, [slopes], [], need_lse=True)
+    served = kernel.prepared_calls
+    _misaligned(k)  # same shape and strides: the same plan key
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        kernel(q, k, v, bm, 0.125, [slopes], [], need_lse=True)
+    assert kernel.prepared_calls == served

@@ -342,7 +342,8 @@ class KernelFamily:
                 raise
             self._prepared.pop(key, None)  # the long way steps down; pop: another thread may have dropped it
             return None
-        self.prepared_calls += 1
+        if result is not None:  # None: run found the call outside what it prepared, and launched nothing
+            self.prepared_calls += 1
         return result
 
     def _keep_prepared(self, key: tuple, prepared: PreparedLaunch) -> None:
