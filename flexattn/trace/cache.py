@@ -306,7 +306,8 @@ def _fast_lookup(fn: Callable, kind: str):
     dtype, shape, device and requires_grad (checked again for every tensor: in-place resizes count)
     and the same pattern of which ones are one object.
     """
-    anchor, func = _fast_anchor(fn)
+    # _fast_anchor's answer for a plain function (most mods), without the call.
+    anchor, func = (fn, None) if type(fn) is types.FunctionType else _fast_anchor(fn)
     if anchor is None:
         return None
     try:

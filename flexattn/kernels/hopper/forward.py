@@ -257,6 +257,9 @@ class WarmHopperForward:
         # Descriptors without the tensors: nothing of this call's is kept.
         self.templates = [descriptor_template(TensorDescriptor(t, *recipe))
                           for t, recipe in zip((q, k, v, sample), self.recipes)]
+        # Whether every descriptor is copied from its template (not `None in templates`: the
+        # descriptors' dataclass __eq__ would run at every call).
+        self.copied = all(t is not None for t in self.templates)
 
     @property
     def takes_walks(self) -> bool:
@@ -273,12 +276,14 @@ class WarmHopperForward:
         out = empty_strided_output(self.out_shape, self.out_strides, q.dtype, device)
         lse = empty_output(self.stats_shape, torch.float32, device) if self.need_lse else out
         family = self.family
-        if None in self.templates or out.data_ptr() & 15:  # built and checked, as the long way does
+        if not self.copied or out.data_ptr() & 15:  # built and checked, as the long way does
             from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
             d_q, d_k, d_v, d_out = (TensorDescriptor(t, *recipe) for t, recipe in zip((q, k, v, out), self.recipes))
-        else:
-            d_q, d_k, d_v, d_out = (descriptor_over(d, t) for d, t in zip(self.templates, (q, k, v, out)))
+        else:  # spelled out: a generator's resumptions are Python calls too
+            t_q, t_k, t_v, t_out = self.templates
+            d_q, d_k, d_v, d_out = (descriptor_over(t_q, q), descriptor_over(t_k, k), descriptor_over(t_v, v),
+                                    descriptor_over(t_out, out))
         args = _pack(family, (d_q, d_k, d_v, d_out), lse, tables, walks, score_captured, mask_captured, self.fixed)
         self.launch(args, fresh_aligned=not (out.data_ptr() | lse.data_ptr()) & 15)
         launches += 1
