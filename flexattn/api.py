@@ -107,7 +107,8 @@ def flex_attention(
         block_mask = dense_block_mask(L, S, query.device)
         mask, mask_captured = None, []
     else:
-        block_mask = as_block_mask(block_mask)  # torch's BlockMask too
+        if not isinstance(block_mask, BlockMask):
+            block_mask = as_block_mask(block_mask)  # torch's BlockMask
         check_block_mask(block_mask, query, key)
         try:  # trace_mod inline, not through a helper: a warm call's every Python call counts (docs/host_path.md)
             mask, mask_captured = trace_mod(block_mask.mask_mod, "mask_mod")
@@ -127,7 +128,7 @@ def flex_attention(
         score_captured = captured_on(score, score_captured, query.device)
     else:
         score, score_captured = None, []
-    if _check_indices_requested(options):  # a debug mode (see FlexKernelOptions.CHECK_INDICES)
+    if (_CHECK_INDICES_ENV or options) and _check_indices_requested(options):  # a debug mode (FlexKernelOptions.CHECK_INDICES)
         for traced, captured in ((score, score_captured), (mask, mask_captured)):
             if traced is not None:
                 check_indices(traced, detached(captured), B, Hq, L, S, query.device)
@@ -140,6 +141,8 @@ def flex_attention(
         out, lse, mx = FlexAttentionFunction.apply(query, key, value, call, outputs.need_max, *score_captured)
     else:
         out, lse, mx = run_forward(call, query, key, value, score_captured, outputs.need_lse, outputs.need_max)
+    if not outputs.return_lse and outputs.aux is None:  # Outputs.returned's answer, without the call
+        return out
     return outputs.returned(out, lse, mx)
 
 
