@@ -188,9 +188,21 @@ class HopperBackwardKernel(HopperFamily):
     def unsupported_reason(self, q, k, v, block_mask, float32_kv_grads: bool = False,
                            grad_out: Optional[torch.Tensor] = None) -> Optional[str]:
         """Why this call cannot run here (None: it can): the problem's reason, or the mods'."""
-        reason = problem_reason(q, k, v, block_mask, float32_kv_grads, grad_out) or self.failed_reason(q, k)
-        if reason is not None:
-            return reason
+        return (self.problem_reason(q, k, v, block_mask, float32_kv_grads, grad_out) or self.failed_reason(q, k)
+                or self.trainable_reason(q, k))
+
+    @staticmethod
+    def problem_reason(q, k, v, block_mask, float32_kv_grads: bool = False,
+                       grad_out: Optional[torch.Tensor] = None) -> Optional[str]:
+        """The part of ``unsupported_reason`` that the mods do not change (the module's problem_reason):
+        the device, the tensors' dtypes, shapes, strides and alignment, BLOCK_SIZE, float32_kv_grads.
+        dispatch.py keeps it per key of those facts."""
+        return problem_reason(q, k, v, block_mask, float32_kv_grads, grad_out)
+
+    def trainable_reason(self, q, k) -> Optional[str]:
+        """Why the mods send this call to the portable backward (None: they do not): learnable
+        captured tensors, whose gradients the Gluon kernels do not write. The same for every call of
+        the mods at these lengths (the kernels compiled for them say it)."""
         B, Hq, L, _ = q.shape
         if self.compiled(index_bounds(B, Hq, L, k.shape[2])).trainable:
             return ("the score_mod's captured tensors that require grad (learnable biases) get their gradients "

@@ -309,7 +309,7 @@ class WarmHopperForward:
 #   the launch's ints were worked out for, else the long way.
 # The tables, the walks and the mods' tensors and numbers are the call's own, and every launch reads
 # Triton's specialisation facts from its own arguments (_EveryCallLaunch). Nothing of a call's
-# tensors is kept. tests/test_warm_gluon_forward.py changes each of these.
+# tensors is kept. tests/test_warm_gluon.py changes each of these.
 
 
 class _EveryCallLaunch(NamedTuple):

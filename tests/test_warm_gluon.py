@@ -1,6 +1,7 @@
 """[Note] The Gluon forward's choice, kept (dispatch.py), without a GPU: warm eager calls ask the
 Hopper Gluon forward's reasons once per key, and every fact the key stands for, changed after warm
-calls, gives the answer a fresh choice gives.
+calls, gives the answer a fresh choice gives; the same for the backward's choice; and the Gluon
+forward's prepared launches ([Note] Prepared Gluon forward launches) launch what the long way would.
 
 The Gluon path runs on CPU tensors here as on a Hopper: the problem's reasons (kernels/hopper/forward.py
 ``problem_reason``) are replaced by a counting stand-in that asks the real shape rules
@@ -18,6 +19,7 @@ import torch
 from test_hopper_backward import _Recorder
 
 import flexattn.dispatch as dispatch
+import flexattn.kernels.hopper.backward as hopper_backward
 import flexattn.kernels.hopper.common as hopper_common
 import flexattn.kernels.hopper.forward as hopper_forward
 from flexattn import create_block_mask
@@ -45,8 +47,8 @@ def anti_causal(b, h, q_idx, kv_idx):
     return q_idx <= kv_idx
 
 
-def bhnd(N=L, D=128, dtype=torch.bfloat16, H=2):
-    return torch.randn(1, H, N, D, dtype=dtype)
+def bhnd(N=L, D=128, dtype=torch.bfloat16, H=2, B=1):
+    return torch.randn(B, H, N, D, dtype=dtype)
 
 
 @pytest.fixture
@@ -319,3 +321,103 @@ def test_an_unaligned_input_takes_the_long_way_which_refuses_it(families):
     with pytest.raises(AssertionError, match="16-byte aligned"):
         kernel(q, k, v, bm, 0.125, [slopes], [], need_lse=True)
     assert kernel.prepared_calls == served
+
+
+# ------------------------------------------------------------------------------------ the backward's choice
+# Kept as the forward's is (dispatch._GLUON_BACKWARD): its problem reasons (the shared rules, counted,
+# with a device table as above) asked once per key, and every fact its key stands for, changed after
+# warm calls, answered as the uncached sm90_backward_choice answers.
+
+
+@pytest.fixture
+def gluon_backward(monkeypatch):
+    state = SimpleNamespace(reasons=0, devices={"cpu": None, "meta": "this GPU is 8.0"})
+
+    def common_problem_reason(q, k, v, block_mask, need_max):
+        state.reasons += 1
+        return state.devices[q.device.type] or hopper_common.shape_reason(q, k, v, block_mask, need_max)
+
+    monkeypatch.setattr(hopper_backward, "common_problem_reason", common_problem_reason)
+    monkeypatch.setattr(dispatch, "_GLUON_BACKWARD", {})
+    monkeypatch.setattr(hopper_backward, "_kernels", OrderedDict())
+    return state
+
+
+learnable = torch.randn(2, requires_grad=True)
+
+
+def learnt_bias(score, b, h, q_idx, kv_idx):
+    return score + learnable[h]
+
+
+BACKWARD_CHANGES = {
+    "float32 parts of dK and dV": (lambda s: setattr(s, "f32", True), "float32 parts"),
+    "no output gradient given": (lambda s: setattr(s, "grad_out", None), ""),
+    "float16 output gradient": (lambda s: setattr(s.grad_out, "data", s.grad_out.data.half()), "output's gradient"),
+    "misaligned output gradient, same id": (lambda s: _misaligned(s.grad_out), "output's gradient"),
+    "strided output gradient, same id": (lambda s: _strided(s.grad_out), "output's gradient"),
+    "a broadcast key/value batch": (lambda s: [setattr(t, "data", t.data[:1]) for t in (s.k, s.v)], "broadcast"),
+    "float32 query": (lambda s: setattr(s.q, "data", s.q.data.float()), "float16 or bfloat16"),
+    "misaligned key, same id": (lambda s: _misaligned(s.k), "k cannot be read"),
+    "strided value, same id": (lambda s: _strided(s.v), "v cannot be read"),
+    "another device": (lambda s: s.__dict__.update(q=s.q.to("meta"), k=s.k.to("meta"), v=s.v.to("meta"),
+                                                    grad_out=s.grad_out.to("meta")), "this GPU is 8.0"),
+    "BLOCK_SIZE 64": (lambda s: setattr(s, "call", call_of(create_block_mask(causal, None, None, L, L, device="cpu",
+                                                                             BLOCK_SIZE=64))), "BLOCK_SIZE"),
+    "a portable tile option": (lambda s: setattr(s, "call", s.call._replace(options={"BLOCK_M1": 32})),
+                               "tune the portable backward"),
+    "a learnable captured tensor": (lambda s: setattr(s, "call", call_of(s.call.block_mask, learnt_bias)),
+                                    "learnable biases"),
+    "another mask_mod": (lambda s: setattr(s, "call", call_of(create_block_mask(anti_causal, None, None, L, L,
+                                                                                device="cpu"))), ""),
+}
+
+
+def _backward_state():
+    B = 2
+    return SimpleNamespace(q=bhnd(B=B), k=bhnd(B=B), v=bhnd(B=B), grad_out=bhnd(B=B), f32=False,
+                           call=call_of(create_block_mask(causal, None, None, L, L, device="cpu")))
+
+
+@pytest.mark.parametrize("change", sorted(BACKWARD_CHANGES))
+def test_a_changed_fact_is_not_answered_from_a_stale_backward_choice(gluon_backward, change):
+    s = _backward_state()
+    for _ in range(3):
+        kernel, reason = dispatch._kept_backward_choice(s.call, s.q, s.k, s.v, s.f32, s.grad_out)
+        assert kernel is not None and reason is None
+    assert gluon_backward.reasons == 1
+    alter, expected = BACKWARD_CHANGES[change]
+    alter(s)
+    kernel, reason = dispatch._kept_backward_choice(s.call, s.q, s.k, s.v, s.f32, s.grad_out)
+    assert (kernel, reason) == dispatch.sm90_backward_choice(s.call, s.q, s.k, s.v, s.f32, s.grad_out)
+    assert (reason is None) == (expected == "") and expected in (reason or ""), reason
+    if reason is None:
+        assert kernel.score is s.call.score and kernel.mask is s.call.mask
+
+
+def test_warm_backwards_ask_the_reasons_once_and_a_failed_family_at_each_call(gluon_backward, monkeypatch):
+    s = _backward_state()
+    grads = (s.q, s.k, s.v, [None])
+    monkeypatch.setattr(hopper_backward.HopperBackwardKernel, "__call__", lambda self, *args, **kwargs: grads)
+    lse = torch.zeros(s.q.shape[:3])
+    for _ in range(3):
+        assert dispatch._sm90_backward(s.call, s.q, s.k, s.v, s.q, lse, s.grad_out, None, [slopes], False) == (grads, "")
+    assert gluon_backward.reasons == 1
+    kernel = dispatch._kept_backward_choice(s.call, s.q, s.k, s.v, False, s.grad_out)[0]
+    kernel._failed[kernel._variants(s.q, s.k)] = "the Gluon backward of these mods did not compile (x)"
+    result, note = dispatch._sm90_backward(s.call, s.q, s.k, s.v, s.q, lse, s.grad_out, None, [slopes], False)
+    assert result is None and "did not compile (x)" in note
+
+
+@pytest.mark.parametrize("change", sorted(set(CHANGES) - {"max_scores"}))
+def test_the_forwards_changes_are_not_answered_from_a_stale_backward_choice(gluon_backward, change):
+    # The rules the two directions share (hopper/common.py), changed as for the forward: the kept
+    # backward choice answers as the uncached one does.
+    gluon_backward.devices["meta"] = "this GPU is 8.0"
+    s = _backward_state()
+    s.need_max = False
+    for _ in range(2):
+        assert dispatch._kept_backward_choice(s.call, s.q, s.k, s.v, False, s.grad_out)[1] is None
+    CHANGES[change][0](s)
+    kept = dispatch._kept_backward_choice(s.call, s.q, s.k, s.v, False, s.grad_out)
+    assert kept == dispatch.sm90_backward_choice(s.call, s.q, s.k, s.v, False, s.grad_out)
