@@ -128,7 +128,8 @@ def flex_attention(
         score_captured = captured_on(score, score_captured, query.device)
     else:
         score, score_captured = None, []
-    if (_CHECK_INDICES_ENV or options) and _check_indices_requested(options):  # a debug mode (FlexKernelOptions.CHECK_INDICES)
+    # A debug mode (FlexKernelOptions.CHECK_INDICES); no call asked without options or the variable.
+    if (_CHECK_INDICES_ENV or options) and _check_indices_requested(options):
         for traced, captured in ((score, score_captured), (mask, mask_captured)):
             if traced is not None:
                 check_indices(traced, detached(captured), B, Hq, L, S, query.device)

@@ -111,7 +111,8 @@ CHANGES = {
     "float16 value only": (lambda s: setattr(s.v, "data", s.v.data.half()), "float16 or bfloat16"),
     "head dim 96": (lambda s: [setattr(t, "data", bhnd(D=96)) for t in (s.q, s.k, s.v)], "head dims of 64 or 128"),
     # Views of the same strides: only the shape tells them apart.
-    "value head dim 64, same strides": (lambda s: setattr(s.v, "data", s.v.data[..., :64]), "equal Q/K and V head dims"),
+    "value head dim 64, same strides": (lambda s: setattr(s.v, "data", s.v.data[..., :64]),
+                                        "equal Q/K and V head dims"),
     "shorter query, same strides": (lambda s: setattr(s.q, "data", s.q.data[:, :, :200]), "multiples of 128"),
     "shorter key, same strides": (lambda s: setattr(s.k, "data", s.k.data[:, :, :200]), "multiples of 128"),
     "head dim 64": (lambda s: [setattr(t, "data", bhnd(D=64)) for t in (s.q, s.k, s.v)],
@@ -401,7 +402,8 @@ def test_warm_backwards_ask_the_reasons_once_and_a_failed_family_at_each_call(gl
     monkeypatch.setattr(hopper_backward.HopperBackwardKernel, "__call__", lambda self, *args, **kwargs: grads)
     lse = torch.zeros(s.q.shape[:3])
     for _ in range(3):
-        assert dispatch._sm90_backward(s.call, s.q, s.k, s.v, s.q, lse, s.grad_out, None, [slopes], False) == (grads, "")
+        result = dispatch._sm90_backward(s.call, s.q, s.k, s.v, s.q, lse, s.grad_out, None, [slopes], False)
+        assert result == (grads, "")
     assert gluon_backward.reasons == 1
     kernel = dispatch._kept_backward_choice(s.call, s.q, s.k, s.v, False, s.grad_out)[0]
     kernel._failed[kernel._variants(s.q, s.k)] = "the Gluon backward of these mods did not compile (x)"
