@@ -2,9 +2,11 @@
 
     python -m benchmarks.host_profile --out-dir prof           # warm calls, then a cold and a warm first call
     python -m benchmarks.host_profile --warm-only fwd_mask      # one case's warm profile
+    python -m benchmarks.host_profile --warm-only fwd_mask fwd_mask_d128 --out-dir prof   # the Gluon path too
 
 The GPU counterpart of ``host_proxy`` (which stubs the launches on a CPU). Warm calls: the cases of
-``flexattn bench --mode host`` (B1 H4 L256 d64 bf16; the decode step GQA 16:2 over 1024 keys), each
+``flexattn bench --mode host`` (B1 H4 L256 d64 bf16; the decode step GQA 16:2 over 1024 keys), and
+the masked forward at d128 (``fwd_mask_d128``, the Gluon forward's eager path on a Hopper), each
 timed unprofiled (mean of 300 calls) and then profiled over 300 calls; ``warm_calls.txt`` holds both
 sorts (own time, cumulative). First call: ALiBi + causal, B1 H16 L4096 d128 bf16, forward +
 backward, in a fresh process under cProfile from before ``import torch``, on kernel caches of a
@@ -82,6 +84,7 @@ def warm_profiles(names, out_dir: str, calls: int = 300) -> None:
     dev, dt = "cuda", torch.bfloat16
     q, k, v, grad = (torch.randn(1, 4, 256, 64, device=dev, dtype=dt) for _ in range(4))
     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    q128, k128, v128 = (torch.randn(1, 4, 256, 128, device=dev, dtype=dt) for _ in range(3))
     q1 = torch.randn(1, 16, 1, 64, device=dev, dtype=dt)
     k1, v1 = (torch.randn(1, 2, 1024, 64, device=dev, dtype=dt) for _ in range(2))
     alibi, alibi16 = generate_alibi_bias(4, dev), generate_alibi_bias(16, dev)
@@ -92,6 +95,8 @@ def warm_profiles(names, out_dir: str, calls: int = 300) -> None:
         "fwd_plain": lambda: flex(q, k, v),
         "fwd_bwd": lambda: flex(qg, kg, vg, score_mod=alibi, block_mask=bm).backward(grad),
         "decode": lambda: flex(q1, k1, v1, score_mod=alibi16, enable_gqa=True),
+        # Head dim 128: the Gluon forward takes it on a Hopper (its kept choice and prepared launch).
+        "fwd_mask_d128": lambda: flex(q128, k128, v128, score_mod=alibi, block_mask=bm),
     }
     with open(os.path.join(out_dir, "warm_calls.txt"), "w") as f:
         for name in names or cases:
@@ -110,8 +115,10 @@ def warm_profiles(names, out_dir: str, calls: int = 300) -> None:
                 fn()
             prof.disable()
             torch.cuda.synchronize()
-            print(f"{name}: {host_us:.1f} us/call unprofiled", flush=True)
-            f.write(f"######## {name}: {host_us:.1f} us/call unprofiled, then {calls} calls profiled\n")
+            per_call = pstats.Stats(prof).total_calls / calls  # function calls, Python's and builtins'
+            print(f"{name}: {host_us:.1f} us/call unprofiled, {per_call:.0f} function calls a call", flush=True)
+            f.write(f"######## {name}: {host_us:.1f} us/call unprofiled, {per_call:.0f} function calls a call, "
+                    f"then {calls} calls profiled\n")
             f.write(_stats(prof, 45) + "\n")
 
 
@@ -137,7 +144,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", default=".", help="where the profiles are written")
     parser.add_argument("--warm-only", nargs="*", default=None, metavar="CASE",
-                        help="warm calls only (all four cases, or those named)")
+                        help="warm calls only (all five cases, or those named)")
     args = parser.parse_args(argv)
     import torch
 

@@ -23,19 +23,17 @@ from .options import AuxRequest, FlexKernelOptions
 from .request import (
     build_call, captured_on, check_block_mask, check_grad_dtypes, check_tensors, options_of, request_of, wants_grad,
 )
-from .trace import TracedMod, detached, needs_grad, trace_mod
+from .trace import detached, needs_grad, trace_mod
 
 __all__ = ["flex_attention"]
 
 
-def _traced(fn, kind: str, where: str) -> tuple[TracedMod, list]:
-    try:
-        return trace_mod(fn, kind)
-    except Exception as err:
-        mistake = arity_mistake(fn, kind, where) if callable(fn) else None
-        if mistake:  # the root cause, whatever the tracer made of it
-            raise InvalidInputError(mistake) from err
-        raise
+def _explain_trace_error(err: Exception, fn, kind: str, where: str) -> None:
+    """Raise the root cause of ``trace_mod(fn, kind)`` raising ``err`` when it is a mod of the wrong
+    arity, whatever the tracer made of it; return (the caller re-raises ``err``) otherwise."""
+    mistake = arity_mistake(fn, kind, where) if callable(fn) else None
+    if mistake:
+        raise InvalidInputError(mistake) from err
 
 
 # Read once, at import (os.environ.get costs most of a microsecond on every call).
@@ -109,31 +107,43 @@ def flex_attention(
         block_mask = dense_block_mask(L, S, query.device)
         mask, mask_captured = None, []
     else:
-        block_mask = as_block_mask(block_mask)  # torch's BlockMask too
+        if not isinstance(block_mask, BlockMask):
+            block_mask = as_block_mask(block_mask)  # torch's BlockMask
         check_block_mask(block_mask, query, key)
-        mask, mask_captured = _traced(block_mask.mask_mod, "mask_mod", "flex_attention (block_mask.mask_mod)")
+        try:  # trace_mod inline, not through a helper: a warm call's every Python call counts (docs/host_path.md)
+            mask, mask_captured = trace_mod(block_mask.mask_mod, "mask_mod")
+        except Exception as err:
+            _explain_trace_error(err, block_mask.mask_mod, "mask_mod", "flex_attention (block_mask.mask_mod)")
+            raise
         mask_captured = captured_on(mask, mask_captured, query.device)
         # mask_mods are boolean: their captured tensors take no gradient.
         if mask_captured and needs_grad(mask_captured):
             mask_captured = detached(mask_captured)
     if score_mod is not None:
-        score, score_captured = _traced(score_mod, "score_mod", "flex_attention")
+        try:
+            score, score_captured = trace_mod(score_mod, "score_mod")
+        except Exception as err:
+            _explain_trace_error(err, score_mod, "score_mod", "flex_attention")
+            raise
         score_captured = captured_on(score, score_captured, query.device)
     else:
         score, score_captured = None, []
-    if _check_indices_requested(options):  # a debug mode (see FlexKernelOptions.CHECK_INDICES)
+    # A debug mode (FlexKernelOptions.CHECK_INDICES); no call asked without options or the variable.
+    if (_CHECK_INDICES_ENV or options) and _check_indices_requested(options):
         for traced, captured in ((score, score_captured), (mask, mask_captured)):
             if traced is not None:
                 check_indices(traced, detached(captured), B, Hq, L, S, query.device)
 
     grad = wants_grad(query, key, value, score_captured)
     call = build_call(query, S, block_mask, score, mask, mask_captured, options, scale, grad, outputs.need_max)
-    check_grad_dtypes(query, key, value, grad)
     if grad:
+        check_grad_dtypes(query, key, value, grad)
         prepare_backward(call, query, key, value, score_captured)
         out, lse, mx = FlexAttentionFunction.apply(query, key, value, call, outputs.need_max, *score_captured)
     else:
         out, lse, mx = run_forward(call, query, key, value, score_captured, outputs.need_lse, outputs.need_max)
+    if not outputs.return_lse and outputs.aux is None:  # Outputs.returned's answer, without the call
+        return out
     return outputs.returned(out, lse, mx)
 
 

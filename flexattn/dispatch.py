@@ -295,11 +295,69 @@ def sm90_forward_choice(call: Call, q, k, v, need_max: bool):
     """``(kernel, reason)``: the Hopper Gluon forward family of the call's mods and why this call
     cannot or should not take it (None: it takes it). ``kernel`` is None when the options rule it
     out before any family is built (nothing about the kernel is asked then)."""
+    return _forward_choice_now(call, q, k, _fixed_forward_choice(call, q, k, v, need_max))
+
+
+def _fixed_forward_choice(call: Call, q, k, v, need_max: bool):
+    """``(kernel, reason)`` from what _GLUON_FORWARD's key fixes: the options, the family, and the
+    problem's reason (kernel.problem_reason); the rest is _forward_choice_now's."""
     def reason(kernel):
-        return (kernel.unsupported_reason(q, k, v, call.block_mask, need_max),
-                lambda: hopper_auto_reason(q, call.block_mask, call.score is not None, call.mask is not None))
+        return kernel.problem_reason(q, k, v, call.block_mask, need_max), lambda: None
 
     return _gluon_choice(call, q, "forward", _PORTABLE_TUNING, hopper_forward_kernel, reason)
+
+
+def _forward_choice_now(call: Call, q, k, fixed: tuple):
+    """``fixed`` (_fixed_forward_choice) with what may change between calls of one key: whether the
+    mods' kernels failed to compile (the family remembers it), and AUTO's rule, which reads the
+    mask's row statistics."""
+    kernel, reason = fixed
+    if kernel is None or reason is not None:
+        return fixed
+    reason = kernel.failed_reason(q, k)
+    if reason is None and call.options.get("BACKEND") != "GLUON":
+        reason = hopper_auto_reason(q, call.block_mask, call.score is not None, call.mask is not None)
+    return kernel, reason
+
+
+# [Note] The Gluon forward's choice, kept. An eager CUDA call asks whether the Hopper Gluon forward
+# takes it (sm90_forward_choice): the options, the family of its mods, the device, and the dtypes,
+# shapes, strides and alignment of q, k and v, every call the same for one model's layer. _sm90_forward
+# keeps that answer (_fixed_forward_choice) per key of what it reads, and asks per call only what may
+# change under one key (_forward_choice_now): a family's kernels that did not compile, and AUTO's rule
+# at head dim 64, which reads the mask's row statistics. What the key leaves out, and why that is safe:
+# - the mods' captured tensors and numbers, and the tables' content: no reason in the kept part reads
+#   them (the auto rule, which reads the tables, is asked per call); the launch reads the call's own;
+# - the tensors themselves: only their facts are in the key, nothing that can die (no id()), so a
+#   freed tensor's id coming back with other facts is another key;
+# - the mods by content: the key holds the TracedMods themselves (compared by identity, kept alive by
+#   the key: [Note] Cache keys in kernels/family.py); a mod whose graph changed is traced to another;
+# - the process's facts: Triton's version, and the compute capability of a device (the key has the
+#   device), fixed for a process (hopper/common.py's _capability is kept per device already); the
+#   interpreter flag, which Triton reads when it decorates a kernel (Gluon's jit never interprets),
+#   so a process that sets TRITON_INTERPRET after a key's first call keeps launching the compiled
+#   Gluon kernel it chose, on the GPU its tensors are on (right numbers);
+# - need_lse, the scale: no reason reads them;
+# - tanh_approx, which picks the family: from TANH_APPROX (in the options), the device and q's dtype.
+# A family evicted from hopper_forward_kernel's table stays alive in an entry and serves it as before.
+# tests/test_warm_gluon.py changes each of these after warm calls.
+_GLUON_FORWARD: dict = {}
+_GLUON_CHOICES_KEPT = 256
+
+
+def _kept_forward_choice(call: Call, q, k, v, need_max: bool):
+    """sm90_forward_choice, its fixed part kept per key ([Note] The Gluon forward's choice, kept)."""
+    options = call.options
+    key = (call.score, call.mask, tuple(sorted(options.items())) if options else (), need_max, q.device, q.dtype,
+           k.dtype, v.dtype, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.data_ptr() & 15,
+           k.data_ptr() & 15, v.data_ptr() & 15, call.block_mask.BLOCK_SIZE)
+    fixed = _GLUON_FORWARD.get(key)
+    if fixed is None:
+        fixed = _fixed_forward_choice(call, q, k, v, need_max)
+        if len(_GLUON_FORWARD) >= _GLUON_CHOICES_KEPT:
+            _GLUON_FORWARD.clear()
+        _GLUON_FORWARD[key] = fixed
+    return _forward_choice_now(call, q, k, fixed)
 
 
 def _gluon_choice(call: Call, q, stage: str, portable_tuning: frozenset, family, reasons):
@@ -327,7 +385,7 @@ def _sm90_forward(call: Call, q, k, v, score_captured, need_lse, need_max):
         out, lse = kernel(q, k, v, call.block_mask, call.scale, score_captured, call.mask_captured, need_lse=need_lse)
         return out, lse, None
 
-    return _run_gluon("forward", call, q, k, v, sm90_forward_choice(call, q, k, v, need_max), run)
+    return _run_gluon("forward", call, q, k, v, _kept_forward_choice(call, q, k, v, need_max), run)
 
 
 def _run_gluon(stage: str, call: Call, q, k, v, choice, run):
@@ -358,13 +416,59 @@ _PORTABLE_BACKWARD_TUNING = frozenset({"BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOC
 
 def sm90_backward_choice(call: Call, q, k, v, float32_kv_grads: bool = False, grad_out=None):
     """``(kernel, reason)`` for the backward, as sm90_forward_choice is for the forward."""
+    return _backward_choice_now(q, k, _fixed_backward_choice(call, q, k, v, float32_kv_grads, grad_out))
+
+
+def _fixed_backward_choice(call: Call, q, k, v, float32_kv_grads: bool, grad_out):
+    """``(kernel, problem's reason, mods' reason)`` from what _GLUON_BACKWARD's key fixes: the options,
+    the family, the problem's reason, and the mods' (learnable captured tensors, at these lengths)."""
     def reason(kernel):
         # AUTO takes every call the kernels can run: they were measured faster than the portable
         # backward on every case, rows of three key blocks included (docs/benchmarks_log.md, "The d=64
         # backward: dQ in the dK/dV kernel for every call, and the rule of few key blocks gone").
-        return (kernel.unsupported_reason(q, k, v, call.block_mask, float32_kv_grads, grad_out), lambda: None)
+        return kernel.problem_reason(q, k, v, call.block_mask, float32_kv_grads, grad_out), lambda: None
 
-    return _gluon_choice(call, q, "backward", _PORTABLE_BACKWARD_TUNING, hopper_backward_kernel, reason)
+    kernel, reason_now = _gluon_choice(call, q, "backward", _PORTABLE_BACKWARD_TUNING, hopper_backward_kernel, reason)
+    mods_reason = kernel.trainable_reason(q, k) if kernel is not None and reason_now is None else None
+    return kernel, reason_now, mods_reason
+
+
+def _backward_choice_now(q, k, fixed: tuple):
+    """``(kernel, reason)`` of ``fixed`` (_fixed_backward_choice), with whether the mods' kernels failed
+    to compile asked now (the family remembers it), in unsupported_reason's order."""
+    kernel, reason, mods_reason = fixed
+    if kernel is None or reason is not None:
+        return kernel, reason
+    return kernel, kernel.failed_reason(q, k) or mods_reason
+
+
+# The backward's choice, kept as the forward's is ([Note] The Gluon forward's choice, kept), per key
+# of what its fixed part reads: the same facts of q, k and v, and of the output's gradient (read
+# through a descriptor like q: its dtype, shape, strides and alignment; None when not given), and
+# float32_kv_grads in place of need_max. Left out as there: the mods' values, the tables' content
+# (no reason reads them; the backward has no auto rule), the process's facts, the scale, and whether
+# the family's kernels failed (asked per call). The mods' reason (learnable captured tensors) is the
+# family's kernels' for the lengths in the key, and the key holds the TracedMods, whose captured
+# inputs' requires_grad is part of what makes one (trace/cache.py's graph key).
+# tests/test_warm_gluon.py (the backward's choice) changes each of these after warm calls.
+_GLUON_BACKWARD: dict = {}
+
+
+def _kept_backward_choice(call: Call, q, k, v, float32_kv_grads: bool, grad_out):
+    """sm90_backward_choice, its fixed part kept per key (see _GLUON_BACKWARD)."""
+    options = call.options
+    grad_facts = None if grad_out is None else (grad_out.dtype, grad_out.shape, grad_out.stride(),
+                                                grad_out.data_ptr() & 15)
+    key = (call.score, call.mask, tuple(sorted(options.items())) if options else (), float32_kv_grads, q.device,
+           q.dtype, k.dtype, v.dtype, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.data_ptr() & 15,
+           k.data_ptr() & 15, v.data_ptr() & 15, call.block_mask.BLOCK_SIZE, grad_facts)
+    fixed = _GLUON_BACKWARD.get(key)
+    if fixed is None:
+        fixed = _fixed_backward_choice(call, q, k, v, float32_kv_grads, grad_out)
+        if len(_GLUON_BACKWARD) >= _GLUON_CHOICES_KEPT:
+            _GLUON_BACKWARD.clear()
+        _GLUON_BACKWARD[key] = fixed
+    return _backward_choice_now(q, k, fixed)
 
 
 def _sm90_backward(call: Call, q, k, v, out, lse, grad_out, grad_lse, score_captured, float32_kv_grads):
@@ -374,7 +478,8 @@ def _sm90_backward(call: Call, q, k, v, out, lse, grad_out, grad_lse, score_capt
         return kernel(q, k, v, out, lse, grad_out, grad_lse, call.block_mask, call.scale, score_captured,
                       call.mask_captured, deterministic=deterministic(call.options))
 
-    return _run_gluon("backward", call, q, k, v, sm90_backward_choice(call, q, k, v, float32_kv_grads, grad_out), run)
+    return _run_gluon("backward", call, q, k, v, _kept_backward_choice(call, q, k, v, float32_kv_grads, grad_out),
+                      run)
 
 
 def prepare_backward(call: Call, q, k, v=None, score_captured=None) -> None:

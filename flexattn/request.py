@@ -245,7 +245,9 @@ def captured_on(traced: Optional[TracedMod], values: list, device: torch.device)
     device, kept)."""
     if traced is None or not traced.captured:
         return values
-    check_captured_devices(traced, values, device)
+    for captured, value in zip(traced.captured, values):  # check_captured_devices, inlined: every call runs it
+        if captured.walk_index is not None and value.device != device:
+            check_captured_devices(traced, values, device)  # raises, naming the tensor
     if device.type == "cpu" or all(c.walk_index is not None for c in traced.captured):
         return values
     fixed = traced.fixed_values_on(device)

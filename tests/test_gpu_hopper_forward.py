@@ -103,15 +103,24 @@ def test_score_mods(variant):
 
 
 def launched_steps(monkeypatch) -> list:
-    """The forward steps the Gluon family launches from now on (a list that fills as it runs)."""
+    """The forward steps the Gluon family launches from now on (a list that fills as it runs), the long
+    way's and the prepared launches' ([Note] Prepared Gluon forward launches)."""
     steps = []
     real = hopper_forward.HopperForwardKernel._launch
+    real_prepared = hopper_forward.PreparedHopperForward.run
 
     def launch(self, plan, *args):
         steps.append(plan.steps["forward"])
         return real(self, plan, *args)
 
+    def prepared(self, problem):
+        result = real_prepared(self, problem)
+        if result is not None:
+            steps.append(self.plan.steps["forward"])
+        return result
+
     monkeypatch.setattr(hopper_forward.HopperForwardKernel, "_launch", launch)
+    monkeypatch.setattr(hopper_forward.PreparedHopperForward, "run", prepared)
     return steps
 
 

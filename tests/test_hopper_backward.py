@@ -87,7 +87,7 @@ def test_auto_takes_rows_of_few_key_blocks(monkeypatch):
     def everything(b, h, q_idx, kv_idx):
         return q_idx >= 0
 
-    monkeypatch.setattr(hopper_backward.HopperBackwardKernel, "unsupported_reason", lambda self, *args: None)
+    monkeypatch.setattr(hopper_backward, "problem_reason", lambda *args: None)
     for D in (64, 128):
         q = bhnd(N=512, D=D)
         few = create_block_mask(everything, None, None, 512, 512, device="cpu")  # 4 blocks a row
@@ -105,12 +105,22 @@ class _FailingKernel:
     def unsupported_reason(self, *args):
         return None
 
+    def problem_reason(self, *args):
+        return None
+
+    def failed_reason(self, *args):
+        return None
+
+    def trainable_reason(self, *args):
+        return None
+
     def __call__(self, *args, **kwargs):
         raise hopper_common.HopperUnavailable("the Gluon backward of these mods did not compile (CompilationError: x)")
 
 
 def test_choices_and_a_kernel_that_does_not_compile(monkeypatch):
     monkeypatch.setattr(dispatch, "hopper_backward_kernel", lambda *args, **kwargs: _FailingKernel())
+    monkeypatch.setattr(dispatch, "_GLUON_BACKWARD", {})  # no choice kept from another test's families
     q = bhnd()
     bm = create_block_mask(causal, None, None, L, L, device="cpu")
     call = Call("TRITON", bm, 0.125, None, None, [], {}, torch.int32)

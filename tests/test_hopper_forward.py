@@ -173,12 +173,19 @@ class _FailingKernel:
     def unsupported_reason(self, *args):
         return None
 
+    def problem_reason(self, *args):
+        return None
+
+    def failed_reason(self, *args):
+        return None
+
     def __call__(self, *args, **kwargs):
         raise hopper_common.HopperUnavailable("the Gluon kernel of these mods did not compile (CompilationError: x)")
 
 
 def test_a_kernel_that_does_not_compile_falls_back_unless_pinned(monkeypatch):
     monkeypatch.setattr(dispatch, "hopper_forward_kernel", lambda *args, **kwargs: _FailingKernel())
+    monkeypatch.setattr(dispatch, "_GLUON_FORWARD", {})  # no choice kept from another test's families
     monkeypatch.setattr(dispatch, "hopper_auto_reason", lambda q, block_mask, has_score_mod, has_mask_mod: None)
     q = bhnd()
     bm = create_block_mask(causal, None, None, L, L, device="cpu")
@@ -300,11 +307,15 @@ def test_a_plan_is_made_once_and_kept(monkeypatch):
         return "out", "lse"
 
     monkeypatch.setattr(kernel, "_launch", fake_launch)
+    prepared = []  # the second call's: its prepared launch ([Note] Prepared Gluon forward launches)
+    monkeypatch.setattr(hopper_forward, "launch", lambda jit_fn, grid, args, constexprs: prepared.append(grid))
     bm = instance.block_mask(1, 2, L, L, "cpu")
     before = hopper_forward.launches
-    for _ in range(2):
-        assert kernel(q, q, q, bm, 0.125, [], [], need_lse=True) == ("out", "lse")
-    assert launched[0] is launched[1] and len(kernel._plans) == 1
+    assert kernel(q, q, q, bm, 0.125, [], [], need_lse=True) == ("out", "lse")
+    out, lse = kernel(q, q, q, bm, 0.125, [], [], need_lse=True)
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    assert len(launched) == 1 and prepared == [launched[0].steps["forward"].grid] and len(kernel._plans) == 1
+    assert kernel.prepared_calls == 1
     assert hopper_forward.launches == before + 2 and kernel.last_plan is launched[0]
     assert launched[0].steps["forward"].grid == (L // 128, 2, 1)
     # [Note] Resident tiles in registers: Q is read from registers at head dim 64, from shared memory at 128.

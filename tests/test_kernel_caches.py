@@ -128,6 +128,18 @@ def test_tables_edited_out_of_order_or_out_of_range(one_thread):
         flex_attention(q, k, v, block_mask=bm, kernel_options=TRITON)
 
 
+def test_full_block_tables_edited_in_place_are_checked_again(one_thread):
+    # Each of the four tables' version counters is in the stamp of what is derived from them
+    # (BlockMask.derived): here only the full blocks' index table changes.
+    q, k, v = qkv()
+    bm = create_block_mask(causal_mask, 1, 1, L, L, device=DEVICE, BLOCK_SIZE=BLOCK)
+    check(flex_attention(q, k, v, block_mask=bm, kernel_options=TRITON), q, k, v, causal_mask)
+    row = int(torch.nonzero(bm.full_kv_num_blocks[0, 0])[0])  # a row with a full block
+    bm.full_kv_indices[0, 0, row, 0] = L // BLOCK  # one past the last key block
+    with pytest.raises(InvalidInputError, match=r"key block outside \[0, 8\)"):
+        flex_attention(q, k, v, block_mask=bm, kernel_options=TRITON)
+
+
 def test_kernels_are_chosen_per_lowering_variant(monkeypatch, tmp_path, one_thread):
     # Contract with the lowering: lowering_variant(traced, IndexBounds) is asked once per plan, and
     # lower(..., variant=) once per distinct variant; warm calls ask nothing. An empty kernel index:

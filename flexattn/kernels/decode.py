@@ -124,8 +124,8 @@ class DecodeKernel(KernelFamily):
                  need_lse: bool, options: dict):
         """``(out, lse or None)`` for queries that fit one query block of the mask (see unsupported_reason)."""
         global launches
-        reason = unsupported_reason(q, block_mask)
-        if reason is not None:
+        if q.shape[2] > block_mask.BLOCK_SIZE[0]:  # unsupported_reason's one rule, asked without the call
+            reason = unsupported_reason(q, block_mask)
             raise InvalidInputError(f"kernel_options BACKEND='TRITON_DECODE': {reason}; use 'TRITON' or 'AUTO'")
         tables = launch_tables(block_mask)
         problem = Problem(q, k, v, block_mask, tables, scale, score_captured, mask_captured, options, need_lse)
@@ -303,7 +303,8 @@ def _plan_key(problem: Problem) -> tuple:
     return (
         q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
         problem.block_mask.BLOCK_SIZE, tuple(tables.kv_num_blocks.shape), tables.kv_indices.shape[3],
-        tables.full_kv_indices.shape[3], tables.has_full, _groups_share(problem),  # content, never id(block_mask)
+        tables.full_kv_indices.shape[3], tables.has_full,
+        groups_share_tables(problem.block_mask, q.shape[1] // k.shape[1]),  # content, never id(block_mask)
         problem.need_lse, problem.scale > 0, tuple(sorted(options.items())) if options else (),
         torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None,
     )

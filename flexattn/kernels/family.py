@@ -24,7 +24,9 @@ Every cache is bounded (least recently used entries go first).
 The caches: each family module's ``_kernels`` (TracedMod pair, tanh flag), ``KernelFamily._compiled``
 (lowering variants), ``KernelFamily._plans`` (shapes, strides, dtype, device, BlockMask content,
 flags, options), ``KernelFamily._prepared`` (the plans' key, and what it leaves out checked at each
-call: [Note] Prepared eager launches), the decode's kept scratch (per thread, device, stream and
+call: [Note] Prepared eager launches; the Gluon forward's: [Note] Prepared Gluon forward launches),
+dispatch.py's kept Gluon choices (the facts their reasons read: [Note] The Gluon forward's choice,
+kept), the decode's kept scratch (per thread, device, stream and
 shape: [Note] Kept scratch in kernels/launch.py), the device copies of a mod's own constants (on
 the TracedMod, per device), the tables derived from a BlockMask (on the mask, kernels/tables.py),
 ``codegen.source._loaded`` (source digest), the autotune store (source digest, device, shape class,
@@ -342,7 +344,8 @@ class KernelFamily:
                 raise
             self._prepared.pop(key, None)  # the long way steps down; pop: another thread may have dropped it
             return None
-        self.prepared_calls += 1
+        if result is not None:  # None: run found the call outside what it prepared, and launched nothing
+            self.prepared_calls += 1
         return result
 
     def _keep_prepared(self, key: tuple, prepared: PreparedLaunch) -> None:

@@ -230,8 +230,7 @@ class BlockMask:
             # Spelled out: this runs on every warm call. No versions: a mask for one call (from_launch_tables).
             if (nb is self.kv_num_blocks and idx is self.kv_indices and fnb is self.full_kv_num_blocks
                     and fidx is self.full_kv_indices
-                    and (versions is None or (version_of(nb) == versions[0] and version_of(idx) == versions[1]
-                         and (fnb is None or (version_of(fnb) == versions[2] and version_of(fidx) == versions[3]))))
+                    and (versions is None or _versions_hold(versions, nb, idx, fnb, fidx))
                     and block_size == self.BLOCK_SIZE and seq_lengths == self.seq_lengths):
                 if made_on is not None and not made_on.done:
                     made_on.order_after(nb.device)
@@ -668,6 +667,19 @@ def version_of(t: torch.Tensor):
     if not torch.compiler.is_compiling() and t.is_inference():
         return object()
     return t._version
+
+
+def _versions_hold(versions: tuple, nb, idx, fnb, fidx) -> bool:
+    """Whether each table's ``version_of`` equals its stamp in ``versions``: version_of spelled out
+    for the four, so a warm call asks ``is_compiling()`` once, not four times (peek_derived)."""
+    if torch.compiler.is_compiling():
+        return (nb._version == versions[0] and idx._version == versions[1]
+                and (fnb is None or (fnb._version == versions[2] and fidx._version == versions[3])))
+    # An inference tensor's version_of equals nothing.
+    return (not nb.is_inference() and nb._version == versions[0] and not idx.is_inference()
+            and idx._version == versions[1]
+            and (fnb is None or (not fnb.is_inference() and fnb._version == versions[2] and not fidx.is_inference()
+                                 and fidx._version == versions[3])))
 
 
 def _versions(*tables: Optional[torch.Tensor]) -> tuple:

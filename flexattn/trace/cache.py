@@ -209,11 +209,15 @@ class _FastEntry:
     ``leaf_reads``: per read that found numbers, ``(type of the value found, ((path, type), ...))``;
     ``leaves``: the search's ``(read, path)`` per leaf."""
 
-    __slots__ = ("reads", "tensors", "meta", "aliases", "traced", "leaf_reads", "leaves")
+    __slots__ = ("reads", "tensors", "meta", "aliases", "traced", "leaf_reads", "leaves", "found_are_values")
 
     def __init__(self, reads, tensors, meta, aliases, traced, leaf_reads, leaves):
         self.reads, self.tensors, self.meta, self.aliases, self.traced = reads, tensors, meta, aliases, traced
         self.leaf_reads, self.leaves = leaf_reads, leaves
+        # The graph's captured values are the tensors found, in their order (no constants of the
+        # mod's own, no numbers): what TracedMod.captured_values would build, without building it.
+        self.found_are_values = not traced.numbers and [c.walk_index for c in traced.captured] == list(
+            range(len(tensors)))
 
 
 def _fast_anchor(fn: Callable) -> tuple[Any, Any]:
@@ -306,7 +310,8 @@ def _fast_lookup(fn: Callable, kind: str):
     dtype, shape, device and requires_grad (checked again for every tensor: in-place resizes count)
     and the same pattern of which ones are one object.
     """
-    anchor, func = _fast_anchor(fn)
+    # _fast_anchor's answer for a plain function (most mods), without the call.
+    anchor, func = (fn, None) if type(fn) is types.FunctionType else _fast_anchor(fn)
     if anchor is None:
         return None
     try:
@@ -363,7 +368,7 @@ def _fast_lookup(fn: Callable, kind: str):
             return None
     else:
         leaves = ()
-    values = traced.captured_values(tensors, leaves)
+    values = tensors if entry.found_are_values else traced.captured_values(tensors, leaves)
     if traced.numbers and not _fits(traced, values):
         return None
     _FAST.move_to_end(ref)

@@ -98,7 +98,8 @@ class TracedMod:
         """The graph's captured inputs for this call: its tensors, from the tensors found in the
         callable now, then its numbers, from the numbers found there now (``leaves``)."""
         values = [c.fixed_value if c.walk_index is None else found[c.walk_index] for c in self.captured]
-        values.extend(evaluate(n.expr, leaves, found) for n in self.numbers)
+        if self.numbers:  # most mods read none: no generator to run
+            values.extend(evaluate(n.expr, leaves, found) for n in self.numbers)
         return values
 
     def fixed_values_on(self, device: torch.device) -> tuple[Optional[torch.Tensor], ...]:
@@ -165,7 +166,10 @@ class TracedMod:
 
 def needs_grad(values) -> bool:
     """Whether a tensor among a mod's captured values (tensors, then numbers) requires grad."""
-    return any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
+    for v in values:  # a loop, not any(generator): this runs on every call
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            return True
+    return False
 
 
 def detached(values) -> list:

@@ -188,9 +188,21 @@ class HopperBackwardKernel(HopperFamily):
     def unsupported_reason(self, q, k, v, block_mask, float32_kv_grads: bool = False,
                            grad_out: Optional[torch.Tensor] = None) -> Optional[str]:
         """Why this call cannot run here (None: it can): the problem's reason, or the mods'."""
-        reason = problem_reason(q, k, v, block_mask, float32_kv_grads, grad_out) or self._failed_reason(q, k)
-        if reason is not None:
-            return reason
+        return (self.problem_reason(q, k, v, block_mask, float32_kv_grads, grad_out) or self.failed_reason(q, k)
+                or self.trainable_reason(q, k))
+
+    @staticmethod
+    def problem_reason(q, k, v, block_mask, float32_kv_grads: bool = False,
+                       grad_out: Optional[torch.Tensor] = None) -> Optional[str]:
+        """The part of ``unsupported_reason`` that the mods do not change (the module's problem_reason):
+        the device, the tensors' dtypes, shapes, strides and alignment, BLOCK_SIZE, float32_kv_grads.
+        dispatch.py keeps it per key of those facts."""
+        return problem_reason(q, k, v, block_mask, float32_kv_grads, grad_out)
+
+    def trainable_reason(self, q, k) -> Optional[str]:
+        """Why the mods send this call to the portable backward (None: they do not): learnable
+        captured tensors, whose gradients the Gluon kernels do not write. The same for every call of
+        the mods at these lengths (the kernels compiled for them say it)."""
         B, Hq, L, _ = q.shape
         if self.compiled(index_bounds(B, Hq, L, k.shape[2])).trainable:
             return ("the score_mod's captured tensors that require grad (learnable biases) get their gradients "
@@ -335,6 +347,8 @@ class WarmHopperBackward:
                                                                      sample_dq, tables, bwd_tables, scale)
         samples = (q, k, v, grad_out, sample_kv, sample_kv, sample_dq)
         self.templates = [descriptor_template(TensorDescriptor(t, *recipe)) for t, recipe in zip(samples, self.recipes)]
+        # Not `None in templates` at each call: the descriptors' dataclass __eq__ would run for each.
+        self.copied = all(t is not None for t in self.templates)
 
     def __call__(self, q, k, v, out, lse, grad_out, grad_lse, tables, bwd_tables, score_captured, mask_captured):
         global launches
@@ -347,7 +361,7 @@ class WarmHopperBackward:
         else:
             dq = empty_output(self.dq_shape, q.dtype, device)
         tensors = (q, k, v, grad_out, dk, dv, dq)
-        if None in self.templates:
+        if not self.copied:
             from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
             descriptors = [TensorDescriptor(t, *recipe) for t, recipe in zip(tensors, self.recipes)]

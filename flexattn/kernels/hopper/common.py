@@ -184,7 +184,9 @@ class HopperFamily(KernelFamily):
         B, Hq, L, _ = q.shape
         return lowering_variants(self.score, self.mask, index_bounds(B, Hq, L, k.shape[2]))
 
-    def _failed_reason(self, q, k) -> Optional[str]:
+    def failed_reason(self, q, k) -> Optional[str]:
+        """Why this call's kernels did not compile, when an earlier launch of its lowering variant
+        failed (None: none did). Changes as launches fail, so never kept by a caller."""
         return self._failed.get(self._variants(q, k)) if self._failed else None
 
     def _first_launch(self, key: tuple, problem: Problem) -> tuple[Plan, object]:

@@ -12,7 +12,7 @@ and dispatch.py then runs the portable forward (or raises, when ``BACKEND='GLUON
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -21,7 +21,7 @@ from ...cuda_graphs import capturing
 from ...masks import EVERY_BLOCK_FULL
 from ...trace import TracedMod
 from ..ahead import recording
-from ..family import CompiledKernel, Plan, Problem, Step, cached_kernel
+from ..family import CompiledKernel, Plan, PreparedLaunch, Problem, Step, cached_kernel
 from ..launch import (
     RepeatedLaunch, descriptor_over, descriptor_template, empty_attention_output, empty_output,
     empty_strided_output, kv_strides, launch, mod_launch_args,
@@ -32,7 +32,8 @@ from .common import (
     BLOCK, CONSUMER_REGS, HopperFamily, problem_reason, resident_in_registers, shared_layout, tensor_view,
 )
 
-__all__ = ["HopperForwardKernel", "WarmHopperForward", "hopper_forward_kernel", "auto_reason", "launches"]
+__all__ = ["HopperForwardKernel", "WarmHopperForward", "PreparedHopperForward", "hopper_forward_kernel", "auto_reason",
+           "launches"]
 
 # The K/V ring's depth: Q (2 x 64 rows) plus STAGES K and V tiles fit in 228 KB of shared memory.
 # At d=64 four stages were the best or level with it (docs/benchmarks_log.md, "Even ring depths in
@@ -122,7 +123,14 @@ class HopperForwardKernel(HopperFamily):
 
     def unsupported_reason(self, q, k, v, block_mask, need_max: bool) -> Optional[str]:
         """Why this call cannot run here (None: it can): the problem's reason, or the mods'."""
-        return problem_reason(q, k, v, block_mask, need_max) or self._failed_reason(q, k)
+        return self.problem_reason(q, k, v, block_mask, need_max) or self.failed_reason(q, k)
+
+    @staticmethod
+    def problem_reason(q, k, v, block_mask, need_max: bool) -> Optional[str]:
+        """The part of ``unsupported_reason`` that the mods' kernels do not change: the device, the
+        tensors' dtypes, shapes, strides and alignment, BLOCK_SIZE and need_max
+        (common.problem_reason). dispatch.py keeps it per key of those facts."""
+        return problem_reason(q, k, v, block_mask, need_max)
 
     def __call__(self, q, k, v, block_mask, scale: float, score_captured, mask_captured, *, need_lse: bool):
         """``(out, lse or None)``; raises HopperUnavailable when the kernel of these mods does not compile
@@ -131,6 +139,10 @@ class HopperForwardKernel(HopperFamily):
         problem = Problem(q, k, v, block_mask, launch_tables(block_mask), scale, score_captured, mask_captured, {},
                           need_lse)
         key = self._problem(q, k, v, problem.tables, scale, need_lse, self._consumers(q, block_mask))
+        if self._prepared:
+            result = self._prepared_result(key, problem)
+            if result is not None:
+                return result
         plan = self._plans.get(key)
         if plan is None:
             plan, result = self._first_launch(key, problem)
@@ -139,6 +151,9 @@ class HopperForwardKernel(HopperFamily):
         if not recording():
             launches += 1
             self.last_plan = plan
+            if self._plans.get(key) is plan:  # kept: its launch compiled ([Note] Prepared Gluon forward launches)
+                walks = program_walks(block_mask) if plan.steps["forward"].constexprs["UNION_WALK"] else None
+                self._keep_prepared(key, PreparedHopperForward(self, plan, problem, walks))
         return result
 
     @staticmethod
@@ -242,6 +257,9 @@ class WarmHopperForward:
         # Descriptors without the tensors: nothing of this call's is kept.
         self.templates = [descriptor_template(TensorDescriptor(t, *recipe))
                           for t, recipe in zip((q, k, v, sample), self.recipes)]
+        # Whether every descriptor is copied from its template (not `None in templates`: the
+        # descriptors' dataclass __eq__ would run at every call).
+        self.copied = all(t is not None for t in self.templates)
 
     @property
     def takes_walks(self) -> bool:
@@ -258,17 +276,77 @@ class WarmHopperForward:
         out = empty_strided_output(self.out_shape, self.out_strides, q.dtype, device)
         lse = empty_output(self.stats_shape, torch.float32, device) if self.need_lse else out
         family = self.family
-        if None in self.templates:
+        if not self.copied or out.data_ptr() & 15:  # built and checked, as the long way does
             from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
             d_q, d_k, d_v, d_out = (TensorDescriptor(t, *recipe) for t, recipe in zip((q, k, v, out), self.recipes))
-        else:
-            d_q, d_k, d_v, d_out = (descriptor_over(d, t) for d, t in zip(self.templates, (q, k, v, out)))
+        else:  # spelled out: a generator's resumptions are Python calls too
+            t_q, t_k, t_v, t_out = self.templates
+            d_q, d_k, d_v, d_out = (descriptor_over(t_q, q), descriptor_over(t_k, k), descriptor_over(t_v, v),
+                                    descriptor_over(t_out, out))
         args = _pack(family, (d_q, d_k, d_v, d_out), lse, tables, walks, score_captured, mask_captured, self.fixed)
         self.launch(args, fresh_aligned=not (out.data_ptr() | lse.data_ptr()) & 15)
         launches += 1
         family.last_plan = self.plan
         return out, (lse if self.need_lse else None), None
+
+
+# [Note] Prepared Gluon forward launches. The Gluon forward's eager calls take a prepared launch
+# as the portable families' do ([Note] Prepared eager launches in kernels/family.py): after a call
+# whose plan is kept (its kernel compiled), the family keeps, per plan key, the compiled op's warm
+# launch of that plan (WarmHopperForward: the output's layout, the 2-D views, the launch's ints and
+# launch order, descriptor templates without their tensors). The key (_problem) holds the shapes,
+# strides, dtypes, device, the tables' plan key (row table's shape, full blocks, row statistics: so
+# the launch order), need_lse, the scale's sign and the consumers (which read the mask, the lengths
+# and whether a capture is on, every call). What it leaves out, checked at each call:
+# - the plan itself, the scale's value and the sign of a zero, kernels compiled ahead (PreparedLaunch.serves);
+# - the index tables' widths (IDX_COLS, FULL_IDX_COLS);
+# - the 16-byte alignment of q, k and v, which their descriptors need: the long way checks it when it
+#   builds them (dispatch asks it before any call, hopper/common.py shape_reason); an unaligned call
+#   takes the long way, which raises as before. The output is a fresh allocation: an unaligned one
+#   (no allocator gives it) gets descriptors built and checked;
+# - the program walks of a UNION_WALK plan: each call's own (program_walks of its mask), of the shape
+#   the launch's ints were worked out for, else the long way.
+# The tables, the walks and the mods' tensors and numbers are the call's own, and every launch reads
+# Triton's specialisation facts from its own arguments (_EveryCallLaunch). Nothing of a call's
+# tensors is kept. tests/test_warm_gluon.py changes each of these.
+
+
+class _EveryCallLaunch(NamedTuple):
+    """``launch`` of one kernel, grid and constexprs, the specialisation facts read from each call's
+    arguments (a RepeatedLaunch keeps the first call's; an eager call's key does not fix them)."""
+
+    jit_fn: object
+    grid: tuple
+    constexprs: dict
+
+    def __call__(self, args: tuple, fresh_aligned: bool):
+        return launch(self.jit_fn, self.grid, args, self.constexprs)
+
+
+class PreparedHopperForward(WarmHopperForward, PreparedLaunch):
+    """WarmHopperForward for the eager calls of one plan key ([Note] Prepared Gluon forward launches)."""
+
+    def __init__(self, family: HopperForwardKernel, plan: Plan, problem: Problem, walks):
+        super().__init__(family, plan, problem.q, problem.k, problem.v, problem.tables, walks, problem.scale,
+                         problem.need_lse)
+        step = plan.steps["forward"]
+        self.launch = _EveryCallLaunch(plan.compiled.kernel(HOPPER_FORWARD), step.grid, step.constexprs)
+        self.scale = problem.scale
+        self.widths = (problem.tables.kv_indices.shape[3], problem.tables.full_kv_indices.shape[3])
+
+    def also_serves(self, problem: Problem) -> bool:
+        tables = problem.tables
+        if (tables.kv_indices.shape[3], tables.full_kv_indices.shape[3]) != self.widths:
+            return False
+        return not (problem.q.data_ptr() | problem.k.data_ptr() | problem.v.data_ptr()) & 15
+
+    def run(self, problem: Problem):
+        """``(out, lse or None)``; None (nothing launched) for walks of another shape."""
+        walks = program_walks(problem.block_mask) if self.walks_shape is not None else None
+        result = self(problem.q, problem.k, problem.v, problem.tables, problem.score_captured,
+                      problem.mask_captured, walks=walks)
+        return None if result is None else result[:2]
 
 
 def _problem_args(step: Step, q, k, v, out, tables, walks, scale: float) -> tuple[list, dict]:
