@@ -13,6 +13,8 @@
 #   host     issue 52: flexattn bench --mode host, then benchmarks.host_profile
 #   cp       issue 54: the merge in the kernel and memory per rank, ranks as streams on one GPU
 #   numbers  issue 50: numbers as kernel arguments against literals (d=128, four rounds)
+#   hopper   issues 52/53: the Hopper (Gluon) forward and backward GPU tests, CUDA graphs and streams
+#            (the kept choices and prepared Gluon launches run there), over pytest-xdist workers
 #   softcap  issue 50: only the soft-cap forward + backward, the one row two rounds left open, in
 #            eight alternating rounds of about a second each (do_bench with --rep 20 ran it once)
 #   train    issue 53: the training benchmark's GQA rows and the d=128 causal MHA row beside torch's
@@ -64,6 +66,11 @@ cp)
 numbers)
     timeout "$(left)" python3 -m benchmarks.number_inputs --head-dims 128 --rounds 4 --out "$OUT/numbers.json" 2>&1 \
         | tee "$OUT/numbers.log" | tail -25 ;;
+hopper)
+    timeout "$(left)" python3 -m pytest -p no:cacheprovider -m gpu -rfE -q -n "${WORKERS:-8}" --dist worksteal \
+        tests/test_gpu_hopper_forward.py tests/test_gpu_hopper_backward.py tests/test_gpu_cuda_graph.py \
+        tests/test_gpu_streams.py > "$OUT/hopper.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/hopper.log" | tail -30 ;;
 softcap)
     timeout "$(left)" python3 -m benchmarks.number_inputs --head-dims 128 --rounds 8 --rep 1000 --skip-compiles --cases softcap \
         --passes fwd+bwd --out "$OUT/softcap.json" 2>&1 | tee "$OUT/softcap.log" | tail -10 ;;
