@@ -9,13 +9,18 @@ Without a GPU the kernels run in Triton's interpreter (tests/conftest.py), so sh
 
 import gc
 import os
+import threading
 
 import pytest
 import torch
 from numerics import rel_err
 
+import flexattn.kernels.backward as bw
+import flexattn.kernels.decode as dk
 import flexattn.kernels.forward as rt
-from flexattn import BlockMask, create_block_mask, flex_attention
+import flexattn.kernels.launch as kl
+from flexattn import (AuxRequest, BlockMask, PagedAttention, create_block_mask, decode_block_mask, flex_attention,
+                      offset_mask_mod, offset_score_mod)
 from flexattn.reference import reference_attention
 
 pytestmark = pytest.mark.skipif(
@@ -32,35 +37,45 @@ def qkv(dtype=torch.float32, H=2):
     return tuple(torch.randn(1, H, L, D, device=DEVICE, dtype=dtype) for _ in range(3))
 
 
-def check(out, q, k, v, *, score_mod=None, mask_mod=None, scale=None, tol=2e-5):
-    ref, _, _ = reference_attention(q.double(), k.double(), v.double(), score_mod=score_mod, mask_mod=mask_mod,
-                                    scale=scale)
+def check(out, q, k, v, *, score_mod=None, mask_mod=None, scale=None, lse=None, tol=2e-5):
+    """``out`` (and ``lse``, if given) against the float64 reference; GQA where q has more heads."""
+    ref, ref_lse, _ = reference_attention(q.double(), k.double(), v.double(), score_mod=score_mod,
+                                          mask_mod=mask_mod, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    assert out.dtype == q.dtype and out.shape == ref.shape
     assert rel_err(out, ref) < tol
+    if lse is not None:
+        assert rel_err(lse, ref_lse) < max(tol, 1e-5)
 
 
 def causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-def warm(*args, times=3, **kwargs):
+def warm(*args, times=3, call=flex_attention, **kwargs):
     """Enough calls for the problem's launch to be prepared and served."""
     for _ in range(times):
-        out = flex_attention(*args, **kwargs)
+        out = call(*args, **kwargs)
     return out
 
 
-@pytest.fixture
-def launched(monkeypatch):
-    """The keyword arguments of each forward launch (recorded, then launched as usual)."""
+def record_launches(monkeypatch, module) -> list:
+    """The keyword arguments of each launch through ``module.launch`` (recorded, then launched as
+    usual)."""
     seen = []
-    real = rt.launch
+    real = module.launch
 
     def recording_launch(jit_fn, grid, args, constexprs):
         seen.append(dict(zip(jit_fn.arg_names, args)))
         return real(jit_fn, grid, args, constexprs)
 
-    monkeypatch.setattr(rt, "launch", recording_launch)
+    monkeypatch.setattr(module, "launch", recording_launch)
     return seen
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The keyword arguments of each forward launch."""
+    return record_launches(monkeypatch, rt)
 
 
 def _served(kernel) -> int:
@@ -184,8 +199,6 @@ def test_freed_tensors_and_other_layouts_dtypes_and_grad_flags(one_thread, colle
 
 
 # ------------------------------------------------------------------------------------ the backward
-
-import flexattn.kernels.backward as bw  # noqa: E402
 
 
 def grads_of(q, k, v, reference=False, **kwargs):
@@ -313,12 +326,6 @@ def test_a_prepared_launch_the_compiler_refuses_steps_down_the_long_way(one_thre
 # [Note] Prepared decode launches in flexattn/kernels/decode.py: a decode key is prepared after its
 # second long-way call, so three calls reach the prepared launch.
 
-import threading  # noqa: E402
-
-import flexattn.kernels.decode as dk  # noqa: E402
-import flexattn.kernels.launch as kl  # noqa: E402
-from flexattn import AuxRequest, PagedAttention, decode_block_mask, offset_mask_mod, offset_score_mod  # noqa: E402
-
 DECODE = {"BACKEND": "TRITON_DECODE"}
 TWO_SPLITS = {"BACKEND": "TRITON_DECODE", "DECODE_NUM_SPLITS": 2}  # a merge launch too
 
@@ -342,18 +349,7 @@ def decode(q, k, v, options=TWO_SPLITS, lse=False, **kwargs):
 
 
 def warm_decode(*args, times=3, **kwargs):
-    for _ in range(times):
-        out = decode(*args, **kwargs)
-    return out
-
-
-def check_decode(out, q, k, v, *, score_mod=None, mask_mod=None, scale=None, lse=None, tol=2e-5):
-    ref, ref_lse, _ = reference_attention(q.double(), k.double(), v.double(), score_mod=score_mod,
-                                          mask_mod=mask_mod, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    assert out.dtype == q.dtype and out.shape == ref.shape
-    assert rel_err(out, ref) < tol
-    if lse is not None:
-        assert rel_err(lse, ref_lse) < max(tol, 1e-5)
+    return warm(*args, times=times, call=decode, **kwargs)
 
 
 def latest_decode_kernel():
@@ -362,16 +358,8 @@ def latest_decode_kernel():
 
 @pytest.fixture
 def decode_launched(monkeypatch):
-    """The keyword arguments of each decode launch (recorded, then launched as usual)."""
-    seen = []
-    real = dk.launch
-
-    def recording_launch(jit_fn, grid, args, constexprs):
-        seen.append(dict(zip(jit_fn.arg_names, args)))
-        return real(jit_fn, grid, args, constexprs)
-
-    monkeypatch.setattr(dk, "launch", recording_launch)
-    return seen
+    """The keyword arguments of each decode launch."""
+    return record_launches(monkeypatch, dk)
 
 
 @pytest.mark.parametrize("options", [DECODE, TWO_SPLITS], ids=["one split", "two splits"])
@@ -398,7 +386,7 @@ def test_warm_decode_calls_are_served_prepared_with_the_long_ways_bits(one_threa
         for got, want in zip(third if lse else (third,), long_way if lse else (long_way,)):
             assert torch.equal(got, want)
     assert kernel.last_plan.constexprs("partial")["NUM_SPLITS"] == (2 if options is TWO_SPLITS else 1)
-    check_decode(third[0] if lse else third, q, k, v, score_mod=alibi, lse=third[1] if lse else None)
+    check(third[0] if lse else third, q, k, v, score_mod=alibi, lse=third[1] if lse else None)
 
 
 def test_a_new_decode_scale_of_the_same_sign_is_launched(one_thread, decode_launched):
@@ -407,7 +395,7 @@ def test_a_new_decode_scale_of_the_same_sign_is_launched(one_thread, decode_laun
     served = latest_decode_kernel().prepared_calls
     out = decode(q, k, v, scale=0.125)
     assert decode_launched[-2]["SM_SCALE"] == 0.125  # the partial launch (the merge follows)
-    check_decode(out, q, k, v, scale=0.125)
+    check(out, q, k, v, scale=0.125)
     assert latest_decode_kernel().prepared_calls == served  # not served: the long way ran
     # 0.0 and -0.0 compare equal but are different arguments: each is launched as given.
     warm_decode(q, k, v, scale=0.0)
@@ -425,7 +413,7 @@ def test_a_replaced_decode_plan_is_launched_not_the_prepared_one(one_thread):
     kernel._plans[key] = smaller
     out = decode(q, k, v)
     assert kernel.last_plan is smaller
-    check_decode(out, q, k, v)
+    check(out, q, k, v)
 
 
 def test_a_decode_mods_number_and_tensors_changed_after_warm_calls(one_thread):
@@ -440,17 +428,17 @@ def test_a_decode_mods_number_and_tensors_changed_after_warm_calls(one_thread):
     kernel = latest_decode_kernel()
     served = kernel.prepared_calls
     bias["slope"] = -2.0  # a Python number in the closure
-    check_decode(decode(q, k, v, score_mod=alibi), q, k, v, score_mod=alibi)
+    check(decode(q, k, v, score_mod=alibi), q, k, v, score_mod=alibi)
     table.mul_(3)  # in place
-    check_decode(decode(q, k, v, score_mod=alibi), q, k, v, score_mod=alibi)
+    check(decode(q, k, v, score_mod=alibi), q, k, v, score_mod=alibi)
     table = torch.randn(4, device=DEVICE)  # another tensor under the same name
-    check_decode(decode(q, k, v, score_mod=alibi), q, k, v, score_mod=alibi)
+    check(decode(q, k, v, score_mod=alibi), q, k, v, score_mod=alibi)
     for _ in range(5):  # freed, then another one, often at the freed one's id and address
         old = id(table)
         table = None
         gc.collect()
         table = torch.randn(4, device=DEVICE)
-        check_decode(decode(q, k, v, score_mod=alibi), q, k, v, score_mod=alibi)
+        check(decode(q, k, v, score_mod=alibi), q, k, v, score_mod=alibi)
         if id(table) == old:
             break
     assert kernel.prepared_calls > served  # the same problem throughout: the checks ran on prepared launches
@@ -471,7 +459,7 @@ def test_decode_tables_changed_in_place_after_warm_calls(one_thread):
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
         getattr(bm, name).copy_(getattr(other, name))  # same objects and shapes; new contents
     bm.mask_mod = after
-    check_decode(decode(q, k, v, block_mask=bm), q, k, v, mask_mod=after)
+    check(decode(q, k, v, block_mask=bm), q, k, v, mask_mod=after)
 
 
 def test_decode_index_tables_of_another_width_after_warm_calls(one_thread, decode_launched):
@@ -489,7 +477,7 @@ def test_decode_index_tables_of_another_width_after_warm_calls(one_thread, decod
                                     seq_lengths=(1, 64))
     out = decode(q, k, v, block_mask=wide)
     assert decode_launched[-2]["IDX_COLS"] == wide.kv_indices.shape[3] == 2 * bm.kv_indices.shape[3]
-    check_decode(out, q, k, v, mask_mod=near)
+    check(out, q, k, v, mask_mod=near)
 
 
 def test_decode_with_freed_tensors_other_layouts_and_dtypes(one_thread):
@@ -499,7 +487,7 @@ def test_decode_with_freed_tensors_other_layouts_and_dtypes(one_thread):
         del q, k, v
         gc.collect()
         q, k, v = decode_inputs()
-        check_decode(decode(q, k, v), q, k, v)
+        check(decode(q, k, v), q, k, v)
     # The same shapes in other layouts: q cut from [B, L, H, E] storage (the output follows it), and
     # a key/value cache stored [B, S, H, E]. Two query rows, so that the layouts differ.
     q, k, v = decode_inputs(L=2)
@@ -509,7 +497,7 @@ def test_decode_with_freed_tensors_other_layouts_and_dtypes(one_thread):
     for args in ((qt, k, v), (q, kt, vt), (qt, kt, vt), (q, k, v)):
         out = warm_decode(*args)
         assert (out.transpose(1, 2) if args[0] is qt else out).is_contiguous()
-        check_decode(out, *args)
+        check(out, *args)
     # Other dtypes of the same shapes: float16, bfloat16, then a float16 cache read by a bfloat16
     # query (mixed dtypes: converted as loaded).
     qh, kh, vh = (t.half() for t in (q, k, v))
@@ -517,7 +505,7 @@ def test_decode_with_freed_tensors_other_layouts_and_dtypes(one_thread):
     for args, tol in (((qh, kh, vh), 2e-3), ((qb, kb, vb), 2e-2), ((qb, kh, vh), 2e-2)):
         out = warm_decode(*args)
         assert out.dtype == args[0].dtype
-        check_decode(out, args[0], args[1].to(args[0].dtype), args[2].to(args[0].dtype), tol=tol)
+        check(out, args[0], args[1].to(args[0].dtype), args[2].to(args[0].dtype), tol=tol)
     assert latest_decode_kernel().prepared_calls > 0
 
 
@@ -526,21 +514,21 @@ def test_decode_gqa_heads_options_and_lse_after_warm_calls(one_thread):
     warm_decode(q, k, v)
     for Hkv in (4, 1):  # enable_gqa follows (decode passes it when the heads differ)
         _, k2, v2 = decode_inputs(Hq=4, Hkv=Hkv)
-        check_decode(warm_decode(q, k2, v2), q, k2, v2)
+        check(warm_decode(q, k2, v2), q, k2, v2)
     # kernel_options: another split count is another plan.
     out = decode(q, k, v, {"BACKEND": "TRITON_DECODE", "DECODE_NUM_SPLITS": 3})
     assert latest_decode_kernel().last_plan.constexprs("partial")["NUM_SPLITS"] == 3
-    check_decode(out, q, k, v)
+    check(out, q, k, v)
     warm_decode(q, k, v, DECODE)
     assert latest_decode_kernel().last_plan.constexprs("partial")["NUM_SPLITS"] == 1
     # return_aux: the LSE after warm calls without it, then none again.
     out, lse = decode(q, k, v, lse=True)
-    check_decode(out, q, k, v, lse=lse)
+    check(out, q, k, v, lse=lse)
     out, lse = warm_decode(q, k, v, lse=True)
-    check_decode(out, q, k, v, lse=lse)
+    check(out, q, k, v, lse=lse)
     out = decode(q, k, v)
     assert isinstance(out, torch.Tensor)
-    check_decode(out, q, k, v)
+    check(out, q, k, v)
 
 
 def test_a_growing_kv_cache_is_a_new_decode_problem_at_each_step(one_thread, decode_launched):
@@ -556,7 +544,7 @@ def test_a_growing_kv_cache_is_a_new_decode_problem_at_each_step(one_thread, dec
         k, v = k_cache[:, :, :S], v_cache[:, :, :S]
         out = decode(q, k, v, score_mod=alibi)
         assert decode_launched[-2]["KV_LEN"] == S
-        check_decode(out, q, k, v, score_mod=alibi)
+        check(out, q, k, v, score_mod=alibi)
         q = torch.randn_like(q)
     assert latest_decode_kernel().prepared_calls > 0
 
@@ -628,7 +616,7 @@ def test_a_prepared_decode_launch_the_compiler_refuses_steps_down_the_long_way(o
     monkeypatch.setattr(dk, "launch", tight)
     out = decode(q, k, v, scale=0.3)
     assert kernel.last_plan.constexprs("partial") is not refused
-    check_decode(out, q, k, v, scale=0.3)
+    check(out, q, k, v, scale=0.3)
 
 
 # ------------------------------------------------------------------------------------ kept scratch
