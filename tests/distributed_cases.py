@@ -16,7 +16,7 @@ import time
 import traceback
 import zlib
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -151,6 +151,20 @@ def run_ranks(world: int, out_dir: str, timeout: float, suite: str = "distribute
                 elif "traceback" in entry:  # a case that failed on another rank fails on rank 0's side too
                     results.setdefault(entry["case"], {}).setdefault("traceback", f"rank {rank}: {entry['traceback']}")
     return results, failure
+
+
+def ranks_started_once(tmp_path_factory, suite: str, timeout) -> Callable:
+    """For a module-scoped fixture: world size -> ``run_ranks``'s (results, failure) for ``suite``,
+    each world started once per module. ``timeout``: seconds, or a dict of them by world size."""
+    started = {}
+
+    def results(world):
+        if world not in started:
+            seconds = timeout[world] if isinstance(timeout, dict) else timeout
+            started[world] = run_ranks(world, str(tmp_path_factory.mktemp(f"{suite}{world}")), seconds, suite=suite)
+        return started[world]
+
+    return results
 
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str, suite: str) -> None:

@@ -7,7 +7,7 @@ itself against ``merge_into``.
 """
 
 import pytest
-from distributed_cases import fused_merge_cases, run_ranks
+from distributed_cases import fused_merge_cases, ranks_started_once
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -21,15 +21,7 @@ CASES = [case for world in WORLDS for case in fused_merge_cases(world)]
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    started = {}
-
-    def results(world):
-        if world not in started:
-            started[world] = run_ranks(world, str(tmp_path_factory.mktemp(f"fused{world}")), TIMEOUT_S,
-                                       suite="fused_merge")
-        return started[world]
-
-    return results
+    return ranks_started_once(tmp_path_factory, "fused_merge", TIMEOUT_S)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)

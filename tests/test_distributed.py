@@ -11,7 +11,7 @@ skipping, the cost model's choice) need no ranks.
 
 import pytest
 import torch
-from distributed_cases import ODD, cases, run_ranks
+from distributed_cases import ODD, cases, ranks_started_once
 
 from flexattn import create_block_mask
 from flexattn.distributed import CostModel, Plan, Problem
@@ -35,14 +35,7 @@ CASES = [case for world in WORLDS for case in cases(world)]
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """World size -> (rank 0's results by case id, failure or None), each world started once."""
-    started = {}
-
-    def results(world):
-        if world not in started:
-            started[world] = run_ranks(world, str(tmp_path_factory.mktemp(f"ranks{world}")), TIMEOUT[world])
-        return started[world]
-
-    return results
+    return ranks_started_once(tmp_path_factory, "distributed", TIMEOUT)
 
 
 def _result(ranks, case):
